@@ -1,0 +1,29 @@
+# The two commands of the README: `make bench` (the main job) and `make test`.
+# Each creates .venv and installs what it needs; on CPU machines torch is the local CPU wheel.
+VENV ?= .venv
+PY := $(VENV)/bin/python
+TORCH_SPEC ?= torch==2.13.0
+
+.PHONY: venv test bench lint clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q "$(TORCH_SPEC)"
+	$(PY) -m pip install -q -e '.[gpu,test,bench]'
+	touch $@
+
+test: venv
+	$(PY) -m pytest -q
+
+bench: venv
+	@command -v fio >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq fio >/dev/null) || echo "fio not installed: the drive limit will be a plain O_DIRECT stream"; }
+	$(PY) bench/bench_io.py $(BENCH_ARGS)
+
+lint: venv
+	$(VENV)/bin/ruff check gds_persist tests bench
+	$(VENV)/bin/mypy
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,52 @@
+"""I/O backends and the ``auto`` choice between them.
+
+``auto`` picks ``kvikio`` only when it can actually work (CUDA tensors, kvikio importable, a CUDA
+driver), else ``direct`` when the target filesystem accepts O_DIRECT, else ``buffered``. The
+choice and its reason end up in the save's ``info`` and in the manifest.
+"""
+
+from __future__ import annotations
+
+from .base import Backend
+from .posix import BufferedBackend, DirectBackend, require_o_direct, supports_o_direct
+
+BACKEND_NAMES = ("auto", "direct", "buffered", "kvikio")
+
+
+def _kvikio(io_threads: int, block_bytes: int) -> Backend:
+    from .kvikio_backend import KvikioBackend
+
+    return KvikioBackend(io_threads=io_threads, task_size=block_bytes)
+
+
+def choose_backend(requested: str, directory: str, wants_device: bool, io_threads: int = 4,
+                   block_bytes: int = 16 << 20) -> tuple[Backend, str]:
+    """Resolve a backend name for files in ``directory``; returns the backend and why."""
+    from ..errors import BackendError
+    from .kvikio_backend import kvikio_status
+
+    if requested not in BACKEND_NAMES:
+        raise BackendError(f"unknown backend {requested!r}; valid backends: {', '.join(BACKEND_NAMES)}")
+    if requested == "kvikio":
+        return _kvikio(io_threads, block_bytes), "requested explicitly"
+    if requested == "direct":
+        require_o_direct(directory)
+        return DirectBackend(), "requested explicitly"
+    if requested == "buffered":
+        return BufferedBackend(), "requested explicitly"
+    reasons = []
+    if wants_device:
+        usable, why = kvikio_status()
+        if usable:
+            return _kvikio(io_threads, block_bytes), f"auto: CUDA tensors and {why}"
+        reasons.append(f"kvikio not used ({why})")
+    else:
+        reasons.append("kvikio not used (no CUDA tensors)")
+    ok, why = supports_o_direct(directory)
+    if ok:
+        return DirectBackend(), f"auto: {why}; " + "; ".join(reasons)
+    return BufferedBackend(), f"auto: {why}; " + "; ".join(reasons)
+
+
+__all__ = ["Backend", "BACKEND_NAMES", "BufferedBackend", "DirectBackend", "choose_backend",
+           "supports_o_direct"]

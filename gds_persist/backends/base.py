@@ -1,0 +1,47 @@
+"""The one small interface every I/O backend implements.
+
+Only backends touch file descriptors. Call order, made by the write and read stages:
+
+Save (one data file)::
+
+    h = backend.open(path, write=True, size=n)  # creates, preallocates n bytes (ENOSPC here)
+    backend.pwrite(h, buf, offset)               # any number, from several threads at once
+    backend.sync(h)                              # data durable (fsync) before the manifest
+    backend.close(h)                             # always, also after an error
+
+Load::
+
+    h = backend.open(path, write=False)
+    backend.pread(h, buf, offset)                # any number, from several threads at once
+    backend.close(h)
+
+``offset`` and ``len(buf)`` are multiples of ``alignment``; host buffers come from
+:mod:`gds_persist.staging` and are page-aligned. Backends that accept device memory
+(``accepts_device``) also take CUDA tensors for ``buf``.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import Any
+
+
+class Backend(ABC):
+    name: str = ""
+    alignment: int = 4096
+    accepts_device: bool = False  # True: pwrite/pread take CUDA tensors directly (no host bounce)
+
+    @abstractmethod
+    def open(self, path: str, *, write: bool, size: int = 0) -> Any: ...
+
+    @abstractmethod
+    def pwrite(self, handle: Any, buf: Any, offset: int) -> None: ...
+
+    @abstractmethod
+    def pread(self, handle: Any, buf: Any, offset: int) -> int: ...
+
+    @abstractmethod
+    def sync(self, handle: Any) -> None: ...
+
+    @abstractmethod
+    def close(self, handle: Any) -> None: ...

@@ -1,0 +1,33 @@
+"""The ``gds-persist`` command. Each subcommand lives in ``gds_persist/commands/<name>.py`` and
+defines ``register(subparsers)``; they are discovered, so adding one touches no shared file."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+from . import commands
+from .errors import CheckpointError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gds-persist", description=__doc__.split("\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
+        importlib.import_module(f"{commands.__name__}.{info.name}").register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except CheckpointError as e:
+        print(f"gds-persist {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Subcommands of ``gds-persist``, one module each (see ``gds_persist.cli``)."""

@@ -1,0 +1,35 @@
+"""Exceptions raised by gds_persist.
+
+Every error names the thing that is wrong and, where there is one, the fix. All of them derive
+from :class:`CheckpointError`, so a trainer can catch checkpoint problems with one ``except``.
+"""
+
+from __future__ import annotations
+
+
+class CheckpointError(Exception):
+    """Base class of every error gds_persist raises on purpose."""
+
+
+class ManifestError(CheckpointError):
+    """The manifest is missing, malformed, from an unknown version, or describes impossible data."""
+
+
+class NotCommittedError(CheckpointError):
+    """The directory is not a committed checkpoint (an interrupted save, or not a checkpoint)."""
+
+
+class ChecksumError(CheckpointError):
+    """Bytes read back do not match the CRC32C recorded when they were written."""
+
+
+class TruncatedError(CheckpointError):
+    """A data file is shorter than the manifest says, or missing."""
+
+
+class BackendError(CheckpointError):
+    """The requested I/O backend cannot be used here (unknown name, no O_DIRECT, no GPU stack)."""
+
+
+class DiskFullError(CheckpointError, OSError):
+    """The target filesystem has no room for the checkpoint; nothing earlier was touched."""

@@ -1,0 +1,146 @@
+"""``load`` and ``verify``: manifest -> read plan -> read extents -> verify -> rebuild -> unflatten.
+
+Nothing is unpickled: the manifest is JSON, validated before use; tensor bytes are raw.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Union
+
+import torch
+
+from . import settings
+from .backends import choose_backend
+from .commit import is_temporary
+from .errors import ChecksumError, NotCommittedError
+from .flatten import rebuild_tensor, tensor_paths, unflatten
+from .format import MANIFEST_NAME, Manifest, parse_manifest
+from .read import FileReader, check_file
+from .staging import borrow_ring
+
+MapLocation = Union[None, str, torch.device, dict[str, str], Callable[..., Any]]
+
+
+def read_manifest(path: str | os.PathLike[str]) -> Manifest:
+    """The validated manifest of the committed checkpoint at ``path``."""
+    path = os.fspath(path)
+    if is_temporary(path):
+        raise NotCommittedError(
+            f"{path} is the temporary directory of an interrupted or running save, not a "
+            "committed checkpoint; load the checkpoint path itself"
+        )
+    manifest_path = os.path.join(path, MANIFEST_NAME)
+    try:
+        with open(manifest_path, "rb") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        why = "does not exist" if not os.path.exists(path) else "has no manifest.json"
+        raise NotCommittedError(
+            f"{path} {why}: it is not a committed gds_persist checkpoint (an interrupted save "
+            "leaves only a hidden .NAME.tmp-* sibling)"
+        ) from None
+    return parse_manifest(raw, manifest_path)
+
+
+def storage_descriptions(m: Manifest) -> Callable[[int], str]:
+    paths = tensor_paths(m.tree)
+    by_storage: dict[int, list[str]] = {}
+    for i, t in enumerate(m.tensors):
+        by_storage.setdefault(t.storage, []).append(paths.get(i, f"tensor #{i}"))
+
+    def describe(storage: int) -> str:
+        names = by_storage.get(storage, [f"storage #{storage}"])
+        more = f" (and {len(names) - 1} tensors sharing its storage)" if len(names) > 1 else ""
+        return f"tensor {names[0]}{more}"
+
+    return describe
+
+
+def _target_device(saved: str, map_location: MapLocation) -> torch.device:
+    if map_location is None or callable(map_location):
+        target = saved if map_location is None else "cpu"  # callables see CPU storages first
+    elif isinstance(map_location, dict):
+        target = map_location.get(saved, saved)
+    else:
+        target = str(map_location)
+    device = torch.device(target)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"the checkpoint holds tensors saved on {saved} but CUDA is not available; pass "
+            "map_location='cpu' (or a dict/callable) to load them elsewhere"
+        )
+    return device
+
+
+def _read_all(path: str, m: Manifest, dests: list[torch.Tensor] | None, verify: bool,
+              backend: str | None, errors: list[ChecksumError] | None = None) -> str:
+    cfg = settings.current(backend=backend)
+    wants_device = dests is not None and any(d.is_cuda for d in dests)
+    be, reason = choose_backend(cfg.backend, path, wants_device, cfg.io_threads, cfg.block_bytes)
+    describe = storage_descriptions(m)
+    with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
+            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
+        reader = FileReader(be, ring, pool, cfg.io_timeout_s, verify, describe, errors)
+        for index, f in enumerate(m.files):
+            extents = [e for e in m.extents if e.file == index]
+            reader.read(check_file(path, f), extents, dests)
+    return f"{be.name} ({reason})"
+
+
+def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, verify: bool = True,
+         backend: str | None = None) -> Any:
+    """Load the checkpoint at ``path``; every extent's CRC32C is checked unless ``verify=False``.
+
+    ``map_location`` works as in ``torch.load``: ``None`` restores each tensor to the device it was
+    saved from; a device or string moves everything there; a dict maps saved locations
+    (``"cuda:1"``) to new ones; a callable ``f(storage, location)`` receives each storage loaded on
+    the CPU and returns the storage to use (or None to keep the default placement).
+    Raises :class:`ChecksumError` naming the tensor, file and offset of corrupted bytes.
+    """
+    path = os.fspath(path)
+    m = read_manifest(path)
+    devices = [_target_device(s.device, map_location) for s in m.storages]
+    dests = [torch.empty(s.nbytes, dtype=torch.uint8, device=d) for s, d in zip(m.storages, devices)]
+    _read_all(path, m, dests, verify, backend)
+    storages = [d.untyped_storage() for d in dests]
+    if callable(map_location) and not isinstance(map_location, dict):
+        storages = [_apply_callable(map_location, s, rec.device)
+                    for s, rec in zip(storages, m.storages)]
+    tensors = [rebuild_tensor(t, storages[t.storage]) for t in m.tensors]
+    return unflatten(m.tree, tensors)
+
+
+def _apply_callable(fn: Callable[..., Any], storage: torch.UntypedStorage, location: str) -> Any:
+    result = fn(storage, location)
+    if result is None:
+        return storage.to(device=_target_device(location, None)) if location != "cpu" else storage
+    return result.untyped() if hasattr(result, "untyped") else result
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    files: int
+    extents: int
+    bytes_checked: int
+    errors: list[ChecksumError]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+def verify(path: str | os.PathLike[str], *, backend: str | None = None) -> VerifyReport:
+    """Re-read every extent and check its CRC32C without keeping the data; reports all mismatches.
+
+    Raises for problems that stop the check (bad manifest, missing or truncated file).
+    """
+    path = os.fspath(path)
+    m = read_manifest(path)
+    errors: list[ChecksumError] = []
+    _read_all(path, m, None, True, backend, errors)
+    return VerifyReport(path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors)

@@ -1,0 +1,108 @@
+"""``save``: flatten -> plan -> write -> seal -> commit, on one process."""
+
+from __future__ import annotations
+
+import errno
+import os
+import socket
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from . import __version__, settings
+from .backends import Backend, choose_backend
+from .commit import abort, check_replaceable, commit, make_temporary, write_manifest
+from .errors import DiskFullError
+from .flatten import Flattened, flatten
+from .format import Extent, Manifest, dump_manifest
+from .plan import SavePlan, plan_single_writer
+from .staging import borrow_ring
+from .write import FileWriter, byte_view
+
+
+@dataclass
+class SaveInfo:
+    """What a save did: where, with which backend and why, how many bytes, how long."""
+
+    path: str
+    backend: str
+    reason: str
+    bytes_written: int  # data file bytes incl. alignment padding (what hit the drive)
+    payload_bytes: int  # tensor bytes
+    seconds: float
+    tensors: int
+    storages: int
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_written / self.seconds / 1e9 if self.seconds else float("inf")
+
+
+def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None = None,
+         block_bytes: int | None = None, staging_bytes: int | None = None,
+         io_threads: int | None = None) -> SaveInfo:
+    """Write ``state_dict`` to the checkpoint directory ``path``, durably and atomically.
+
+    ``backend`` is ``"auto"`` (default, or ``$GDS_PERSIST_BACKEND``), ``"direct"``,
+    ``"buffered"`` or ``"kvikio"``. An existing checkpoint at ``path`` is replaced only once the
+    new one is complete and fsynced; if anything fails, it is left as it was.
+
+    Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
+    :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
+    backend.
+    """
+    t0 = time.perf_counter()
+    path = os.fspath(path)
+    cfg = settings.current(backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
+                           io_threads=io_threads)
+    flat = flatten(state_dict)
+    plan = plan_single_writer([s.nbytes for s in flat.storages])
+    check_replaceable(path)
+    tmp = make_temporary(path)
+    try:
+        be, reason = choose_backend(cfg.backend, tmp, any(s.is_cuda for s in flat.storage_objects),
+                                    cfg.io_threads, cfg.block_bytes)
+        extents = write_plan(be, tmp, plan, flat, cfg)
+        writer = {"backend": be.name, "reason": reason, "gds_persist": __version__,
+                  "torch": torch.__version__, "host": socket.gethostname(), "world_size": 1}
+        write_manifest(tmp, dump_manifest(Manifest([f.data_file for f in plan.files], flat.storages,
+                                     flat.tensors, extents, flat.tree, writer)))
+        commit(tmp, path)
+    except OSError as e:
+        abort(tmp)
+        if e.errno == errno.ENOSPC:
+            raise DiskFullError(
+                errno.ENOSPC,
+                f"no space left on the filesystem of {path}: this checkpoint needs "
+                f"{plan.total_bytes} bytes of data; free space or save elsewhere (the partial "
+                "save was removed and earlier checkpoints are untouched)",
+            ) from e
+        raise
+    except BaseException:
+        abort(tmp)
+        raise
+    payload = sum(s.nbytes for s in flat.storages)
+    return SaveInfo(path, be.name, reason, plan.total_bytes, payload, time.perf_counter() - t0,
+                    len(flat.tensors), len(flat.storages), [f.name for f in plan.files])
+
+
+def write_plan(backend: Backend, directory: str, plan: SavePlan, flat: Flattened,
+               cfg: settings.Settings) -> list[Extent]:
+    """Write every file of ``plan`` into ``directory``; return the sealed extents (with CRCs)."""
+    sources = [byte_view(s) for s in flat.storage_objects]
+    sealed: list[Extent] = []
+    with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
+            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
+        writer = FileWriter(backend, ring, pool, cfg.io_timeout_s)
+        for f in plan.files:
+            crcs = writer.write(os.path.join(directory, f.name), f, sources)
+            sealed += [_with_crc(e, c) for e, c in zip(f.extents, crcs)]
+    return sealed
+
+
+def _with_crc(e: Extent, crc: int) -> Extent:
+    return Extent(e.storage, e.start, e.length, e.file, e.offset, crc)

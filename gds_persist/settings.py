@@ -1,0 +1,120 @@
+"""Tunable settings: an explicit argument beats ``settings.set(...)`` beats the environment beats
+the default.
+
+``settings.set(...)`` works both as a plain setter and as a context manager that restores the
+previous values, like ``kvikio.defaults.set``::
+
+    with gds_persist.settings.set(staging_bytes=64 << 20, io_threads=2):
+        gds_persist.save(sd, path)
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, fields, replace
+from typing import Any
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True)
+class Settings:
+    backend: str = "auto"  # auto | direct | buffered | kvikio
+    block_bytes: int = 16 * MiB  # size of one staging buffer = one write/read request
+    staging_bytes: int = 128 * MiB  # the whole staging ring; never grows with the checkpoint
+    io_threads: int = 4  # concurrent pwrite/pread calls per process (the queue depth)
+    io_timeout_s: float = 600.0  # no single wait on I/O or a peer lasts longer than this
+
+    @property
+    def ring_buffers(self) -> int:
+        return self.staging_bytes // self.block_bytes
+
+
+ENV_VARS = {f.name: f"GDS_PERSIST_{f.name.upper()}" for f in fields(Settings)}
+_lock = threading.Lock()
+_overrides: dict[str, Any] = {}
+
+
+def _convert(name: str, value: Any) -> Any:
+    kind = type(getattr(Settings(), name))
+    try:
+        return kind(value)
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"setting {name}={value!r} must be a {kind.__name__}") from e
+
+
+def _validate(s: Settings) -> Settings:
+    if s.block_bytes <= 0 or s.block_bytes % 4096:
+        raise ValueError(f"setting block_bytes={s.block_bytes} must be a positive multiple of 4096")
+    if s.staging_bytes < 2 * s.block_bytes:
+        raise ValueError(
+            f"setting staging_bytes={s.staging_bytes} must hold at least two blocks of "
+            f"block_bytes={s.block_bytes} (double buffering); raise it or lower block_bytes"
+        )
+    if s.io_threads < 1:
+        raise ValueError(f"setting io_threads={s.io_threads} must be at least 1")
+    if s.io_timeout_s <= 0:
+        raise ValueError(f"setting io_timeout_s={s.io_timeout_s} must be positive")
+    return s
+
+
+def _check_names(names: Any) -> None:
+    unknown = {*names} - ENV_VARS.keys()
+    if unknown:
+        raise TypeError(f"unknown setting(s) {sorted(unknown)}; valid: {sorted(ENV_VARS)}")
+
+
+def current(**arguments: Any) -> Settings:
+    """The settings in force, with non-None ``arguments`` taking precedence."""
+    _check_names(arguments)
+    values: dict[str, Any] = {}
+    for name, env in ENV_VARS.items():
+        if env in os.environ:
+            values[name] = _convert(name, os.environ[env])
+    with _lock:
+        values.update(_overrides)
+    values.update({k: _convert(k, v) for k, v in arguments.items() if v is not None})
+    return _validate(replace(Settings(), **values))
+
+
+class _Scope:
+    def __init__(self, previous: dict[str, Any]):
+        self._previous = previous
+
+    def __enter__(self) -> Settings:
+        return current()
+
+    def __exit__(self, *exc: object) -> None:
+        with _lock:
+            _overrides.clear()
+            _overrides.update(self._previous)
+
+
+def set(**values: Any) -> _Scope:  # noqa: A001 - mirrors kvikio.defaults.set
+    """Override settings process-wide; use as a context manager to restore them afterwards."""
+    _check_names(values)
+    converted = {k: _convert(k, v) for k, v in values.items()}
+    with _lock:
+        previous = dict(_overrides)
+        candidate = {**_overrides, **converted}
+    _validate(replace(Settings(), **candidate))
+    with _lock:
+        _overrides.update(converted)
+    return _Scope(previous)
+
+
+@contextmanager
+def _cleared() -> Iterator[None]:
+    """Test helper: run with no programmatic overrides."""
+    with _lock:
+        saved = dict(_overrides)
+        _overrides.clear()
+    try:
+        yield
+    finally:
+        with _lock:
+            _overrides.clear()
+            _overrides.update(saved)

@@ -1,0 +1,138 @@
+"""Page-aligned host staging memory, bounded: the only host memory a save or load adds.
+
+Buffers are anonymous ``mmap`` regions (page-aligned, as O_DIRECT requires). Where CUDA is
+usable they are also registered with ``cudaHostRegister`` so device<->host copies are DMA at full
+PCIe speed (pinned memory). A :class:`StagingRing` holds a fixed number of them; a writer blocks
+(with a timeout) until one is free, so staging memory never grows with the checkpoint.
+"""
+
+from __future__ import annotations
+
+import mmap
+import queue
+import threading
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from .errors import CheckpointError
+
+
+def _cuda_usable() -> bool:
+    return torch.cuda.is_available()
+
+
+class AlignedBuffer:
+    """``nbytes`` of page-aligned host memory, exposed as a memoryview and a uint8 tensor.
+
+    SAFETY: ``view`` and ``tensor`` alias the mapping; do not use them after :meth:`close`.
+    """
+
+    def __init__(self, nbytes: int, pin: bool | None = None):
+        self.nbytes = nbytes
+        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        self.view = memoryview(self._mmap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # frombuffer warns about writability we do have
+            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.pinned = False
+        if pin if pin is not None else _cuda_usable():
+            self._pin()
+
+    def _pin(self) -> None:
+        rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+        self.pinned = int(rc) == 0  # unpinned still works, only slower
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        del self.tensor
+        self.view.release()
+        self._mmap.close()
+
+    def __enter__(self) -> AlignedBuffer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class StagingRing:
+    """A fixed set of equal aligned buffers handed out and returned in any order."""
+
+    def __init__(self, count: int, block_bytes: int, timeout_s: float):
+        self.block_bytes = block_bytes
+        self.timeout_s = timeout_s
+        self._all = [AlignedBuffer(block_bytes) for _ in range(count)]
+        self._free: queue.Queue[AlignedBuffer] = queue.Queue()
+        for b in self._all:
+            self._free.put(b)
+
+    @property
+    def count(self) -> int:
+        return len(self._all)
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._all) * self.block_bytes
+
+    def acquire(self) -> AlignedBuffer:
+        try:
+            return self._free.get(timeout=self.timeout_s)
+        except queue.Empty:
+            raise CheckpointError(
+                f"no staging buffer came free within {self.timeout_s:.0f} s: the I/O threads are "
+                "stuck (hung storage?); raise io_timeout_s if the drive is just slow"
+            ) from None
+
+    def release(self, buf: AlignedBuffer) -> None:
+        self._free.put(buf)
+
+    def close(self) -> None:
+        for b in self._all:
+            b.close()
+        self._all.clear()
+
+    def __enter__(self) -> StagingRing:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+_idle_rings: list[StagingRing] = []
+_idle_lock = threading.Lock()
+
+
+@contextmanager
+def borrow_ring(count: int, block_bytes: int, timeout_s: float) -> Iterator[StagingRing]:
+    """A staging ring for one save or load, reused across calls.
+
+    Reuse matters: faulting in (and pinning) a fresh 128 MiB every save would cost more than a
+    small checkpoint's write. At most one idle ring is kept; :func:`release_cached` frees it.
+    """
+    with _idle_lock:
+        ring = next((r for r in _idle_rings if r.count == count and r.block_bytes == block_bytes), None)
+        if ring is not None:
+            _idle_rings.remove(ring)
+    if ring is None:
+        ring = StagingRing(count, block_bytes, timeout_s)
+    ring.timeout_s = timeout_s
+    try:
+        yield ring
+    finally:
+        with _idle_lock:
+            stale, _idle_rings[:] = list(_idle_rings), [ring]
+        for r in stale:
+            r.close()
+
+
+def release_cached() -> None:
+    """Free the idle staging ring kept for the next save/load."""
+    with _idle_lock:
+        stale, _idle_rings[:] = list(_idle_rings), []
+    for r in stale:
+        r.close()

@@ -1,0 +1,151 @@
+"""Stage 3 of a save: move the planned bytes into one data file, checksumming as they pass.
+
+Staged path (``direct`` and ``buffered``): the calling thread fills one staging buffer at a time
+with the file's next block (tensor bytes plus the zero gaps between extents) and CRCs each piece
+in the buffer, while up to ``io_threads`` earlier buffers are being written by the pool. The ring
+bounds memory: when every buffer is in flight the filler waits for one to come back.
+
+Device path (a backend with ``accepts_device``, all sources on CUDA): each extent goes straight
+from device memory to the file; no host staging.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+
+from .backends.base import Backend
+from .checksum import crc32c, device_crc32c
+from .errors import CheckpointError
+from .format import Extent
+from .plan import FilePlan
+from .staging import AlignedBuffer, StagingRing
+
+
+def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A flat uint8 tensor over the whole storage (no copy)."""
+    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+
+
+def block_pieces(extents: Sequence[Extent], first: int, lo: int, hi: int):
+    """Yield ``(extent index, file_lo, file_hi)`` for extent bytes inside ``[lo, hi)``.
+
+    ``first`` is the index of the first extent that may overlap; extents are sorted by offset.
+    """
+    for k in range(first, len(extents)):
+        e = extents[k]
+        if e.offset >= hi:
+            return
+        start, end = max(e.offset, lo), min(e.offset + e.length, hi)
+        if start < end:
+            yield k, start, end
+
+
+def next_first(extents: Sequence[Extent], first: int, hi: int) -> int:
+    while first < len(extents) and extents[first].offset + extents[first].length <= hi:
+        first += 1
+    return first
+
+
+def wait_all(futures: "deque[Future[None]]", timeout_s: float, what: str) -> None:
+    while futures:
+        fut = futures.popleft()
+        try:
+            fut.result(timeout=timeout_s)
+        except TimeoutError:
+            raise CheckpointError(
+                f"{what} did not finish within {timeout_s:.0f} s (hung storage?); "
+                "raise io_timeout_s if the drive is just slow"
+            ) from None
+
+
+def drain_quietly(futures: "deque[Future[None]]", timeout_s: float) -> None:
+    """After an error: let in-flight I/O finish before its buffers and descriptor go away."""
+    for fut in futures:
+        try:
+            fut.result(timeout=timeout_s)
+        except BaseException:  # noqa: BLE001 - the first error is already being raised
+            pass
+
+
+class FileWriter:
+    """Writes one planned data file with ``backend``; returns the CRC32C of every extent."""
+
+    def __init__(self, backend: Backend, ring: StagingRing | None, pool: ThreadPoolExecutor,
+                 timeout_s: float):
+        self.backend = backend
+        self.ring = ring
+        self.pool = pool
+        self.timeout_s = timeout_s
+
+    def write(self, path: str, plan: FilePlan, sources: Sequence[torch.Tensor]) -> list[int]:
+        handle = self.backend.open(path, write=True, size=plan.size)
+        try:
+            if self.backend.accepts_device and all(
+                sources[e.storage].is_cuda for e in plan.extents
+            ):
+                crcs = self._write_from_device(handle, plan, sources)
+            else:
+                crcs = self._write_staged(handle, plan, sources)
+            self.backend.sync(handle)
+            return crcs
+        finally:
+            self.backend.close(handle)
+
+    def _write_from_device(self, handle: object, plan: FilePlan,
+                           sources: Sequence[torch.Tensor]) -> list[int]:
+        crcs = []
+        for e in plan.extents:
+            piece = sources[e.storage][e.start : e.start + e.length]
+            self.backend.pwrite(handle, piece, e.offset)
+            crcs.append(device_crc32c(piece))
+        return crcs
+
+    def _write_staged(self, handle: object, plan: FilePlan,
+                      sources: Sequence[torch.Tensor]) -> list[int]:
+        assert self.ring is not None
+        crcs = [0] * len(plan.extents)
+        in_flight: deque[Future[None]] = deque()
+        first = 0
+        try:
+            for lo in range(0, plan.size, self.ring.block_bytes):
+                hi = min(lo + self.ring.block_bytes, plan.size)
+                buf = self.ring.acquire()
+                try:
+                    self._fill(buf, lo, hi, plan.extents, first, sources, crcs)
+                except BaseException:
+                    self.ring.release(buf)
+                    raise
+                first = next_first(plan.extents, first, hi)
+                in_flight.append(self.pool.submit(self._write_block, handle, buf, hi - lo, lo))
+                while in_flight and in_flight[0].done():
+                    in_flight.popleft().result()  # surface a failed write early
+            wait_all(in_flight, self.timeout_s, f"writing {plan.name}")
+        except BaseException:
+            drain_quietly(in_flight, self.timeout_s)
+            raise
+        return crcs
+
+    @staticmethod
+    def _fill(buf: AlignedBuffer, lo: int, hi: int, extents: Sequence[Extent], first: int,
+              sources: Sequence[torch.Tensor], crcs: list[int]) -> None:
+        cursor = lo
+        for k, start, end in block_pieces(extents, first, lo, hi):
+            if start > cursor:
+                buf.tensor[cursor - lo : start - lo].zero_()
+            e = extents[k]
+            src_lo = e.start + start - e.offset
+            buf.tensor[start - lo : end - lo].copy_(sources[e.storage][src_lo : src_lo + end - start])
+            crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
+            cursor = end
+        if cursor < hi:
+            buf.tensor[cursor - lo : hi - lo].zero_()
+
+    def _write_block(self, handle: object, buf: AlignedBuffer, length: int, offset: int) -> None:
+        try:
+            self.backend.pwrite(handle, buf.view[:length], offset)
+        finally:
+            self.ring.release(buf)  # type: ignore[union-attr]
