@@ -1,15 +1,162 @@
-"""CRC32C of CUDA memory.
+"""CRC32C of CUDA memory, computed on the device by ``kernels/crc32c.cu`` (no host copy).
 
-Interim implementation: copies the bytes to the host and uses the host CRC32C. The device kernel
-in ``kernels/`` (issue: GPU path) replaces this so GDS writes never bounce through the host.
+The result equals the host :func:`gds_persist.checksum.crc32c` of the same bytes bit for bit, so
+a checkpoint written from GPU memory verifies on a CPU-only machine and vice versa.
+
+The kernel is compiled at first use with NVRTC through ``cupy.RawModule`` (CuPy caches the binary
+per device and on disk) and launched on the caller's current torch CUDA stream, so it is ordered
+after whatever produced the bytes. CuPy is imported lazily; where it is missing or the kernel
+cannot be built, the CRC falls back to a host copy of the bytes and :func:`device_crc_status`
+says why.
+
+Scheme (see the .cu file): ``segment_bytes_for(n)``-byte segments, one per GPU thread, each
+segment CRC shifted past the bytes after it with the GF(2) algebra in :mod:`gds_persist.checksum`
+and XORed together; :func:`gds_persist.checksum.crc32c_segmented` is its CPU reference.
 """
 
 from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+from importlib import resources
+from pathlib import Path
+from typing import Any
 
 import torch
 
 from .checksum import crc32c
 
+log = logging.getLogger("gds_persist")
+
+KERNEL_FILE = "crc32c.cu"
+KERNEL_NAME = "gdsp_crc32c"
+THREADS_PER_BLOCK = 256
+MIN_SEGMENT = 256
+MAX_SEGMENT = 16 << 10
+TARGET_THREADS = 1 << 18  # about 2048 resident threads x 132 SMs (H100/H200): fill the GPU
+
+
+def segment_bytes_for(nbytes: int) -> int:
+    """Bytes per GPU thread for an ``nbytes`` buffer: enough threads to fill the device, but
+    segments long enough that the O(log n) shift per thread stays a small overhead."""
+    per_thread = -(-nbytes // TARGET_THREADS)
+    per_thread = (per_thread + 7) // 8 * 8
+    return max(MIN_SEGMENT, min(MAX_SEGMENT, per_thread))
+
+
+def kernel_source(name: str = KERNEL_FILE) -> str:
+    """The CUDA C source ``name``: package data of an installed wheel (``gds_persist/kernels``),
+    else the top-level ``kernels/`` directory of a source checkout."""
+    try:
+        resource = resources.files("gds_persist.kernels").joinpath(name)
+        if resource.is_file():
+            return resource.read_text(encoding="utf-8")
+    except ModuleNotFoundError:
+        pass
+    checkout = Path(__file__).resolve().parent.parent / "kernels" / name
+    if checkout.is_file():
+        return checkout.read_text(encoding="utf-8")
+    raise FileNotFoundError(
+        f"CUDA kernel source {name} not found in the package (gds_persist/kernels) nor at "
+        f"{checkout}; reinstall gds_persist (the wheel ships kernels/*.cu as package data)"
+    )
+
+
+_lock = threading.Lock()
+_kernels: dict[int, Any] = {}
+_module: Any = None
+_unavailable: str | None = None  # why the device kernel cannot be used (None: not known yet / ok)
+
+
+def _kernel(device_index: int) -> Any:
+    """The compiled kernel for one device (NVRTC via CuPy, once per device and process)."""
+    global _module
+    with _lock:
+        kernel = _kernels.get(device_index)
+        if kernel is not None:
+            return kernel
+        import cupy
+
+        if _module is None:
+            _module = cupy.RawModule(code=kernel_source())
+        with cupy.cuda.Device(device_index):
+            kernel = _module.get_function(KERNEL_NAME)
+        _kernels[device_index] = kernel
+        return kernel
+
+
+def device_crc_status() -> tuple[bool, str]:
+    """Whether CRCs of CUDA memory run on the device, and why not (never raises)."""
+    if _unavailable is not None:
+        return False, _unavailable
+    try:
+        import cupy  # noqa: F401
+    except ImportError as e:
+        return False, (f"cupy is not importable ({e}); install the GPU extra: "
+                       "pip install 'gds_persist[gpu]'")
+    if not torch.cuda.is_available():
+        return False, "no usable CUDA device/driver"
+    return True, "device CRC32C kernel (kernels/crc32c.cu via cupy.RawModule/NVRTC)"
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
+        t = t.contiguous().reshape(-1).view(torch.uint8)
+    return t
+
+
+def _launch_all(pieces: Sequence[torch.Tensor], device: torch.device) -> list[int]:
+    import cupy
+    import numpy as np
+
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    kernel = _kernel(index)
+    stream = torch.cuda.current_stream(device)
+    with torch.cuda.device(index):
+        totals = torch.zeros(len(pieces), dtype=torch.int32, device=device)  # on `stream`
+    base = totals.data_ptr()
+    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+        for k, piece in enumerate(pieces):
+            n = piece.numel()
+            if n == 0:
+                continue  # crc32c(b"") == 0, already in totals
+            seg = segment_bytes_for(n)
+            segments = -(-n // seg)
+            blocks = -(-segments // THREADS_PER_BLOCK)
+            kernel((blocks,), (THREADS_PER_BLOCK,),
+                   (np.uint64(piece.data_ptr()), np.uint64(n), np.uint64(seg),
+                    np.uint64(base + 4 * k), np.uint64(0)))
+    return [int(v) & 0xFFFFFFFF for v in totals.cpu().tolist()]  # waits for the kernels
+
+
+def cuda_crc32c_many(pieces: Sequence[torch.Tensor]) -> list[int]:
+    """CRC32C of each CUDA tensor's bytes, all launched before one wait (one sync per device).
+
+    Ordered after earlier work on each device's current stream; returns once every CRC is known.
+    """
+    global _unavailable
+    pieces = [_as_bytes(p) for p in pieces]
+    if any(not p.is_cuda for p in pieces):
+        raise TypeError("cuda_crc32c_many takes CUDA tensors; use checksum.crc32c for host memory")
+    if _unavailable is None:
+        try:
+            by_device: dict[torch.device, list[int]] = {}
+            for i, p in enumerate(pieces):
+                by_device.setdefault(p.device, []).append(i)
+            result = [0] * len(pieces)
+            for device, indices in by_device.items():
+                for i, crc in zip(indices, _launch_all([pieces[i] for i in indices], device),
+                                  strict=True):
+                    result[i] = crc
+            return result
+        except Exception as e:  # noqa: BLE001 - no cupy, NVRTC failure, ...: host fallback
+            _unavailable = (f"device CRC32C kernel unusable ({type(e).__name__}: {e}); CRCs of "
+                            "CUDA memory use a host copy")
+            log.warning("gds_persist: %s", _unavailable)
+    return [crc32c(p.cpu().numpy()) for p in pieces]
+
 
 def cuda_crc32c(data: torch.Tensor) -> int:
-    return crc32c(data.cpu().numpy())
+    """CRC32C of a CUDA tensor's bytes, equal to the host crc32c of the same bytes."""
+    return cuda_crc32c_many([data])[0]
