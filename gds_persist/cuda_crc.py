@@ -154,7 +154,7 @@ def cuda_crc32c_many(pieces: Sequence[torch.Tensor]) -> list[int]:
             _unavailable = (f"device CRC32C kernel unusable ({type(e).__name__}: {e}); CRCs of "
                             "CUDA memory use a host copy")
             log.warning("gds_persist: %s", _unavailable)
-    return [crc32c(p.cpu().numpy()) for p in pieces]
+    return [crc32c(p.cpu().numpy()) for p in pieces]  # type: ignore[arg-type]
 
 
 def cuda_crc32c(data: torch.Tensor) -> int:

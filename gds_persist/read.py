@@ -16,7 +16,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from .backends.base import Backend
-from .checksum import crc32c, device_crc32c
+from .checksum import crc32c, device_crc32c_many
+from .cuda_copy import StreamCopier, copier_for
 from .errors import ChecksumError, CheckpointError, TruncatedError
 from .format import DataFile, Extent, align_up
 from .staging import AlignedBuffer, StagingRing
@@ -95,13 +96,16 @@ class FileReader:
 
     def _read_to_device(self, handle: object, path: str, extents: Sequence[Extent],
                         dests: Sequence[torch.Tensor]) -> None:
+        pieces = []
         for e in extents:
             piece = dests[e.storage][e.start : e.start + e.length]
             got = self.backend.pread(handle, piece, e.offset)
             if got != e.length:
                 raise TruncatedError(f"{path}: short read at offset {e.offset} ({got} of {e.length} bytes)")
-            if self.verify:
-                self._check(path, e, device_crc32c(piece))
+            pieces.append(piece)
+        if self.verify:  # on the device (kernels/crc32c.cu), before the data is handed back
+            for e, crc in zip(extents, device_crc32c_many(pieces), strict=True):
+                self._check(path, e, crc)
 
     def _read_staged(self, handle: object, path: str, extents: Sequence[Extent],
                      dests: Sequence[torch.Tensor] | None) -> None:
@@ -110,6 +114,7 @@ class FileReader:
         crcs = [0] * len(extents)
         in_flight: deque[tuple[AlignedBuffer, int, int, Future[int]]] = deque()
         next_block = first = 0
+        copier = copier_for([dests[e.storage] for e in extents]) if dests is not None else None
         try:
             while next_block < len(blocks) or in_flight:
                 while next_block < len(blocks) and len(in_flight) < self.ring.count:
@@ -123,7 +128,7 @@ class FileReader:
                     got = self._result(fut, path)
                     if got != hi - lo:
                         raise TruncatedError(f"{path}: short read at offset {lo} ({got} of {hi - lo} bytes)")
-                    self._consume(path, buf, lo, hi, extents, first, dests, crcs)
+                    self._consume(path, buf, lo, hi, extents, first, dests, crcs, copier)
                 finally:
                     self.ring.release(buf)
                 first = next_first(extents, first, hi)
@@ -143,13 +148,21 @@ class FileReader:
 
     def _consume(self, path: str, buf: AlignedBuffer, lo: int, hi: int,
                  extents: Sequence[Extent], first: int, dests: Sequence[torch.Tensor] | None,
-                 crcs: list[int]) -> None:
-        for k, start, end in block_pieces(extents, first, lo, hi):
-            e = extents[k]
-            if self.verify:
-                crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
-            if dests is not None:
-                dst_lo = e.start + start - e.offset
-                dests[e.storage][dst_lo : dst_lo + end - start].copy_(buf.tensor[start - lo : end - lo])
-            if end == e.offset + e.length:
-                self._check(path, e, crcs[k])
+                 crcs: list[int], copier: StreamCopier | None = None) -> None:
+        try:
+            for k, start, end in block_pieces(extents, first, lo, hi):
+                e = extents[k]
+                if dests is not None:
+                    dst_lo = e.start + start - e.offset
+                    dst, src = dests[e.storage][dst_lo : dst_lo + end - start], buf.tensor[start - lo : end - lo]
+                    if copier is None:
+                        dst.copy_(src)
+                    else:
+                        copier.copy(dst, src)  # host-to-device on the side stream, under the CRC
+                if self.verify:
+                    crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
+                if end == e.offset + e.length:
+                    self._check(path, e, crcs[k])
+        finally:
+            if copier is not None:
+                copier.wait()  # the buffer goes back to the ring only once it was copied out

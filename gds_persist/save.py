@@ -67,6 +67,8 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
         be, reason = choose_backend(cfg.backend, tmp, any(s.is_cuda for s in flat.storage_objects),
                                     cfg.io_threads, cfg.block_bytes)
         extents = write_plan(be, tmp, plan, flat, cfg)
+        if getattr(be, "fallback_reason", None):  # kvikio switched to POSIX I/O mid-save
+            reason = f"{reason}; {be.fallback_reason}"  # type: ignore[attr-defined]
         writer = {"backend": be.name, "reason": reason, "gds_persist": __version__,
                   "torch": torch.__version__, "host": socket.gethostname(), "world_size": 1}
         write_manifest(tmp, dump_manifest(Manifest([f.data_file for f in plan.files], flat.storages,

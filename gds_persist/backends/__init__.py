@@ -13,10 +13,19 @@ from .posix import BufferedBackend, DirectBackend, require_o_direct, supports_o_
 BACKEND_NAMES = ("auto", "direct", "buffered", "kvikio")
 
 
-def _kvikio(io_threads: int, block_bytes: int) -> Backend:
+def _kvikio(directory: str, io_threads: int, block_bytes: int, why: str) -> tuple[Backend, str]:
+    """The kvikio backend if a real 4 KiB cuFile transfer in ``directory`` works, else the
+    ``direct`` (or ``buffered``) backend, with the reason either way (see kvikio_backend)."""
     from .kvikio_backend import KvikioBackend
 
-    return KvikioBackend(io_threads=io_threads, task_size=block_bytes)
+    be = KvikioBackend(io_threads=io_threads, task_size=block_bytes)
+    ok, probe = be.probe(directory)
+    if ok:
+        return be, f"{why}; {probe}"
+    direct, o_direct_why = supports_o_direct(directory)
+    fallback: Backend = DirectBackend() if direct else BufferedBackend()
+    return fallback, (f"{why}, but kvikio cannot work here ({probe}); fell back to "
+                      f"{fallback.name} ({o_direct_why})")
 
 
 def choose_backend(requested: str, directory: str, wants_device: bool, io_threads: int = 4,
@@ -28,7 +37,7 @@ def choose_backend(requested: str, directory: str, wants_device: bool, io_thread
     if requested not in BACKEND_NAMES:
         raise BackendError(f"unknown backend {requested!r}; valid backends: {', '.join(BACKEND_NAMES)}")
     if requested == "kvikio":
-        return _kvikio(io_threads, block_bytes), "requested explicitly"
+        return _kvikio(directory, io_threads, block_bytes, "kvikio requested explicitly")
     if requested == "direct":
         require_o_direct(directory)
         return DirectBackend(), "requested explicitly"
@@ -38,7 +47,7 @@ def choose_backend(requested: str, directory: str, wants_device: bool, io_thread
     if wants_device:
         usable, why = kvikio_status()
         if usable:
-            return _kvikio(io_threads, block_bytes), f"auto: CUDA tensors and {why}"
+            return _kvikio(directory, io_threads, block_bytes, "auto: CUDA tensors")
         reasons.append(f"kvikio not used ({why})")
     else:
         reasons.append("kvikio not used (no CUDA tensors)")

@@ -1,30 +1,118 @@
-"""``kvikio`` backend: CUDA memory <-> file through KvikIO's ``CuFile`` (cuFile / GPUDirect Storage).
+"""``kvikio`` backend: CUDA memory <-> file through KvikIO's ``CuFile`` (cuFile, GPUDirect Storage).
 
 With the nvidia-fs driver, cuFile DMAs between GPU memory and NVMe with no host bounce. Without
-it, KvikIO runs in its compatibility mode (POSIX I/O through its own bounce buffers). kvikio and
-cupy are imported only when this backend is used; ``pip install 'gds_persist[gpu]'`` provides them.
+it, cuFile (or KvikIO itself, when it prefers its compatibility mode) does POSIX I/O through
+bounce buffers. kvikio and cupy are imported only when this backend is used;
+``pip install 'gds_persist[gpu]'`` provides them.
+
+What this backend guarantees:
+
+* **One handle per file per save/load.** :meth:`open` opens a ``CuFile`` and one descriptor of
+  our own (O_DIRECT where the filesystem takes it) for fsync, host buffers and fallbacks.
+* **KvikIO's settings from ours.** ``num_threads`` = ``io_threads`` and ``task_size`` =
+  ``block_bytes``, through ``kvikio.defaults.set`` (process-wide in KvikIO, changed only when
+  they differ, since a new thread count rebuilds KvikIO's pool).
+* **Never a crash on a cuFile failure.** :meth:`probe` (called by ``choose_backend``) tries one
+  4 KiB cuFile transfer in the target directory first; if it fails, the save/load uses the
+  ``direct`` (or ``buffered``) backend and the reason is recorded. If cuFile fails later, in the
+  middle of a save or load (buffer or handle registration refused, any cuFile error), the
+  backend switches to POSIX I/O through a pinned bounce buffer for the rest of it, records the
+  reason in :attr:`fallback_reason` (it ends up in the save's ``info.reason`` and the manifest)
+  and logs a warning. Bytes on disk are identical either way.
+* **Host buffers** (the staging ring, for CPU tensors in a mixed state dict or after a
+  fallback) go straight to our own descriptor, exactly as the ``direct`` backend writes them.
+* **No cufile.log in the working directory.** libcufile writes its log into the current
+  directory unless ``CUFILE_LOGFILE_PATH`` is set when it loads; :func:`import_kvikio` points it
+  at ``$TMPDIR/gds_persist-cufile-<uid>.log`` unless the user already chose a path.
+
+A decision, documented: ``backend="kvikio"`` where kvikio is importable but cannot work (no CUDA
+driver, cuFile refuses the directory) falls back with the reason in ``info.reason``; where
+kvikio is not importable at all it raises :class:`BackendError` naming the extra to install.
+
+SAFETY: cuFile does not see torch's CUDA streams. Before the first device transfer of each
+handle, the current stream of the tensor's device is synchronized, so producers of the bytes
+(save) and earlier users of a reused allocation (load) have finished.
 
 Note: cuFile reaches full speed with 4096-aligned file offsets and sizes, which the plan guarantees.
 """
 
 from __future__ import annotations
 
+import errno
+import logging
 import os
+import tempfile
+import threading
+import uuid
+from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import BackendError
+from ..errors import BackendError, DiskFullError
 from .base import Backend
-from .posix import _preallocate
+from .posix import _O_DIRECT, _preallocate, supports_o_direct
+
+log = logging.getLogger("gds_persist")
 
 INSTALL_HINT = "install the GPU extra: pip install 'gds_persist[gpu]' (kvikio-cu13, cupy-cuda13x)"
+CUFILE_LOG_ENV = "CUFILE_LOGFILE_PATH"
+ALIGN = 4096
+_COMPAT_NAMES = {0: "OFF", 1: "ON", 2: "AUTO"}
+
+
+def cufile_log_path() -> str:
+    """Where libcufile's log goes when the user has not chosen (never the working directory)."""
+    uid = os.getuid() if hasattr(os, "getuid") else 0
+    return os.path.join(tempfile.gettempdir(), f"gds_persist-cufile-{uid}.log")
+
+
+def route_cufile_log() -> str:
+    """Point libcufile's log away from the working directory (before libcufile loads)."""
+    if not os.environ.get(CUFILE_LOG_ENV):
+        os.environ[CUFILE_LOG_ENV] = cufile_log_path()
+    return os.environ[CUFILE_LOG_ENV]
 
 
 def import_kvikio() -> Any:
+    route_cufile_log()
     try:
         import kvikio
+        import kvikio.cufile_driver
+        import kvikio.defaults
     except ImportError as e:
-        raise BackendError(f"backend 'kvikio' needs kvikio, which is not importable ({e}); {INSTALL_HINT}") from e
+        raise BackendError(
+            f"backend 'kvikio' needs kvikio, which is not importable ({e}); {INSTALL_HINT}"
+        ) from e
     return kvikio
+
+
+def compat_mode_name(kvikio: Any) -> str:
+    value = kvikio.defaults.get("compat_mode")
+    return _COMPAT_NAMES.get(int(value), str(value))
+
+
+def gds_mode(kvikio: Any) -> tuple[bool, str]:
+    """``(gds, description)``: whether cuFile will use GPUDirect Storage, and why (or why not).
+
+    Call only where a CUDA driver exists: without one, libcufile's driver probe can hang.
+    """
+    compat = compat_mode_name(kvikio)
+    if compat == "ON":
+        return False, "KvikIO compatibility mode forced (KVIKIO_COMPAT_MODE=ON): POSIX, no cuFile"
+    try:
+        if kvikio.defaults.is_compat_mode_preferred():
+            return False, ("KvikIO compatibility mode (KvikIO found no usable libcufile/GDS "
+                           "setup, e.g. /run/udev unreadable): POSIX, no cuFile")
+    except Exception:  # noqa: BLE001 - older kvikio without the query
+        pass
+    try:
+        gds = bool(kvikio.cufile_driver.get("is_gds_available"))
+    except Exception as e:  # noqa: BLE001 - any driver probe failure means "no GDS"
+        return False, f"cuFile compatibility mode (cuFile driver probe failed: {e})"
+    if gds:
+        return True, "GPUDirect Storage (cuFile with the nvidia-fs driver)"
+    why = ("nvidia-fs kernel module not loaded" if not os.path.exists("/proc/driver/nvidia-fs")
+           else "cuFile reports GDS unavailable")
+    return False, f"cuFile compatibility mode (POSIX inside cuFile; {why})"
 
 
 def kvikio_status() -> tuple[bool, str]:
@@ -38,55 +126,269 @@ def kvikio_status() -> tuple[bool, str]:
     if not torch.cuda.is_available():
         return False, "no usable CUDA device/driver (torch.cuda.is_available() is False)"
     try:
-        gds = bool(kvikio.cufile_driver.get("is_gds_available"))
-    except Exception as e:  # noqa: BLE001 - any driver probe failure means "no GDS"
-        gds, why = False, f"cuFile driver probe failed: {e}"
-    else:
-        why = "nvidia-fs driver present" if gds else "no nvidia-fs driver"
-    mode = "GPUDirect Storage" if gds else "KvikIO compatibility mode (POSIX, no GDS)"
-    return True, f"kvikio usable: {mode}; {why}"
+        _, mode = gds_mode(kvikio)
+    except Exception as e:  # noqa: BLE001
+        mode = f"mode unknown ({e})"
+    return True, f"kvikio usable: {mode}"
+
+
+def _is_device(buf: Any) -> bool:
+    return bool(getattr(buf, "is_cuda", False))
+
+
+def _align_up(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+@dataclass
+class KvikioHandle:
+    path: str
+    fd: int  # ours: fsync, host buffers, fallback I/O
+    direct: bool  # fd has O_DIRECT (aligned transfers only)
+    cufile: Any = None  # kvikio.CuFile; None when cuFile could not open the file
+    synced: set = field(default_factory=set)  # devices whose current stream was synchronized
 
 
 class KvikioBackend(Backend):
     name = "kvikio"
-    accepts_device = True
+    accepts_device = True  # per instance: False once cuFile failed (the writer then stages)
 
     def __init__(self, io_threads: int = 4, task_size: int = 16 << 20):
         self._kvikio = import_kvikio()
-        os.environ.setdefault("CUFILE_LOGFILE_PATH", "/tmp/gds_persist-cufile.log")
-        try:
-            self._kvikio.defaults.set({"num_threads": io_threads, "task_size": task_size})
-        except (AttributeError, TypeError):  # older kvikio: per-setting functions
-            pass
+        self.task_size = task_size
+        self.fallback_reason: str | None = None
+        self.settings_note = self._configure(io_threads, task_size)
+        self._lock = threading.Lock()
+        self._bounce: Any = None  # AlignedBuffer, created on the first fallback transfer
+        self._o_direct: dict[str, bool] = {}
 
-    def open(self, path: str, *, write: bool, size: int = 0) -> Any:
+    # -- settings and probing -------------------------------------------------------------------
+
+    def _configure(self, io_threads: int, task_size: int) -> str:
+        defaults = self._kvikio.defaults
+        wanted = {"num_threads": io_threads, "task_size": task_size}
+        try:
+            changes = {k: v for k, v in wanted.items() if defaults.get(k) != v}
+            if changes:
+                defaults.set(changes)
+        except Exception as e:  # noqa: BLE001 - a kvikio without these settings still works
+            return f"kvikio settings not applied ({e})"
+        return f"kvikio num_threads={io_threads}, task_size={task_size}"
+
+    def probe(self, directory: str) -> tuple[bool, str]:
+        """One real 4 KiB cuFile transfer in ``directory`` (a read of an existing file there,
+        else a write to a probe file that is removed). ``(ok, why)``; never raises."""
+        import torch
+
+        cuda = torch.cuda.is_available()
+        try:
+            compat = compat_mode_name(self._kvikio)
+        except Exception as e:  # noqa: BLE001
+            return False, f"kvikio defaults unreadable ({e})"
+        if not cuda and compat == "OFF":
+            return False, ("no usable CUDA driver, and KVIKIO_COMPAT_MODE=OFF makes libcufile "
+                           "initialise, which can hang without one; not calling cuFile")
+        try:
+            if cuda:
+                buf: Any = torch.zeros(ALIGN, dtype=torch.uint8, device="cuda")
+                torch.cuda.current_stream().synchronize()
+            else:
+                import numpy as np
+
+                buf = np.zeros(ALIGN, dtype=np.uint8)  # still a real kvikio call; fails for real
+            existing = _some_file(directory)
+            if existing is not None:
+                size = min(ALIGN, os.path.getsize(existing))
+                with self._kvikio.CuFile(existing, "r") as f:
+                    got = f.pread(buf, size, file_offset=0).get()
+                if got != size:
+                    return False, f"cuFile read probe of {existing} returned {got} of {size} bytes"
+            else:
+                probe = os.path.join(directory, f".kvikio_probe-{uuid.uuid4().hex}")
+                try:
+                    with open(probe, "wb") as f:
+                        f.truncate(ALIGN)
+                    with self._kvikio.CuFile(probe, "r+") as f:
+                        got = f.pwrite(buf, ALIGN, file_offset=0).get()
+                finally:
+                    if os.path.exists(probe):
+                        os.unlink(probe)
+                if got != ALIGN:
+                    return False, f"cuFile write probe wrote {got} of {ALIGN} bytes"
+        except Exception as e:  # noqa: BLE001 - any cuFile/KvikIO/CUDA failure: not usable
+            return False, f"a 4 KiB cuFile probe in {directory} failed ({type(e).__name__}: {e})"
+        if not cuda:  # cannot happen with a real kvikio, but never claim success without CUDA
+            return False, "no usable CUDA device/driver"
+        _, mode = gds_mode(self._kvikio)
+        return True, f"{mode}; {self.settings_note}"
+
+    # -- the Backend interface -----------------------------------------------------------------
+
+    def open(self, path: str, *, write: bool, size: int = 0) -> KvikioHandle:
+        directory = os.path.dirname(os.path.abspath(path))
+        direct = self._o_direct.get(directory)
+        if direct is None:
+            direct = self._o_direct[directory] = supports_o_direct(directory)[0]
+        flags = _O_DIRECT if direct else 0
         if write:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flags, 0o644)
             try:
                 if size:
                     _preallocate(fd, path, size)
-            finally:
+            except BaseException:
                 os.close(fd)
-            return self._kvikio.CuFile(path, "r+")
-        return self._kvikio.CuFile(path, "r")
+                raise
+        else:
+            fd = os.open(path, os.O_RDONLY | flags)
+        handle = KvikioHandle(path, fd, direct)
+        if self.fallback_reason is None:
+            try:
+                handle.cufile = self._kvikio.CuFile(path, "r+" if write else "r")
+            except Exception as e:  # noqa: BLE001 - e.g. cuFileHandleRegister refused
+                self._fail(f"cuFile could not open {path} ({type(e).__name__}: {e})")
+        return handle
 
-    def pwrite(self, handle: Any, buf: Any, offset: int) -> None:
-        n = _nbytes(buf)
-        done = handle.pwrite(buf, n, file_offset=offset).get()
-        if done != n:
-            raise OSError(f"kvikio wrote {done} of {n} bytes at offset {offset}")
+    def pwrite(self, handle: KvikioHandle, buf: Any, offset: int) -> None:
+        if not _is_device(buf):
+            _posix_pwrite(handle.fd, memoryview(buf).cast("B"), offset)
+            return
+        n = buf.numel()
+        if handle.cufile is not None and self.fallback_reason is None:
+            self._sync_device(handle, buf)
+            try:
+                done = handle.cufile.pwrite(buf, n, file_offset=offset).get()
+                if done == n:
+                    return
+                raise OSError(f"cuFile wrote {done} of {n} bytes")
+            except Exception as e:  # noqa: BLE001 - any cuFile failure: POSIX from here on
+                self._fail(f"cuFile write of {n} bytes at offset {offset} of {handle.path} "
+                           f"failed ({type(e).__name__}: {e})")
+        self.bounce_write(handle, buf, offset)
 
-    def pread(self, handle: Any, buf: Any, offset: int) -> int:
-        return int(handle.pread(buf, _nbytes(buf), file_offset=offset).get())
+    def pread(self, handle: KvikioHandle, buf: Any, offset: int) -> int:
+        if not _is_device(buf):
+            return _posix_pread(handle.fd, memoryview(buf).cast("B"), offset)
+        n = buf.numel()
+        if handle.cufile is not None and self.fallback_reason is None:
+            self._sync_device(handle, buf)
+            try:
+                return int(handle.cufile.pread(buf, n, file_offset=offset).get())
+            except Exception as e:  # noqa: BLE001
+                self._fail(f"cuFile read of {n} bytes at offset {offset} of {handle.path} "
+                           f"failed ({type(e).__name__}: {e})")
+        return self.bounce_read(handle, buf, offset)
 
-    def sync(self, handle: Any) -> None:
-        os.fsync(handle.fileno())
+    def sync(self, handle: KvikioHandle) -> None:
+        os.fsync(handle.fd)
 
-    def close(self, handle: Any) -> None:
-        handle.close()
+    def close(self, handle: KvikioHandle) -> None:
+        try:
+            if handle.cufile is not None:
+                handle.cufile.close()
+                handle.cufile = None
+        except Exception as e:  # noqa: BLE001 - closing must not mask the real outcome
+            log.warning("gds_persist: closing the cuFile handle of %s failed: %s", handle.path, e)
+        finally:
+            os.close(handle.fd)
+            self._free_bounce()
+
+    # -- fallback --------------------------------------------------------------------------------
+
+    def _fail(self, why: str) -> None:
+        with self._lock:
+            if self.fallback_reason is None:
+                target = "direct" if self._o_direct and all(self._o_direct.values()) else "POSIX"
+                self.fallback_reason = (f"kvikio fell back to {target} I/O at run time: {why}")
+                self.accepts_device = False  # the writer/reader stages the remaining files
+                log.warning("gds_persist: %s", self.fallback_reason)
+
+    def _sync_device(self, handle: KvikioHandle, buf: Any) -> None:
+        device = buf.device
+        if device not in handle.synced:
+            import torch
+
+            torch.cuda.current_stream(device).synchronize()
+            handle.synced.add(device)
+
+    def _bounce_buffer(self) -> Any:
+        if self._bounce is None:
+            from ..staging import AlignedBuffer
+
+            self._bounce = AlignedBuffer(max(ALIGN, _align_up(self.task_size)))
+        return self._bounce
+
+    def _free_bounce(self) -> None:
+        with self._lock:
+            if self._bounce is not None:
+                self._bounce.close()
+                self._bounce = None
+
+    def bounce_write(self, handle: KvikioHandle, tensor: Any, offset: int) -> None:
+        """Write a tensor's bytes (any device) at ``offset`` through the aligned (pinned) bounce
+        buffer and our descriptor. With O_DIRECT the last piece is zero-padded to 4096 bytes:
+        the plan puts nothing else before the next aligned offset (the gap is zeros anyway)."""
+        n = tensor.numel()
+        with self._lock:
+            bounce = self._bounce_buffer()
+            step = bounce.nbytes
+            for lo in range(0, n, step):
+                hi = min(lo + step, n)
+                length = hi - lo
+                bounce.tensor[:length].copy_(tensor[lo:hi])
+                if handle.direct:
+                    padded = _align_up(length)
+                    bounce.tensor[length:padded].zero_()
+                    length = padded
+                _posix_pwrite(handle.fd, bounce.view[:length], offset + lo)
+
+    def bounce_read(self, handle: KvikioHandle, tensor: Any, offset: int) -> int:
+        """Read ``tensor.numel()`` bytes at ``offset`` into a tensor (any device) through the
+        bounce buffer; returns the bytes read (short only at the end of the file)."""
+        n = tensor.numel()
+        total = 0
+        with self._lock:
+            bounce = self._bounce_buffer()
+            step = bounce.nbytes
+            for lo in range(0, n, step):
+                hi = min(lo + step, n)
+                want = _align_up(hi - lo) if handle.direct else hi - lo
+                got = min(_posix_pread(handle.fd, bounce.view[:want], offset + lo), hi - lo)
+                tensor[lo : lo + got].copy_(bounce.tensor[:got])
+                total += got
+                if got < hi - lo:
+                    break
+        return total
 
 
-def _nbytes(buf: Any) -> int:
-    if hasattr(buf, "nbytes"):
-        return int(buf.nbytes() if callable(buf.nbytes) else buf.nbytes)
-    return memoryview(buf).nbytes
+def _some_file(directory: str) -> str | None:
+    try:
+        with os.scandir(directory) as it:
+            for entry in it:
+                if entry.is_file(follow_symlinks=False) and entry.stat().st_size > 0:
+                    return entry.path
+    except OSError:
+        pass
+    return None
+
+
+def _posix_pwrite(fd: int, view: memoryview, offset: int) -> None:
+    while view.nbytes:
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise DiskFullError(
+                    errno.ENOSPC, f"disk full writing {view.nbytes} bytes at offset {offset}"
+                ) from e
+            raise
+        view, offset = view[n:], offset + n
+
+
+def _posix_pread(fd: int, view: memoryview, offset: int) -> int:
+    total = 0
+    while total < view.nbytes:
+        n = os.preadv(fd, [view[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
