@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import warnings
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
@@ -76,12 +77,16 @@ def _kernel(device_index: int) -> Any:
         kernel = _kernels.get(device_index)
         if kernel is not None:
             return kernel
-        import cupy
+        with warnings.catch_warnings(record=True) as caught:  # logged, not raised
+            warnings.simplefilter("always")
+            import cupy
 
-        if _module is None:
-            _module = cupy.RawModule(code=kernel_source())
-        with cupy.cuda.Device(device_index):
-            kernel = _module.get_function(KERNEL_NAME)
+            if _module is None:
+                _module = cupy.RawModule(code=kernel_source())
+            with cupy.cuda.Device(device_index):
+                kernel = _module.get_function(KERNEL_NAME)
+        for w in caught:
+            log.info("gds_persist: building the CRC32C kernel: %s", w.message)
         _kernels[device_index] = kernel
         return kernel
 

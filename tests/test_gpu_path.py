@@ -349,8 +349,8 @@ def test_gpu_device_verify_catches_a_flipped_byte(tmp_path):
 
 @pytest.mark.gpu
 def test_gpu_kvikio_runtime_failure_falls_back_mid_save(tmp_path):
-    """A real cuFile error at run time (the CuFile handle closed under the writer) switches the
-    backend to bounce-buffer POSIX I/O; the checkpoint is complete and says so."""
+    """A real cuFile error at run time (a write through a CuFile opened read-only: EBADF)
+    switches the backend to bounce-buffer POSIX I/O, and the bytes still land."""
     _cuda_or_skip()
     kb = _kvikio_or_skip()
     be = kb.KvikioBackend()
@@ -360,11 +360,13 @@ def test_gpu_kvikio_runtime_failure_falls_back_mid_save(tmp_path):
     t = torch.randint(0, 256, (3 * 4096 + 17,), dtype=torch.uint8, device="cuda")
     h = be.open(path, write=True, size=4 * 4096)
     try:
-        h.cufile.close()  # any later cuFile call on this handle fails for real
+        h.cufile.close()
+        import kvikio
+
+        h.cufile = kvikio.CuFile(path, "r")  # writes through it fail for real
         be.pwrite(h, t, 0)
         be.sync(h)
     finally:
-        h.cufile = None
         be.close(h)
     assert be.fallback_reason and "fell back" in be.fallback_reason
     assert not be.accepts_device
