@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import platform
+import subprocess
 import sys
 from typing import Any
 
@@ -154,9 +155,24 @@ def versions() -> dict[str, str | None]:
         import gds_persist
 
         out["gds_persist_path"] = os.path.dirname(gds_persist.__file__)
+        out["gds_persist_git"] = git_revision(out["gds_persist_path"])
     except Exception:  # noqa: BLE001
         pass
     return out
+
+
+def git_revision(path: str) -> str | None:
+    """Short commit of the git checkout holding ``path`` (``+dirty`` if modified), or None."""
+    try:
+        head = subprocess.run(["git", "-C", path, "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10)
+        if head.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", path, "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10)
+        return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def is_root() -> bool:

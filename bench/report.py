@@ -96,7 +96,8 @@ def header_lines(record: dict[str, Any]) -> list[str]:
         f"{fs['mount_point']}); device {bd.get('name', bd['dev'])}: {blocks}; "
         f"O_DIRECT {'yes' if m['o_direct']['supported'] else 'no'}",
         f"  GPU        {gpu}",
-        f"  versions   torch {v.get('torch')}, gds_persist {v.get('gds_persist')}, "
+        f"  versions   torch {v.get('torch')}, gds_persist {v.get('gds_persist')}"
+        + (f" (git {v['gds_persist_git']})" if v.get("gds_persist_git") else "") + ", "
         f"safetensors {v.get('safetensors')}, python {v.get('python')}, "
         f"kernel {v.get('kernel')}",
         f"  state      {_bytes(st['payload_bytes'])} ({st['payload_bytes']} bytes) on "
@@ -105,6 +106,7 @@ def header_lines(record: dict[str, Any]) -> list[str]:
         "rotated every repetition); every save includes fsync",
         f"  cold load  {cache['detail']}",
         f"  drive      {record['drive']['tool']}"
+        + (f", {record['drive']['fio']}" if record["drive"]["tool"].startswith("fio") else "")
         + (f" ({'; '.join(record['drive']['notes'])})" if record["drive"]["notes"] else ""),
     ]
     if cache["how"] != "drop_caches":

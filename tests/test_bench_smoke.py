@@ -106,3 +106,13 @@ def test_python_drive_stream_round_trips(tmp_path, o_direct):
 def test_fio_json_parse_skips_notes():
     text = 'note: both iodepth >= 1 and synchronous I/O engine\n{"jobs": [{"write": {}}]}'
     assert drive.parse_fio_json(text) == {"jobs": [{"write": {}}]}
+
+
+def test_touch_pages_counts_each_storage_once():
+    import torch
+
+    from bench.methods import touch_pages
+
+    a = torch.zeros(3000, dtype=torch.float32)
+    assert touch_pages([a, a[10:], a.view(30, 100)]) == 12000
+    assert touch_pages([torch.empty(0)]) == 0
