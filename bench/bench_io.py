@@ -89,6 +89,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-fio", action="store_true",
                    help="measure the drive limit with the Python O_DIRECT stream even if fio "
                         "is installed")
+    p.add_argument("--cache-drop", choices=machine.CACHE_MODES, default="auto",
+                   help="how the page cache is emptied before each load: global = drop_caches "
+                        "(root), per-file = posix_fadvise(DONTNEED) on the checkpoint's files; "
+                        "auto = global as root, else per-file")
     p.add_argument("--no-check", action="store_true",
                    help="skip comparing the first load of each method with the source tensors")
     return p
@@ -189,7 +193,8 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
                                                 baseline=m.baseline)
     disk: dict[str, int] = {}
     checks: dict[str, str] = {}
-    cache = {"how": "none", "detail": "not attempted"}
+    cache: dict[str, Any] = {"how": "none", "detail": "not attempted"}
+    resident: dict[str, int] = {}  # most checkpoint bytes still cached right before a load
     items: list[methods.Method | None] = [None, *chosen.available]  # None = the drive limit
     order: list[list[str]] = []
     for rep in range(args.runs):
@@ -201,7 +206,8 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
             if m is None:
                 os.sync()
                 w = probe.write()
-                cache["how"], cache["detail"] = machine.drop_page_cache([probe.path])
+                cache["how"], cache["detail"] = machine.drop_page_cache([probe.path],
+                                                                        args.cache_drop)
                 r = probe.read()
                 probe.cleanup()
                 drive_w.seconds.append(w.seconds)
@@ -216,7 +222,10 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
             os.sync()
             s_save, _ = _timed(ctx, m.save, ctx, path)
             disk[m.key] = methods.disk_bytes(path)
-            cache["how"], cache["detail"] = machine.drop_page_cache([path])
+            cache["how"], cache["detail"] = machine.drop_page_cache([path], args.cache_drop)
+            cached = machine.resident_bytes([path])
+            if cached is not None:
+                resident[m.key] = max(resident.get(m.key, 0), cached)
             s_load, loaded = _timed(ctx, _load_resident, m, ctx, path)
             if rep == 0 and expected:
                 problem = _check(m, ctx, loaded, expected)
@@ -231,6 +240,7 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
             log(f"  {m.key:<12} save {summ.payload_bytes / s_save / 1e9:6.2f} GB/s  "
                 f"load {summ.payload_bytes / s_load / 1e9:6.2f} GB/s")
     drive_w.tool = drive_r.tool = drive_w.tool or probe.tool
+    cache["resident_before_load"] = resident
 
     all_series = [drive_w, *(series[(m.key, "save")] for m in chosen.available),
                   drive_r, *(series[(m.key, "load")] for m in chosen.available)]

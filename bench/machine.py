@@ -6,6 +6,7 @@ the directory, the answer says so instead of raising.
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import subprocess
@@ -179,25 +180,33 @@ def is_root() -> bool:
     return hasattr(os, "geteuid") and os.geteuid() == 0
 
 
-def drop_page_cache(paths: list[str]) -> tuple[str, str]:
+CACHE_MODES = ("auto", "global", "per-file")
+
+
+def drop_page_cache(paths: list[str], mode: str = "auto") -> tuple[str, str]:
     """Evict the page cache before a cold load. Returns (how, detail).
 
-    As root: ``sync; echo 3 > /proc/sys/vm/drop_caches`` (the whole cache). Otherwise, best
-    effort: ``posix_fadvise(DONTNEED)`` on every file under ``paths`` (clean pages of files we
-    can open; the data was fsynced, so its pages are clean).
+    ``global`` (``auto`` as root): ``sync; echo 3 > /proc/sys/vm/drop_caches``, the whole cache
+    (library code too, as after a reboot). ``per-file`` (``auto`` otherwise, no root needed):
+    ``posix_fadvise(DONTNEED)`` on every file under ``paths``, which drops their clean, unmapped
+    pages (the data was fsynced and nothing maps it) and leaves the rest of the cache warm, as
+    for a training process that reloads a checkpoint.
     """
-    if is_root():
+    if mode not in CACHE_MODES:
+        raise ValueError(f"cache mode {mode!r}: choose one of {', '.join(CACHE_MODES)}")
+    why = ""
+    if mode == "global" or (mode == "auto" and is_root()):
         try:
             os.sync()
             with open("/proc/sys/vm/drop_caches", "w") as f:
                 f.write("3\n")
-            return "drop_caches", "sync; echo 3 > /proc/sys/vm/drop_caches"
+            return "drop_caches", "sync; echo 3 > /proc/sys/vm/drop_caches before each load"
         except OSError as e:
-            why = f"drop_caches refused ({e.strerror})"
-    else:
-        why = "not root"
+            why = f"drop_caches refused ({e.strerror}); "
+    elif mode == "auto":
+        why = "not root; "
     if not hasattr(os, "posix_fadvise"):
-        return "none", f"{why}; no posix_fadvise: loads may be served from the page cache"
+        return "none", f"{why}no posix_fadvise: loads may be served from the page cache"
     for f in _files(paths):
         try:
             fd = os.open(f, os.O_RDONLY)
@@ -210,7 +219,45 @@ def drop_page_cache(paths: list[str]) -> tuple[str, str]:
             pass
         finally:
             os.close(fd)
-    return "fadvise", f"{why}: per-file posix_fadvise(DONTNEED) (best effort)"
+    return "fadvise", f"{why}posix_fadvise(DONTNEED) on the checkpoint's files before each load"
+
+
+def resident_bytes(paths: list[str]) -> int | None:
+    """Bytes of the files under ``paths`` now in the page cache (mincore), None if unknown."""
+    try:
+        import ctypes
+        import ctypes.util
+
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        libc.mmap.restype = ctypes.c_void_p
+        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
+                              ctypes.c_int, ctypes.c_long]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    except (OSError, AttributeError):
+        return None
+    page = os.sysconf("SC_PAGE_SIZE")
+    total = 0
+    for f in _files(paths):
+        size = os.path.getsize(f)
+        if size == 0:
+            continue
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                return None
+            try:
+                pages = (size + page - 1) // page
+                vec = ctypes.create_string_buffer(pages)
+                if libc.mincore(addr, size, vec) != 0:
+                    return None
+                total += sum(1 for b in vec.raw if b & 1) * page
+            finally:
+                libc.munmap(addr, size)
+        finally:
+            os.close(fd)
+    return total
 
 
 def _files(paths: list[str]) -> list[str]:

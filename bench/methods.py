@@ -150,14 +150,51 @@ def touch_pages(tensors: list[torch.Tensor]) -> int:
 # --------------------------------------------------------------------------- gds_persist
 
 
-class GdsPersist(Method):
-    """``gds_persist.save`` / ``load`` with one backend forced."""
+@contextmanager
+def _environment(env: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for the duration (e.g. ``KVIKIO_COMPAT_MODE``)."""
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
-    def __init__(self, backend: str):
+
+class GdsPersist(Method):
+    """``gds_persist.save`` / ``load`` with one backend forced.
+
+    Variants are one line each: ``settings`` go through ``gds_persist.settings.set`` and ``env``
+    into the environment around every call, e.g. a forced KvikIO compatibility mode row::
+
+        register(lambda: GdsPersist("kvikio", variant="compat",
+                                    env={"KVIKIO_COMPAT_MODE": "ON"}), key="gds-kvikio-compat")
+    """
+
+    def __init__(self, backend: str, *, variant: str = "", settings: dict[str, Any] | None = None,
+                 env: dict[str, str] | None = None):
         super().__init__()
         self.backend = backend
-        self.key = f"gds-{backend}"
-        self.label = f"gds_persist {backend}"
+        self.settings = dict(settings or {})
+        self.env = dict(env or {})
+        self.key = f"gds-{backend}" + (f"-{variant}" if variant else "")
+        self.label = f"gds_persist {backend}" + (f" {variant}" if variant else "")
+
+    @contextmanager
+    def _scope(self) -> Iterator[None]:
+        import gds_persist
+
+        with _environment(self.env), gds_persist.settings.set(**self.settings):
+            yield
+
+    def prepare(self, ctx: Context) -> None:
+        shown = {**self.settings, **self.env}
+        if shown:
+            self.notes.append("with " + ", ".join(f"{k}={v}" for k, v in shown.items()))
 
     def unavailable(self, ctx: Context) -> str | None:
         if self.backend == "direct" and not ctx.o_direct:
@@ -167,7 +204,8 @@ class GdsPersist(Method):
                 return "needs CUDA tensors (--device cuda)"
             from gds_persist.backends.kvikio_backend import kvikio_status
 
-            usable, why = kvikio_status()
+            with _environment(self.env):
+                usable, why = kvikio_status()
             if not usable:
                 return why
         return None
@@ -175,14 +213,16 @@ class GdsPersist(Method):
     def save(self, ctx: Context, path: str) -> None:
         import gds_persist
 
-        info = gds_persist.save(ctx.sd, path, backend=self.backend)
+        with self._scope():
+            info = gds_persist.save(ctx.sd, path, backend=self.backend)
         self.info = {"backend": info.backend, "reason": info.reason,
                      "bytes_written": info.bytes_written}
 
     def load(self, ctx: Context, path: str) -> Any:
         import gds_persist
 
-        return gds_persist.load(path, backend=self.backend)
+        with self._scope():
+            return gds_persist.load(path, backend=self.backend)
 
 
 for _backend in ("direct", "buffered", "kvikio"):
@@ -236,10 +276,27 @@ def _quiet_dcp() -> Iterator[None]:
 @register
 class DcpFileSystem(Method):
     """PyTorch DCP ``dcp.save`` with ``FileSystemWriter`` (``sync_files=True``, its default:
-    every data file and the metadata are fsynced) at its best thread count here."""
+    every data file and the metadata are fsynced) at its best thread count here.
+
+    Another DCP storage backend is a subclass overriding ``writer``/``reader`` (and ``key``,
+    ``label``, ``load_label``, ``describe``); ``thread_count`` is what the calibration varies.
+    """
 
     key = "dcp"
     label = "DCP FileSystemWriter"
+    load_label = "DCP FileSystemReader"
+    describe = ("sync_files=True (default); no directory fsync; tied tensors stored once per "
+                "key; load into preallocated tensors (allocation timed)")
+
+    def writer(self, path: str, thread_count: int) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.FileSystemWriter(path, thread_count=thread_count, sync_files=True)
+
+    def reader(self, path: str) -> Any:
+        import torch.distributed.checkpoint as dcp
+
+        return dcp.FileSystemReader(path)
 
     def __init__(self) -> None:
         super().__init__()
@@ -271,17 +328,14 @@ class DcpFileSystem(Method):
             self.threads = counts[0]
             self.notes.append(f"thread_count={self.threads} (given)")
         self.info["thread_count"] = self.threads
-        self.label = f"DCP FileSystemWriter t={self.threads}"
-        self.load_label = "DCP FileSystemReader"
-        self.notes.append("sync_files=True (default); no directory fsync; tied tensors stored "
-                          "once per key; load into preallocated tensors (allocation timed)")
+        self.label = f"{self.label} t={self.threads}"
+        self.notes.append(self.describe)
 
     def _save(self, ctx: Context, path: str, threads: int) -> None:
         import torch.distributed.checkpoint as dcp
 
-        writer = dcp.FileSystemWriter(path, thread_count=threads, sync_files=True)
         with _quiet_dcp():
-            dcp.save(ctx.sd, storage_writer=writer, no_dist=True)
+            dcp.save(ctx.sd, storage_writer=self.writer(path, threads), no_dist=True)
 
     def save(self, ctx: Context, path: str) -> None:
         self._save(ctx, path, self.threads)
@@ -291,7 +345,7 @@ class DcpFileSystem(Method):
 
         target = _empty_like(ctx.sd)
         with _quiet_dcp():
-            dcp.load(target, storage_reader=dcp.FileSystemReader(path), no_dist=True)
+            dcp.load(target, storage_reader=self.reader(path), no_dist=True)
         return target
 
 

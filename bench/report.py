@@ -69,6 +69,8 @@ def rows(series: list[Series]) -> list[dict[str, Any]]:
 def _bytes(n: float | None) -> str:
     if n is None:
         return "?"
+    if n == 0:
+        return "0 B"
     for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if n >= scale:
             return f"{n / scale:.2f} {unit}"
@@ -88,6 +90,10 @@ def header_lines(record: dict[str, Any]) -> list[str]:
               f"{bd.get('physical_block_size', '?')} B" if "logical_block_size" in bd
               else bd.get("note", "block size unknown"))
     cache = record["cache"]
+    resident = cache.get("resident_before_load") or {}
+    worst = max(resident.values(), default=None)
+    cached = ("" if worst is None else
+              f"; checkpoint bytes cached before a load: at most {_bytes(worst)} (mincore)")
     lines = [
         "gds_persist I/O benchmark",
         f"  CPU        {m['cpu']}; {m['cores']['usable']} usable of {m['cores']['logical']} "
@@ -104,14 +110,14 @@ def header_lines(record: dict[str, Any]) -> list[str]:
         f"{record['config']['device']}: {st['description']}",
         f"  runs       {record['config']['runs']} per method, interleaved (round-robin, order "
         "rotated every repetition); every save includes fsync",
-        f"  cold load  {cache['detail']}",
+        f"  cold load  {cache['detail']}{cached}",
         f"  drive      {record['drive']['tool']}"
         + (f", {record['drive']['fio']}" if record["drive"]["tool"].startswith("fio") else "")
         + (f" ({'; '.join(record['drive']['notes'])})" if record["drive"]["notes"] else ""),
     ]
-    if cache["how"] != "drop_caches":
-        lines.append("  NOTE       page cache NOT dropped globally: cold-load figures may be "
-                     "optimistic")
+    if cache["how"] == "none" or (worst or 0) > 0.01 * record["state"]["payload_bytes"]:
+        lines.append("  NOTE       the page cache could not be emptied before loads: cold-load "
+                     "figures may be optimistic")
     if not record["drive"]["tool"].startswith("fio"):
         lines.append("  NOTE       drive limit from a plain Python stream, not fio "
                      "(install fio for the reference figure)")

@@ -43,6 +43,7 @@ def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
         assert key in data["machine"]
     assert data["drive"]["tool"].startswith("fio" if shutil.which("fio") else "python")
     assert data["cache"]["how"] in ("drop_caches", "fadvise", "none")
+    assert set(data["cache"]["resident_before_load"]) <= available  # mincore, per method
     for line in ("CPU", "directory", "GPU", "versions", "state", "cold load", "drive"):
         assert f"  {line} " in printed
 
@@ -71,10 +72,13 @@ def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
 def test_method_subset_and_png_message(tmp_path, capsys):
     png = tmp_path / "bench.png"
     data = bench_io.main(["--size", "1MiB", "--runs", "1", "--dir", str(tmp_path),
-                          "--methods", "torch,gds-buffered", "--no-fio", "--png", str(png)])
+                          "--methods", "torch,gds-buffered", "--no-fio", "--png", str(png),
+                          "--cache-drop", "per-file"])
     printed = capsys.readouterr().out
     assert [m["key"] for m in data["methods"]] == ["torch", "gds-buffered"]
     assert data["drive"]["tool"].startswith("python")
+    assert data["cache"]["how"] == "fadvise"
+    assert "posix_fadvise(DONTNEED)" in printed
     assert "NOTE       drive limit from a plain Python stream, not fio" in printed
     assert ("PNG written" in printed and png.stat().st_size > 0) or "PNG skipped" in printed
 
@@ -116,3 +120,20 @@ def test_touch_pages_counts_each_storage_once():
     a = torch.zeros(3000, dtype=torch.float32)
     assert touch_pages([a, a[10:], a.view(30, 100)]) == 12000
     assert touch_pages([torch.empty(0)]) == 0
+
+
+def test_registry_variant_row(tmp_path, capsys, monkeypatch):
+    """A new row is one register() call (as issues 5/6 add kvikio-compat and DCP rows)."""
+    monkeypatch.setattr(methods, "REGISTRY", dict(methods.REGISTRY))
+    methods.register(lambda: methods.GdsPersist("buffered", variant="tiny-ring",
+                                                settings={"block_bytes": 1 << 20,
+                                                          "staging_bytes": 2 << 20}),
+                     key="gds-buffered-tiny-ring")
+    data = bench_io.main(["--size", "1MiB", "--runs", "1", "--dir", str(tmp_path), "--no-fio",
+                          "--methods", "torch,gds-buffered-tiny-ring", "--cache-drop", "per-file"])
+    printed = capsys.readouterr().out
+    assert any(ln.startswith("save  gds_persist buffered tiny-ring") for ln in printed.splitlines())
+    (entry,) = [m for m in data["methods"] if m["key"] == "gds-buffered-tiny-ring"]
+    assert entry["check"] == "ok" and "block_bytes=1048576" in entry["notes"][0]
+    with pytest.raises(ValueError, match="already registered"):
+        methods.register(methods.TorchSave)
