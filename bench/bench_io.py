@@ -128,6 +128,31 @@ def _load_resident(m: methods.Method, ctx: methods.Context, path: str) -> Any:
     return loaded
 
 
+def _save_and_load(m: methods.Method, ctx: methods.Context, path: str, cache_mode: str,
+                   cache: dict[str, Any], disk: dict[str, int], resident: dict[str, int],
+                   expected: dict[str, torch.Tensor],
+                   checks: dict[str, str]) -> tuple[float, float]:
+    """One repetition of one method: timed durable save, cache eviction, timed cold load.
+
+    Records what it saw in ``cache``, ``disk``, ``resident`` and ``checks`` (the bit-exact
+    comparison with ``expected``, when given)."""
+    methods.remove(path)
+    os.sync()  # untimed: nothing dirty from earlier steps is flushed inside this save
+    s_save, _ = _timed(ctx, m.save, ctx, path)
+    disk[m.key] = methods.disk_bytes(path)
+    cache["how"], cache["detail"] = machine.drop_page_cache([path], cache_mode)
+    cached = machine.resident_bytes([path])
+    if cached is not None:
+        resident[m.key] = max(resident.get(m.key, 0), cached)
+    s_load, loaded = _timed(ctx, _load_resident, m, ctx, path)
+    if expected:
+        problem = _check(m, ctx, loaded, expected)
+        if problem:
+            checks[m.key] = problem
+            log(f"  WARNING {m.key}: {problem}")
+    return s_save, s_load
+
+
 def _timed(ctx: methods.Context, fn: Any, *args: Any) -> tuple[float, Any]:
     ctx.synchronize()
     t0 = time.perf_counter()
@@ -195,8 +220,10 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
     checks: dict[str, str] = {}
     cache: dict[str, Any] = {"how": "none", "detail": "not attempted"}
     resident: dict[str, int] = {}  # most checkpoint bytes still cached right before a load
+    failed: dict[str, str] = {}
     items: list[methods.Method | None] = [None, *chosen.available]  # None = the drive limit
     order: list[list[str]] = []
+    drive_runs: list[dict[str, Any]] = []
     for rep in range(args.runs):
         shift = rep % len(items)
         this = items[shift:] + items[:shift]
@@ -210,6 +237,7 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
                                                                         args.cache_drop)
                 r = probe.read()
                 probe.cleanup()
+                drive_runs.append({"write": w.__dict__, "read": r.__dict__})
                 drive_w.seconds.append(w.seconds)
                 drive_r.seconds.append(r.seconds)
                 drive_w.tool = drive_r.tool = w.tool
@@ -218,23 +246,17 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
                     f"read {r.nbytes / r.seconds / 1e9:6.2f} GB/s  ({w.tool})")
                 continue
             path = os.path.join(workdir, m.key)
-            methods.remove(path)
-            os.sync()
-            s_save, _ = _timed(ctx, m.save, ctx, path)
-            disk[m.key] = methods.disk_bytes(path)
-            cache["how"], cache["detail"] = machine.drop_page_cache([path], args.cache_drop)
-            cached = machine.resident_bytes([path])
-            if cached is not None:
-                resident[m.key] = max(resident.get(m.key, 0), cached)
-            s_load, loaded = _timed(ctx, _load_resident, m, ctx, path)
-            if rep == 0 and expected:
-                problem = _check(m, ctx, loaded, expected)
-                if problem:
-                    checks[m.key] = problem
-                    log(f"  WARNING {m.key}: {problem}")
-            del loaded
-            gc.collect()
-            methods.remove(path)
+            try:
+                s_save, s_load = _save_and_load(m, ctx, path, args.cache_drop, cache, disk,
+                                                resident, expected if rep == 0 else {}, checks)
+            except Exception as e:  # noqa: BLE001 - one broken method must not stop the run
+                failed[m.key] = f"{type(e).__name__}: {e}"
+                log(f"  FAILED {m.key}: {failed[m.key]} (dropped from the remaining runs)")
+                items.remove(m)
+                continue
+            finally:
+                gc.collect()
+                methods.remove(path)
             series[(m.key, "save")].seconds.append(s_save)
             series[(m.key, "load")].seconds.append(s_load)
             log(f"  {m.key:<12} save {summ.payload_bytes / s_save / 1e9:6.2f} GB/s  "
@@ -242,8 +264,9 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
     drive_w.tool = drive_r.tool = drive_w.tool or probe.tool
     cache["resident_before_load"] = resident
 
-    all_series = [drive_w, *(series[(m.key, "save")] for m in chosen.available),
-                  drive_r, *(series[(m.key, "load")] for m in chosen.available)]
+    done = [m for m in chosen.available if m.key not in failed]
+    all_series = [drive_w, *(series[(m.key, "save")] for m in done),
+                  drive_r, *(series[(m.key, "load")] for m in done)]
     table = report.rows(all_series)
     elapsed = time.perf_counter() - t_start
     record: dict[str, Any] = {
@@ -263,11 +286,12 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
                                   f"{summ.largest_bytes / 2**20:.1f} MiB")},
         "cache": cache,
         "drive": {"tool": drive_w.tool, "notes": probe.notes, "fio": fio_version(),
-                  "bytes": probe.nbytes},
+                  "bytes": probe.nbytes, "runs": drive_runs},
         "methods": [{"key": m.key, "label": m.label, "load_label": m.load_label or m.label,
                      "available": True, "notes": m.notes,
                      "info": m.info, "disk_bytes": disk.get(m.key),
-                     "check": checks.get(m.key, "ok" if expected else "skipped")}
+                     "check": checks.get(m.key, "ok" if expected else "skipped"),
+                     "failed": failed.get(m.key)}
                     for m in chosen.available]
         + [{"key": m.key, "label": m.label, "available": False, "reason": why}
            for m, why in chosen.unavailable],
@@ -300,6 +324,8 @@ def print_report(record: dict[str, Any], disk: dict[str, int]) -> None:
     for m in record["methods"]:
         if not m["available"]:
             lines.append(f"not run: {m['label'] or m['key']}: {m['reason']}")
+        elif m["failed"]:
+            lines.append(f"FAILED (no row): {m['label']}: {m['failed']}")
     for m in record["methods"]:
         if m["available"]:
             extra = list(m["notes"])

@@ -35,6 +35,7 @@ def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
             assert m["reason"]  # ...with the reason
             assert f"not run: {m['label']}: {m['reason']}" in printed
         else:
+            assert m["failed"] is None, m
             assert m["check"] == "ok", m  # every method's first load matched the source
             assert m["disk_bytes"] > 0
 
@@ -137,3 +138,21 @@ def test_registry_variant_row(tmp_path, capsys, monkeypatch):
     assert entry["check"] == "ok" and "block_bytes=1048576" in entry["notes"][0]
     with pytest.raises(ValueError, match="already registered"):
         methods.register(methods.TorchSave)
+
+
+def test_a_failing_method_is_reported_and_the_rest_still_run(tmp_path, capsys, monkeypatch):
+    class Broken(methods.Method):
+        key, label = "broken", "broken writer"
+
+        def save(self, ctx, path):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(methods, "REGISTRY", dict(methods.REGISTRY))
+    methods.register(Broken)
+    data = bench_io.main(["--size", "1MiB", "--runs", "2", "--dir", str(tmp_path), "--no-fio",
+                          "--methods", "broken,torch", "--cache-drop", "per-file"])
+    printed = capsys.readouterr().out
+    assert "FAILED (no row): broken writer: OSError: [Errno 28] No space left on device" in printed
+    assert {r["key"] for r in data["rows"]} == {"drive", "torch"}
+    assert all(r["runs"] == 2 for r in data["rows"])
+    assert data["order"][1] == ["torch", "drive"]  # dropped from the later repetitions
