@@ -64,12 +64,12 @@ def _int_list(text: str) -> tuple[int, ...]:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="bench_io.py", description=__doc__.split("\n\n")[0] if __doc__ else None,
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        prog="bench_io.py", description=__doc__.split("\n\n")[0] if __doc__ else None)
     p.add_argument("--size", type=parse_size, default=parse_size(DEFAULT_SIZE),
                    help=f"state dict size, e.g. 2GiB, 512MiB (default {DEFAULT_SIZE})")
     p.add_argument("--runs", type=int, default=DEFAULT_RUNS,
-                   help="timed repetitions per method (median and spread reported)")
+                   help=f"timed repetitions per method, median and spread reported "
+                        f"(default {DEFAULT_RUNS})")
     p.add_argument("--dir", default=None,
                    help="directory on the drive to test; a temporary subdirectory is created "
                         "and removed (default: bench/out/ in the repository)")
@@ -79,20 +79,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--methods", default=None,
                    help="comma-separated subset of: " + ", ".join(methods.REGISTRY))
     p.add_argument("--dtype", choices=DTYPES, default="mixed",
-                   help="mixed: bf16 params + fp32 master/exp_avg/exp_avg_sq (14 B/param); "
-                        "fp32: fp32 params + exp_avg/exp_avg_sq (12 B/param)")
-    p.add_argument("--device", default="cpu", help="where the state dict lives: cpu or cuda")
-    p.add_argument("--seed", type=int, default=0, help="state dict generator seed")
+                   help="mixed (default): bf16 params + fp32 master/exp_avg/exp_avg_sq "
+                        "(14 B/param); fp32: fp32 params + exp_avg/exp_avg_sq (12 B/param)")
+    p.add_argument("--device", default="cpu",
+                   help="where the state dict lives: cpu (default) or cuda")
+    p.add_argument("--seed", type=int, default=0, help="state dict generator seed (default 0)")
     p.add_argument("--dcp-threads", type=_int_list, default=(1, 2, 4),
-                   help="DCP FileSystemWriter thread counts to calibrate (one save each); "
-                        "give one value to skip the calibration")
+                   help="DCP FileSystemWriter thread counts to calibrate, one save each "
+                        "(default 1,2,4); give one value to skip the calibration")
     p.add_argument("--no-fio", action="store_true",
                    help="measure the drive limit with the Python O_DIRECT stream even if fio "
                         "is installed")
     p.add_argument("--cache-drop", choices=machine.CACHE_MODES, default="auto",
                    help="how the page cache is emptied before each load: global = drop_caches "
                         "(root), per-file = posix_fadvise(DONTNEED) on the checkpoint's files; "
-                        "auto = global as root, else per-file")
+                        "auto (default) = global as root, else per-file")
     p.add_argument("--no-check", action="store_true",
                    help="skip comparing the first load of each method with the source tensors")
     return p
