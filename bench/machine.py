@@ -119,6 +119,17 @@ def gpu_info() -> dict[str, Any]:
             pynvml.nvmlShutdown()
     except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound on CPU machines
         info["nvml"] = f"no NVML ({type(e).__name__})"
+    try:
+        from gds_persist.topology import topology
+
+        topo = topology()  # never raises
+        info["topology"] = topo.as_dict()
+        if topo.gpus:
+            g = topo.gpus[0]
+            info["pcie"] = g.pcie
+            info["numa_node"] = g.numa_node
+    except Exception as e:  # noqa: BLE001
+        info["topology"] = {"error": str(e)}
     if info["available"]:
         try:
             from gds_persist.backends.kvikio_backend import kvikio_status
@@ -138,6 +149,7 @@ def gpu_line(info: dict[str, Any]) -> str:
         return f"no GPU ({extra})" if extra else "no GPU"
     parts = [", ".join(info.get("devices", [])),
              f"driver {info.get('driver', '?')}", f"CUDA {info.get('torch_cuda')}",
+             str(info.get("pcie", "PCIe unknown")), f"NUMA node {info.get('numa_node')}",
              str(info.get("kvikio", "kvikio status unknown"))]
     return "; ".join(parts)
 

@@ -169,10 +169,15 @@ class GdsPersist(Method):
     """``gds_persist.save`` / ``load`` with one backend forced.
 
     Variants are one line each: ``settings`` go through ``gds_persist.settings.set`` and ``env``
-    into the environment around every call, e.g. a forced KvikIO compatibility mode row::
+    into the environment around every call, e.g. a row with larger staging blocks::
 
-        register(lambda: GdsPersist("kvikio", variant="compat",
-                                    env={"KVIKIO_COMPAT_MODE": "ON"}), key="gds-kvikio-compat")
+        register(lambda: GdsPersist("direct", variant="64MiB",
+                                    settings={"block_bytes": 64 << 20,
+                                              "staging_bytes": 256 << 20}),
+                 key="gds-direct-64MiB")
+
+    (Not ``env={"KVIKIO_COMPAT_MODE": ...}``: KvikIO reads it once per process, so such a row
+    would silently run in whatever mode came first; see :class:`GdsKvikio`.)
     """
 
     def __init__(self, backend: str, *, variant: str = "", settings: dict[str, Any] | None = None,
@@ -195,6 +200,10 @@ class GdsPersist(Method):
         shown = {**self.settings, **self.env}
         if shown:
             self.notes.append("with " + ", ".join(f"{k}={v}" for k, v in shown.items()))
+        if ctx.device.type == "cuda" and self.backend != "kvikio":
+            self.notes.append("CUDA tensors: device-to-host copies into the pinned staging ring "
+                              "on a side stream, overlapped with the writes of earlier buffers "
+                              "(loads: host-to-device on the side stream)")
 
     def unavailable(self, ctx: Context) -> str | None:
         if self.backend == "direct" and not ctx.o_direct:
@@ -225,8 +234,57 @@ class GdsPersist(Method):
             return gds_persist.load(path, backend=self.backend)
 
 
-for _backend in ("direct", "buffered", "kvikio"):
+for _backend in ("direct", "buffered"):
     register(lambda b=_backend: GdsPersist(b), key=f"gds-{_backend}")
+
+
+class GdsKvikio(GdsPersist):
+    """``backend="kvikio"`` from CUDA memory: GPUDirect Storage where cuFile has it, else
+    cuFile's compatibility mode (``gds-kvikio``), or KvikIO's own POSIX compatibility mode
+    forced (``gds-kvikio-compat``). The label says which mode ran. A kvikio row that did not
+    actually run through kvikio (the probe fell back to ``direct``, or cuFile failed mid-save)
+    raises, so it is reported as FAILED with the reason rather than timed under a wrong name.
+
+    The compat variant uses ``kvikio.defaults.set("compat_mode", ON)`` around each call:
+    KvikIO reads ``KVIKIO_COMPAT_MODE`` from the environment only once per process.
+    """
+
+    def __init__(self, compat: bool = False):
+        super().__init__("kvikio", variant="compat" if compat else "")
+        self.compat = compat
+
+    @contextmanager
+    def _scope(self) -> Iterator[None]:
+        if not self.compat:
+            with super()._scope():
+                yield
+            return
+        import kvikio
+        import kvikio.defaults
+
+        with super()._scope(), kvikio.defaults.set("compat_mode", kvikio.CompatMode.ON):
+            yield
+
+    def prepare(self, ctx: Context) -> None:
+        super().prepare(ctx)
+        from gds_persist.backends.kvikio_backend import gds_mode, import_kvikio
+
+        with self._scope():
+            gds, mode = gds_mode(import_kvikio())
+        short = "GDS" if gds else ("KvikIO compat, forced" if self.compat else "cuFile compat")
+        self.label = f"gds_persist kvikio ({short})"
+        self.info["mode"] = mode
+        self.notes.append(f"mode: {mode}")
+
+    def save(self, ctx: Context, path: str) -> None:
+        super().save(ctx, path)
+        reason = self.info.get("reason", "")
+        if self.info.get("backend") != "kvikio" or "fell back" in reason:
+            raise RuntimeError(f"the kvikio row did not run through kvikio: {reason}")
+
+
+register(GdsKvikio, key="gds-kvikio")
+register(lambda: GdsKvikio(compat=True), key="gds-kvikio-compat")
 
 
 # --------------------------------------------------------------------------- torch.save
