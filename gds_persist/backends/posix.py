@@ -7,6 +7,7 @@ accepts O_DIRECT (tmpfs does not; :func:`supports_o_direct` probes it).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import uuid
@@ -98,6 +99,9 @@ def supports_o_direct(directory: str) -> tuple[bool, str]:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
     except OSError as e:
+        # Some filesystems (ramfs) create the file and only then refuse O_DIRECT: remove it.
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
         return False, f"open(O_DIRECT) failed on {directory}: {os.strerror(e.errno or 0)}"
     try:
         with AlignedBuffer(4096) as buf:
