@@ -28,6 +28,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 _JSON_SCALARS = (str, int, type(None))  # bool is an int subclass; floats are handled apart
+MAX_DEPTH = 100  # containers nested deeper than this are refused at save and in a manifest
 
 
 @dataclass(frozen=True)
@@ -125,6 +126,9 @@ class _Flattener:
         return {"t": "tensor", "i": len(self.tensors) - 1}
 
     def node(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        if len(path) > MAX_DEPTH:
+            raise _reject(path, f"a value nested more than {MAX_DEPTH} levels deep",
+                          "flatten the structure (loading must not exhaust the stack)")
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if isinstance(obj, bool) or isinstance(obj, _JSON_SCALARS):
