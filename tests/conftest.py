@@ -40,7 +40,9 @@ def kvikio_missing() -> str | None:
 
 
 def cuda_missing() -> str | None:
-    return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+    if torch.cuda.is_available():
+        return None
+    return "no CUDA device (torch.cuda.is_available() is False)"
 
 
 @dataclass(frozen=True)

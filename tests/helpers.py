@@ -29,7 +29,7 @@ def assert_tensor_equal(got: torch.Tensor, want: torch.Tensor, where: str = "") 
     assert got.stride() == want.stride(), f"{where}: stride {got.stride()} != {want.stride()}"
     assert got.storage_offset() == want.storage_offset(), f"{where}: storage offset"
     assert got.requires_grad == want.requires_grad, f"{where}: requires_grad"
-    assert got.untyped_storage().nbytes() == want.untyped_storage().nbytes(), f"{where}: storage size"
+    assert got.untyped_storage().nbytes() == want.untyped_storage().nbytes(), f"{where}: storage"
     assert raw_bytes(got) == raw_bytes(want), f"{where}: bytes differ"
 
 
@@ -52,7 +52,7 @@ def assert_tree_equal(got: Any, want: Any, where: str = "<root>",
             assert getattr(got, "_metadata", None) == getattr(want, "_metadata", None), where
     elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
-        for i, (g, w) in enumerate(zip(got, want)):
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
             assert_tree_equal(g, w, f"{where}[{i}]", device)
     elif isinstance(want, float):
         assert (math.isnan(got) and math.isnan(want)) or (
@@ -62,13 +62,15 @@ def assert_tree_equal(got: Any, want: Any, where: str = "<root>",
         assert got == want, f"{where}: {got!r} != {want!r}"
 
 
-def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0, device: str = "cpu") -> torch.Tensor:
+def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0,
+                  device: str = "cpu") -> torch.Tensor:
     """``numel`` elements of ``dtype`` with random bits (random NaN payloads for floats)."""
     g = torch.Generator().manual_seed(seed)
     if dtype == torch.bool:
-        return torch.randint(0, 2, (numel,), generator=g, dtype=torch.uint8).bool().to(device)
+        return torch.randint(0, 2, (numel,), generator=g, dtype=torch.uint8).to(device).bool()
     nbytes = numel * dtype.itemsize
-    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).view(dtype).to(device)
+    # move the bytes, then reinterpret: sub-byte dtypes (uint1..int7) have no copy kernel
+    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).to(device).view(dtype)
 
 
 def data_files(path: str | os.PathLike[str]) -> dict[str, bytes]:

@@ -182,7 +182,7 @@ def test_alignment_edges_packed(backend: BackendCase, tmp_path: Path) -> None:
     for e in body["extents"]:
         assert e["offset"] % ALIGNMENT == 0
         covered[e["offset"] : e["offset"] + e["length"]] = b"\x01" * e["length"]
-    gaps = bytes(b for b, c in zip(content, covered) if not c)
+    gaps = bytes(b for b, c in zip(content, covered, strict=True) if not c)
     assert gaps == bytes(len(gaps)), "bytes between extents must be zeros"
 
 
@@ -327,7 +327,8 @@ def test_model_and_adam_round_trip(backend: BackendCase, tmp_path: Path) -> None
         o.zero_grad()
         m(x).square().mean().backward()
         o.step()
-    for (k, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items()):
+    for (k, a), (_, b) in zip(model.state_dict().items(), model2.state_dict().items(),
+                              strict=True):
         assert raw_bytes(a) == raw_bytes(b), k
 
 
@@ -401,7 +402,8 @@ def test_map_location_moves_cuda_checkpoint_to_cpu(tmp_path: Path, name: str) ->
 def test_cuda_checkpoint_without_map_location_on_cpu_machine(tmp_path: Path) -> None:
     gds_persist.save({"w": torch.ones(2)}, tmp_path / "ck")
     _pretend_saved_on(tmp_path / "ck", "cuda:0")
-    with pytest.raises(RuntimeError, match=r"saved on cuda:0 but CUDA is not available.*map_location"):
+    match = r"saved on cuda:0 but CUDA is not available.*map_location"
+    with pytest.raises(RuntimeError, match=match):
         gds_persist.load(tmp_path / "ck")
 
 
