@@ -97,11 +97,13 @@ class _Flattener:
         self.tensors: list[TensorRecord] = []
         self.storages: list[StorageRecord] = []
         self.storage_objects: list[torch.UntypedStorage] = []
-        self._storage_index: dict[tuple[str, int], int] = {}
+        self._storage_index: dict[tuple[str, int, int], int] = {}
 
     def storage_index(self, t: torch.Tensor) -> int:
         storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
+        # the size is part of the key: distinct storages can start at one address (from_numpy
+        # of a[:10] and of a) and must not be merged into the smaller one
+        key = (str(t.device), storage.data_ptr(), storage.nbytes())
         if storage.nbytes() and key in self._storage_index:
             return self._storage_index[key]
         index = len(self.storages)

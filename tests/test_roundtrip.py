@@ -13,6 +13,7 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
@@ -129,6 +130,27 @@ def test_tied_storages_share_after_load(backend: BackendCase, tmp_path: Path) ->
     assert got["t"][0, 3].item() == 42.0 and got["separate"][3, 0].item() != 42.0
     body = manifest_doc(tmp_path / "ck")["body"]
     assert len(body["storages"]) == 2 and len(body["tensors"]) == 6
+
+
+def test_storages_sharing_an_address_but_not_a_size(backend: BackendCase, tmp_path: Path) -> None:
+    """from_numpy of a[:10] and of a: two storages at one address; neither may be truncated."""
+    arr = np.arange(100, dtype=np.float32)
+    sd = {"head": torch.from_numpy(arr[:10]), "all": torch.from_numpy(arr),
+          "again": torch.from_numpy(arr[:10])}
+    assert sd["head"].untyped_storage().data_ptr() == sd["all"].untyped_storage().data_ptr()
+    if backend.device != "cpu":
+        sd = {k: v.to(backend.device) for k, v in sd.items()}
+    got = roundtrip(sd, tmp_path / "ck", backend)
+    assert_tree_equal(got, sd)
+
+
+def test_views_with_other_dtypes_share_storage(backend: BackendCase, tmp_path: Path) -> None:
+    x = torch.randn(6, device=backend.device)
+    sd = {"f32": x, "i32": x.view(torch.int32), "bf16_tail": x.view(torch.bfloat16)[3:],
+          "bytes": x.view(torch.uint8)[::5]}
+    got = roundtrip(sd, tmp_path / "ck", backend)
+    assert_tree_equal(got, sd)
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
 
 
 def test_tensors_larger_than_the_staging_ring(backend: BackendCase, tmp_path: Path) -> None:
