@@ -212,6 +212,21 @@ def test_truncated_data_file(backend: BackendCase, tmp_path: Path, keep: int) ->
         gds_persist.verify(path)
 
 
+def test_sizes_claimed_by_the_manifest_are_checked_before_allocating(tmp_path: Path) -> None:
+    """A (resealed) manifest claiming a 16 TiB storage in a 16 TiB file is stopped by the real
+    file size, not by a failed 16 TiB allocation."""
+    path = tmp_path / "ck"
+    gds_persist.save({"a": torch.ones(10)}, path)
+
+    def claim_huge(body: dict[str, Any]) -> None:
+        body["storages"][0]["nbytes"] = body["extents"][0]["length"] = 1 << 44
+        body["files"][0]["size"] = 1 << 44
+
+    rewrite_manifest(path, claim_huge)
+    with pytest.raises(TruncatedError, match=r"is 4096 bytes but the manifest records 1759218604"):
+        gds_persist.load(path)
+
+
 def test_missing_data_file(tmp_path: Path) -> None:
     path = tmp_path / "ck"
     gds_persist.save({"a": torch.randn(10)}, path)
