@@ -705,3 +705,41 @@ def test_invalid_environment_values_rejected(tmp_path: Path, monkeypatch: pytest
     with pytest.raises(ValueError, match=match):
         gds_persist.save(_sd(), tmp_path / "ck")
     assert os.listdir(tmp_path) == []
+
+
+# --- read-only checkpoints ------------------------------------------------------------------
+
+@pytest.fixture
+def read_only_checkpoint(tmp_path: Path) -> Iterator[tuple[Path, dict[str, Any]]]:
+    """A checkpoint seen through a read-only bind mount (root only)."""
+    if os.geteuid() != 0:
+        pytest.skip("a read-only bind mount needs root")
+    sd = {"w": torch.randn(3000), "i": torch.arange(5)}
+    gds_persist.save(sd, tmp_path / "ck")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    r = subprocess.run(["mount", "--bind", str(tmp_path / "ck"), str(ro)], capture_output=True,
+                       text=True)
+    if r.returncode:
+        pytest.skip(f"cannot bind-mount: {r.stderr.strip()}")
+    try:
+        r = subprocess.run(["mount", "-o", "remount,ro,bind", str(ro)], capture_output=True,
+                           text=True)
+        if r.returncode:
+            pytest.skip(f"cannot remount read-only: {r.stderr.strip()}")
+        yield ro, sd
+    finally:
+        subprocess.run(["umount", str(ro)], check=True)
+
+
+@pytest.mark.parametrize("backend", ["auto", "direct", "buffered"])
+def test_load_and_verify_a_read_only_checkpoint(read_only_checkpoint: tuple[Path, Any],
+                                                backend: str) -> None:
+    ro, sd = read_only_checkpoint
+    assert_tree_equal(gds_persist.load(ro, backend=backend), sd)
+    assert gds_persist.verify(ro, backend=backend).ok
+    if backend != "buffered":
+        from gds_persist.backends import choose_backend
+
+        chosen, why = choose_backend(backend, str(ro), False)
+        assert chosen.name == "direct", why
