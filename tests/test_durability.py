@@ -273,3 +273,88 @@ def test_import_and_cpu_use_without_kvikio_or_cupy(tmp_path: Path) -> None:
     assert "pip install 'gds_persist[gpu]'" in lines[3]
     assert sorted(os.listdir(tmp_path)) == ["ck"], "the refused kvikio save left something"
     assert not (tmp_path / "cufile.log").exists()
+
+
+# --- an I/O error in the middle of a save or load -------------------------------------------
+# EIO cannot be provoked on demand here, so a real DirectBackend is wrapped to fail its Nth call.
+
+class _FailingDirect:
+    """The real O_DIRECT backend, except that call number ``fail_at`` of ``method`` raises EIO."""
+
+    def __init__(self, method: str, fail_at: int) -> None:
+        from gds_persist.backends import DirectBackend
+
+        self._real = DirectBackend()
+        self._method, self._fail_at, self.calls = method, fail_at, 0
+        self.name, self.accepts_device = "direct", False
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._real, name)
+        if name != self._method:
+            return real
+
+        def call(*args: Any) -> Any:
+            self.calls += 1
+            if self.calls == self._fail_at:
+                raise OSError(5, "Input/output error (injected)")
+            return real(*args)
+
+        return call
+
+
+def _inject(monkeypatch: pytest.MonkeyPatch, module: str, backend: _FailingDirect) -> None:
+    import importlib
+
+    monkeypatch.setattr(importlib.import_module(module), "choose_backend",
+                        lambda *a, **k: (backend, "fault injection"))
+
+
+def _ring_intact() -> None:
+    from gds_persist import staging
+
+    (ring,) = staging._idle_rings
+    assert ring._free.qsize() == ring.count, "a staging buffer was not returned to the ring"
+
+
+@pytest.mark.parametrize("fail_at", [1, 3, 9])
+def test_write_error_mid_save_loses_nothing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            fail_at: int) -> None:
+    path = tmp_path / "ck"
+    old = {"w": torch.full((100,), 1.0)}
+    gds_persist.save(old, path)
+    new = {"w": torch.randn(40_000), "v": torch.randn(3)}  # 40 blocks of 4 KiB
+    faulty = _FailingDirect("pwrite", fail_at)
+    _inject(monkeypatch, "gds_persist.save", faulty)
+    before = open_fds()
+    with pytest.raises(OSError, match=r"Input/output error \(injected\)"):
+        gds_persist.save(new, path, block_bytes=4096, staging_bytes=3 * 4096, io_threads=2)
+    assert open_fds() == before, "descriptors left open after a failed save"
+    assert faulty.calls >= fail_at
+    assert sorted(os.listdir(tmp_path)) == ["ck"], "the temporary directory must be removed"
+    _ring_intact()
+    monkeypatch.undo()
+    assert_tree_equal(gds_persist.load(path), old)
+
+
+@pytest.mark.parametrize("fail_at", [1, 4])
+def test_read_error_mid_load_is_raised_and_cleaned_up(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch,
+                                                      fail_at: int) -> None:
+    path = tmp_path / "ck"
+    sd = {"w": torch.randn(40_000)}
+    gds_persist.save(sd, path)
+    faulty = _FailingDirect("pread", fail_at)
+    with gds_persist.settings.set(block_bytes=4096, staging_bytes=3 * 4096, io_timeout_s=20):
+        gds_persist.load(path)  # warm: lazy imports, the ring
+        _inject(monkeypatch, "gds_persist.load", faulty)
+        before = open_fds()
+        with pytest.raises(OSError, match=r"Input/output error \(injected\)"):
+            gds_persist.load(path)
+        assert open_fds() == before
+        _ring_intact()
+        monkeypatch.undo()
+        assert_tree_equal(gds_persist.load(path), sd)
+    # the failed load's traceback still pins a staging buffer: a save that replaces the ring
+    # (other sizes) must still work (it raised BufferError from the ring's cleanup)
+    gds_persist.save(sd, tmp_path / "after", block_bytes=8192, staging_bytes=16384)
+    assert_tree_equal(gds_persist.load(tmp_path / "after"), sd)
