@@ -358,3 +358,20 @@ def test_read_error_mid_load_is_raised_and_cleaned_up(tmp_path: Path,
     # (other sizes) must still work (it raised BufferError from the ring's cleanup)
     gds_persist.save(sd, tmp_path / "after", block_bytes=8192, staging_bytes=16384)
     assert_tree_equal(gds_persist.load(tmp_path / "after"), sd)
+
+
+def test_concurrent_saves_and_loads_of_different_paths(tmp_path: Path) -> None:
+    """Saves and loads from several threads at once (e.g. an async checkpoint thread)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def work(i: int) -> None:
+        sd = {"i": i, "w": torch.full((5000 + i,), float(i))}
+        ring = {"block_bytes": 4096 * (1 + i % 2), "staging_bytes": 4096 * (2 + i % 2) * 2}
+        for _ in range(3):
+            gds_persist.save(sd, tmp_path / f"ck{i}", **ring)
+            assert_tree_equal(gds_persist.load(tmp_path / f"ck{i}"), sd)
+
+    with ThreadPoolExecutor(4) as pool:
+        for f in [pool.submit(work, i) for i in range(4)]:
+            f.result(timeout=120)
+    assert sorted(os.listdir(tmp_path)) == [f"ck{i}" for i in range(4)]

@@ -153,14 +153,16 @@ def test_views_with_other_dtypes_share_storage(backend: BackendCase, tmp_path: P
     assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1
 
 
-def test_tensors_larger_than_the_staging_ring(backend: BackendCase, tmp_path: Path) -> None:
+@pytest.mark.parametrize("block, staging", [(4096, 8192), (BLOCK, RING), (BLOCK, 3 * BLOCK + 4096)])
+def test_tensors_larger_than_the_staging_ring(backend: BackendCase, tmp_path: Path, block: int,
+                                              staging: int) -> None:
     dev = backend.device
     sd = {
-        "big": random_tensor(torch.float32, 50_001, seed=1, device=dev),  # ~12 ring sizes
+        "big": random_tensor(torch.float32, 50_001, seed=1, device=dev),  # many ring sizes
         "small": random_tensor(torch.int8, 3, seed=2, device=dev),
         "bigger_bf16": random_tensor(torch.bfloat16, 3 * RING + 7, seed=3, device=dev),
     }
-    got = roundtrip(sd, tmp_path / "ck", backend, **SMALL_RING)
+    got = roundtrip(sd, tmp_path / "ck", backend, block_bytes=block, staging_bytes=staging)
     assert_tree_equal(got, sd)
 
 
