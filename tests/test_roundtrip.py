@@ -451,3 +451,29 @@ def test_path_like_and_str_paths(tmp_path: Path) -> None:
     gds_persist.save(sd, tmp_path / "p")
     assert_tree_equal(gds_persist.load(os.fspath(tmp_path / "p")), sd)
     assert_tree_equal(gds_persist.load(tmp_path / "s"), sd)
+
+
+def test_save_info_reports_backend_reason_bytes_and_time(backend: BackendCase,
+                                                         tmp_path: Path) -> None:
+    emb = torch.randn(1000, device=backend.device)
+    sd = {"a": emb, "tied": emb[:10], "b": torch.ones(3, dtype=torch.int16, device=backend.device)}
+    info = gds_persist.save(sd, tmp_path / "ck", backend=backend.name)
+    on_disk = sum(len(b) for b in data_files(tmp_path / "ck").values())
+    assert (info.backend, info.reason) == (backend.name, "requested explicitly")
+    assert info.bytes_written == on_disk == 8192
+    assert info.payload_bytes == 4006
+    assert (info.tensors, info.storages, info.files) == (3, 2, ["data-00000.bin"])
+    assert info.seconds > 0 and info.gbps > 0
+    assert info.path == str(tmp_path / "ck")
+    writer = manifest_doc(tmp_path / "ck")["body"]["writer"]
+    assert (writer["backend"], writer["reason"]) == (info.backend, info.reason)
+
+
+def test_auto_says_why(tmp_path: Path) -> None:
+    from gds_persist.backends import supports_o_direct
+
+    direct = supports_o_direct(str(tmp_path))[0]  # ext4 here; ramfs cases are in test_errors
+    info = gds_persist.save({"w": torch.ones(2)}, tmp_path / "ck")
+    assert info.backend == ("direct" if direct else "buffered")
+    assert info.reason.startswith("auto: ") and "O_DIRECT" in info.reason
+    assert "kvikio not used (no CUDA tensors)" in info.reason
