@@ -535,18 +535,24 @@ def test_saving_into_an_empty_directory_and_over_a_checkpoint(tmp_path: Path) ->
 
 # --- settings -------------------------------------------------------------------------------
 
-# Three distinct valid values per setting: (env value, set() value, argument value).
-SETTING_VALUES: dict[str, tuple[Any, Any, Any]] = {
+# Valid values per setting, each different from the default and from the one before it:
+# (env value, set() value, argument value). A new setting must be added here.
+_ALL_SETTING_VALUES: dict[str, tuple[Any, Any, Any]] = {
     "backend": ("buffered", "direct", "kvikio"),
     "block_bytes": (8192, 16384, 4096),
     "staging_bytes": (32 << 20, 48 << 20, 64 << 20),
     "io_threads": (2, 3, 5),
     "io_timeout_s": (11.5, 22.0, 33.25),
+    # data-parallel settings (gds_persist.parallel_save), where that code is present
+    "collective_timeout_s": (12.5, 24.0, 36.75),
+    "load_strategy": ("broadcast", "read_all", "broadcast"),
 }
+SETTING_VALUES = {k: v for k, v in _ALL_SETTING_VALUES.items() if k in settings.ENV_VARS}
 
 
 def test_every_setting_has_values_under_test() -> None:
-    assert set(SETTING_VALUES) == set(settings.ENV_VARS)
+    untested = set(settings.ENV_VARS) - set(SETTING_VALUES)
+    assert not untested, f"add the new setting(s) {sorted(untested)} to _ALL_SETTING_VALUES"
 
 
 @pytest.mark.parametrize("name", SETTING_VALUES)
@@ -684,6 +690,12 @@ def test_unknown_setting_lists_valid_ones() -> None:
     ({"io_timeout_s": -1}, r"io_timeout_s=-1.0 must be positive"),
     ({"io_timeout_s": float("nan")}, r"io_timeout_s=nan must be positive"),
     ({"io_timeout_s": "soon"}, r"io_timeout_s='soon' must be a float"),
+    pytest.param({"collective_timeout_s": 0}, r"collective_timeout_s=0.0 must be positive",
+                 marks=pytest.mark.skipif("collective_timeout_s" not in settings.ENV_VARS,
+                                          reason="no data-parallel settings in this tree")),
+    pytest.param({"load_strategy": "gossip"}, r"load_strategy='gossip' must be one of",
+                 marks=pytest.mark.skipif("load_strategy" not in settings.ENV_VARS,
+                                          reason="no data-parallel settings in this tree")),
 ])
 def test_invalid_setting_values_rejected(values: dict[str, Any], match: str) -> None:
     with pytest.raises(ValueError, match=match):
