@@ -424,7 +424,7 @@ def test_save_refuses_what_load_would_refuse_as_too_deep(tmp_path: Path) -> None
     assert not (tmp_path / "too-deep").exists()
 
 
-@pytest.mark.parametrize("version", [0, 2, "1", None])
+@pytest.mark.parametrize("version", [0, 99, -1, "1", None])
 def test_unknown_version(tmp_path: Path, version: Any) -> None:
     path = _saved(tmp_path)
     rewrite_manifest(path, _set("version", version), whole=True)
@@ -667,7 +667,8 @@ def test_io_threads_bounds_the_io_pool(tmp_path: Path, monkeypatch: pytest.Monke
 
 
 def test_unknown_setting_lists_valid_ones() -> None:
-    valid = r"\['backend', 'block_bytes', 'io_threads', 'io_timeout_s', 'staging_bytes'\]"
+    valid = re.escape(str(sorted(settings.ENV_VARS)))
+    assert "'io_threads'" in valid
     match = rf"unknown setting\(s\) \['stagin_bytes'\]; valid: {valid}"
     with pytest.raises(TypeError, match=match):
         settings.set(stagin_bytes=1 << 20)

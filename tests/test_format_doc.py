@@ -72,7 +72,9 @@ def test_documented_facts_match_the_code() -> None:
     text = DOC.read_text()
     assert crc32c(b"123456789") == 0xE3069283 and "0xE3069283" in text
     assert f"`{fmt._SAFE_FILE_NAME.pattern}`" in text
-    assert f'"version": {fmt.FORMAT_VERSION}' in text and f"version {fmt.FORMAT_VERSION})" in text
+    assert '"version": 1' in text and "(version 1)" in text
+    for version in getattr(fmt, "READABLE_VERSIONS", (fmt.FORMAT_VERSION,))[1:]:
+        assert f"## Version {version}" in text, f"format version {version} is not documented"
     assert f"always `{fmt.ALIGNMENT}`" in text
     assert f"at most {MAX_DEPTH} containers deep" in text
     dtype_text = text.split("* `dtype`:", 1)[1].split("* `shape`")[0]
