@@ -15,45 +15,16 @@ from __future__ import annotations
 import os
 import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import torch
 
 from gds_persist import settings
 from gds_persist.backends import supports_o_direct
 from gds_persist.staging import release_cached
+from tests.helpers import BackendCase, kvikio_missing
 
 TMPFS_BYTES = 8 << 20
-
-
-def kvikio_missing() -> str | None:
-    """Why the kvikio backend cannot run here, or None when it can."""
-    if not torch.cuda.is_available():
-        return "no CUDA device (torch.cuda.is_available() is False)"
-    try:
-        import kvikio  # noqa: F401
-    except ImportError as e:
-        return f"kvikio not importable ({e}); install the gpu extra"
-    return None
-
-
-def cuda_missing() -> str | None:
-    if torch.cuda.is_available():
-        return None
-    return "no CUDA device (torch.cuda.is_available() is False)"
-
-
-@dataclass(frozen=True)
-class BackendCase:
-    """A backend under test and the device its tensors live on."""
-
-    name: str
-    device: str
-
-    def __str__(self) -> str:
-        return self.name
 
 
 @pytest.fixture(
@@ -71,16 +42,6 @@ def backend(request: pytest.FixtureRequest, tmp_path: Path) -> BackendCase:
         if not ok:
             pytest.skip(f"direct backend: the test tmp dir refuses O_DIRECT ({why})")
     return BackendCase(name, "cpu")
-
-
-def available_backends(directory: str) -> list[BackendCase]:
-    """Every backend that can run here (for tests comparing backends with each other)."""
-    out = [BackendCase("buffered", "cpu")]
-    if supports_o_direct(directory)[0]:
-        out.insert(0, BackendCase("direct", "cpu"))
-    if kvikio_missing() is None:
-        out.append(BackendCase("kvikio", "cuda"))
-    return out
 
 
 @pytest.fixture(autouse=True)

@@ -7,11 +7,13 @@ import math
 import os
 from collections import OrderedDict
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from gds_persist.backends import supports_o_direct
 from gds_persist.checksum import crc32c
 from gds_persist.format import MANIFEST_NAME, _canonical
 
@@ -110,4 +112,42 @@ def open_fds() -> set[str]:
             out.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
         except FileNotFoundError:  # the descriptor listdir itself used
             pass
+    return out
+
+
+def kvikio_missing() -> str | None:
+    """Why the kvikio backend cannot run here, or None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        import kvikio  # noqa: F401
+    except ImportError as e:
+        return f"kvikio not importable ({e}); install the gpu extra"
+    return None
+
+
+def cuda_missing() -> str | None:
+    if torch.cuda.is_available():
+        return None
+    return "no CUDA device (torch.cuda.is_available() is False)"
+
+
+@dataclass(frozen=True)
+class BackendCase:
+    """A backend under test and the device its tensors live on."""
+
+    name: str
+    device: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def available_backends(directory: str) -> list[BackendCase]:
+    """Every backend that can run here (for tests comparing backends with each other)."""
+    out = [BackendCase("buffered", "cpu")]
+    if supports_o_direct(directory)[0]:
+        out.insert(0, BackendCase("direct", "cpu"))
+    if kvikio_missing() is None:
+        out.append(BackendCase("kvikio", "cuda"))
     return out

@@ -20,8 +20,7 @@ import gds_persist
 from gds_persist import ChecksumError, DiskFullError, NotCommittedError, TruncatedError
 from gds_persist.cli import main as cli_main
 from gds_persist.format import MANIFEST_NAME
-from tests.conftest import BackendCase
-from tests.helpers import assert_tree_equal, flip_byte, open_fds
+from tests.helpers import BackendCase, assert_tree_equal, flip_byte, open_fds
 
 REPO = Path(__file__).resolve().parent.parent
 

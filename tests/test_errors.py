@@ -29,8 +29,8 @@ from gds_persist import (
 from gds_persist.backends import supports_o_direct
 from gds_persist.flatten import MAX_DEPTH
 from gds_persist.format import MANIFEST_NAME
-from tests.conftest import BackendCase
 from tests.helpers import (
+    BackendCase,
     assert_tree_equal,
     flip_byte,
     manifest_doc,

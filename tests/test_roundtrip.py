@@ -22,9 +22,11 @@ from hypothesis import strategies as st
 import gds_persist
 from gds_persist.flatten import DTYPES
 from gds_persist.format import ALIGNMENT, align_up
-from tests.conftest import BackendCase, available_backends, cuda_missing
 from tests.helpers import (
+    BackendCase,
     assert_tree_equal,
+    available_backends,
+    cuda_missing,
     data_files,
     manifest_doc,
     random_tensor,
