@@ -28,6 +28,7 @@ from tests.helpers import (
     available_backends,
     cuda_missing,
     data_files,
+    kvikio_missing,
     manifest_doc,
     random_tensor,
     raw_bytes,
@@ -479,3 +480,19 @@ def test_auto_says_why(tmp_path: Path) -> None:
     assert info.backend == ("direct" if direct else "buffered")
     assert info.reason.startswith("auto: ") and "O_DIRECT" in info.reason
     assert "kvikio not used (no CUDA tensors)" in info.reason
+
+
+@pytest.mark.gpu
+def test_auto_picks_kvikio_for_cuda_tensors(tmp_path: Path) -> None:
+    missing = kvikio_missing()
+    if missing:
+        pytest.skip(f"kvikio backend: {missing}")
+    sd = {"w": torch.randn(5000, device="cuda"), "step": torch.tensor(3),  # mixed, like Adam
+          "tied": None}
+    sd["tied"] = sd["w"][10:]
+    info = gds_persist.save(sd, tmp_path / "ck")
+    assert info.backend == "kvikio" and info.reason.startswith("auto: CUDA tensors and kvikio")
+    got = gds_persist.load(tmp_path / "ck")
+    assert_tree_equal(got, sd)
+    assert got["w"].untyped_storage().data_ptr() == got["tied"].untyped_storage().data_ptr()
+    assert gds_persist.verify(tmp_path / "ck").ok
