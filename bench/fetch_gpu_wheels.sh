@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Download (on a machine with network) the wheels that bench/gpu_check.sh installs on a GPU
 # machine that has none: kvikio-cu13 and what it needs beyond a CUDA torch/cupy image (libkvikio,
-# rapids-logger, cuda-pathfinder, and libcufile in case the image lacks it), and the crc32c
-# package gds_persist needs, for several Python versions. About 6 MB in all.
+# rapids-logger, cuda-pathfinder, and libcufile in case the image lacks it), the crc32c package
+# gds_persist needs (for several Python versions) and hypothesis for the test suite. About 7 MB.
 #
 #   bash bench/fetch_gpu_wheels.sh DIR [PYTHON_VERSION ...]    (default: 3.10 3.11 3.12 3.13)
 #   then on the GPU machine: bash bench/gpu_check.sh --wheels DIR
@@ -27,7 +27,8 @@ get() {  # $1: python version, rest: requirements
 }
 get 3.11 "kvikio-cu13==$KV" "libkvikio-cu13==$KV" "rapids-logger==0.3.*" cuda-pathfinder \
     "nvidia-cufile>=1.15"
+get 3.11 sortedcontainers
 for v in "${VERSIONS[@]}"; do
-    get "$v" crc32c
+    get "$v" crc32c hypothesis  # hypothesis ships per-version wheels too
 done
 ls -l "$DIR"

@@ -6,8 +6,9 @@
 #                           [--dir DIR] [--python PY] [--budget-s 540] [--no-tests] [--no-bench]
 #
 #   --out DIR      where everything goes (default: $OUT if set, else bench/results/gpu-<UTC time>)
-#   --wheels DIR   wheels to install from when kvikio (or crc32c) is missing: kvikio-cu13,
-#                  libkvikio-cu13, rapids-logger, cuda-pathfinder, nvidia-cufile, crc32c
+#   --wheels DIR   wheels to install from when kvikio (or crc32c, hypothesis) is missing:
+#                  kvikio-cu13, libkvikio-cu13, rapids-logger, cuda-pathfinder, nvidia-cufile,
+#                  crc32c, hypothesis, sortedcontainers
 #                  (bench/fetch_gpu_wheels.sh downloads them on a machine with network).
 #                  Installed with --no-index: nothing is fetched.
 #   --sizes/--runs state dict sizes for the comparison and runs per size (pairwise)
@@ -18,7 +19,7 @@
 #
 # Steps: 1. facts (GPU, driver, PCIe, NUMA, kvikio/GDS mode and why) -> facts.{txt,json}
 #        2. kvikio (and crc32c) from --wheels if not importable
-#        3. pytest -m gpu on the test files holding GPU tests -> pytest-gpu.{txt,xml}
+#        3. pytest -m gpu tests/ (hypothesis from --wheels if missing) -> pytest-gpu.{txt,xml}
 #        4. bench/bench_io.py --device cuda per size: kvikio (GDS or cuFile compat), kvikio with
 #           KvikIO compat forced, direct (pinned D2H pipeline), torch.save, DCP, save and load,
 #           against the drive limit of the same run -> bench-SIZE.{txt,json}
@@ -107,6 +108,9 @@ fi
 if ! importable kvikio; then
     install_from_wheels kvikio-cu13 libkvikio-cu13 rapids-logger cuda-pathfinder nvidia-cufile
 fi
+if [ "$DO_TESTS" = 1 ] && ! importable hypothesis; then  # the conformance suite uses it
+    install_from_wheels hypothesis sortedcontainers
+fi
 importable kvikio || log "kvikio still not importable: the kvikio rows and tests will say why"
 
 # -- 1. facts -------------------------------------------------------------------------------------
@@ -136,11 +140,12 @@ fi
 
 # -- 3. tests -------------------------------------------------------------------------------------
 if [ "$DO_TESTS" = 1 ]; then
-    mapfile -t GPU_TESTS < <(grep -l "pytest.mark.gpu" tests/test_*.py)
-    log "pytest -m gpu on ${GPU_TESTS[*]}"
+    # every test marked gpu: the kernel and kvikio/pinned-path tests, and the kvikio case of the
+    # conformance suite (tests/conftest.py's backend fixture: CUDA tensors through kvikio)
+    log "pytest -m gpu tests/"
     timeout $(( $(left) > 300 ? 240 : $(left) / 2 )) "$PY" -m pytest -m gpu -p no:cacheprovider \
         --continue-on-collection-errors -q -rA --junitxml="$OUT_DIR/pytest-gpu.xml" \
-        "${GPU_TESTS[@]}" > "$OUT_DIR/pytest-gpu.txt" 2>&1
+        tests > "$OUT_DIR/pytest-gpu.txt" 2>&1
     rc=$?
     tail -n 40 "$OUT_DIR/pytest-gpu.txt" | grep -E "passed|failed|error|skipped" | tail -n 1 | tee -a "$LOG"
     {
