@@ -25,7 +25,7 @@ def _kvikio(directory: str, io_threads: int, block_bytes: int, why: str) -> tupl
     direct, o_direct_why = supports_o_direct(directory)
     fallback: Backend = DirectBackend() if direct else BufferedBackend()
     return fallback, (f"{why}, but kvikio cannot work here ({probe}); fell back to "
-                      f"{fallback.name} ({o_direct_why})")
+                      f"{fallback.name} ({o_direct_why})")  # e.g. no CUDA driver (docs/GPU.md)
 
 
 def choose_backend(requested: str, directory: str, wants_device: bool, io_threads: int = 4,
@@ -37,7 +37,7 @@ def choose_backend(requested: str, directory: str, wants_device: bool, io_thread
     if requested not in BACKEND_NAMES:
         raise BackendError(f"unknown backend {requested!r}; valid backends: {', '.join(BACKEND_NAMES)}")
     if requested == "kvikio":
-        return _kvikio(directory, io_threads, block_bytes, "kvikio requested explicitly")
+        return _kvikio(directory, io_threads, block_bytes, "requested explicitly")
     if requested == "direct":
         require_o_direct(directory)
         return DirectBackend(), "requested explicitly"
@@ -47,7 +47,8 @@ def choose_backend(requested: str, directory: str, wants_device: bool, io_thread
     if wants_device:
         usable, why = kvikio_status()
         if usable:
-            return _kvikio(directory, io_threads, block_bytes, "auto: CUDA tensors")
+            return _kvikio(directory, io_threads, block_bytes,
+                           "auto: CUDA tensors and kvikio usable")
         reasons.append(f"kvikio not used ({why})")
     else:
         reasons.append("kvikio not used (no CUDA tensors)")
