@@ -85,12 +85,23 @@ def main() -> None:
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
-        writer = save_checkpoint({"model": model.state_dict(), "optim": opt.state_dict(),
-                                  "step": step, "world_size": world}, latest, rank)
+        writer = save_checkpoint(
+            {
+                "model": model.state_dict(),
+                "optim": opt.state_dict(),
+                "step": step,
+                "world_size": world,
+            },
+            latest,
+            rank,
+        )
         if args.stop_after is not None and step >= args.stop_after:
             break
-    print(f"[rank {rank}] done at step {step}; checkpoint written by {writer}; "
-          f"params {params_digest(model)}", flush=True)
+    print(
+        f"[rank {rank}] done at step {step}; checkpoint written by {writer}; "
+        f"params {params_digest(model)}",
+        flush=True,
+    )
     dist.destroy_process_group()
 
 

@@ -46,8 +46,9 @@ class TrainState(Stateful):
         return {"model": model_sd, "optim": optim_sd}
 
     def load_state_dict(self, sd: dict) -> None:
-        set_state_dict(self.model, self.optim, model_state_dict=sd["model"],
-                       optim_state_dict=sd["optim"])
+        set_state_dict(
+            self.model, self.optim, model_state_dict=sd["model"], optim_state_dict=sd["optim"]
+        )
 
 
 def full_params_digest(model: torch.nn.Module) -> str:
@@ -105,8 +106,9 @@ def main() -> None:
         if pending is not None:
             pending.result()  # the previous checkpoint is durable and committed
         state["step"] = step
-        pending = dcp.async_save(state, storage_writer=GdsPersistWriter(latest),
-                                 process_group=ckpt_group)
+        pending = dcp.async_save(
+            state, storage_writer=GdsPersistWriter(latest), process_group=ckpt_group
+        )
         pending = getattr(pending, "upload_completion", pending)
         if args.stop_after is not None and step >= args.stop_after:
             break

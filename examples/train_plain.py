@@ -26,8 +26,11 @@ import gds_persist
 def build(width: int, device: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(0)
     model = torch.nn.Sequential(
-        torch.nn.Linear(32, width), torch.nn.GELU(), torch.nn.Linear(width, width),
-        torch.nn.GELU(), torch.nn.Linear(width, 1),
+        torch.nn.Linear(32, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, width),
+        torch.nn.GELU(),
+        torch.nn.Linear(width, 1),
     ).to(device)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
@@ -53,8 +56,12 @@ def main(argv: list[str] | None = None) -> str:
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--width", type=int, default=256)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--stop-after", type=int, default=None,
-                    help="exit after this step (simulates a crash; rerun to resume)")
+    ap.add_argument(
+        "--stop-after",
+        type=int,
+        default=None,
+        help="exit after this step (simulates a crash; rerun to resume)",
+    )
     args = ap.parse_args(argv)
 
     model, opt = build(args.width, args.device)
@@ -76,13 +83,20 @@ def main(argv: list[str] | None = None) -> str:
         opt.step()
         t0 = time.perf_counter()
         info = gds_persist.save(
-            {"model": model.state_dict(), "optim": opt.state_dict(), "step": step,
-             "rng": torch.get_rng_state(), "loss": loss.item()},
+            {
+                "model": model.state_dict(),
+                "optim": opt.state_dict(),
+                "step": step,
+                "rng": torch.get_rng_state(),
+                "loss": loss.item(),
+            },
             latest,
         )
         if step == start or step == args.steps:
-            print(f"step {step}: loss {loss.item():.5f}; checkpoint {info.bytes_written} bytes "
-                  f"with {info.backend} in {(time.perf_counter() - t0) * 1e3:.1f} ms")
+            print(
+                f"step {step}: loss {loss.item():.5f}; checkpoint {info.bytes_written} bytes "
+                f"with {info.backend} in {(time.perf_counter() - t0) * 1e3:.1f} ms"
+            )
         if args.stop_after is not None and step >= args.stop_after:
             print(f"stopping after step {step}")
             break

@@ -85,12 +85,24 @@ _MAX_HEADER = 100 << 20  # what safetensors itself accepts
 # safetensors dtype codes (the subset this exporter writes; all are read back by safetensors>=0.4
 # except the unsigned 16/32/64-bit ones and the fnuz float8s, which need a newer safetensors).
 ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8",
-    torch.uint8: "U8", torch.bool: "BOOL", torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ", torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.uint16: "U16", torch.uint32: "U32", torch.uint64: "U64",
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
 }
 ST_CODES = {v: k for k, v in ST_DTYPES.items()}
 
@@ -185,17 +197,27 @@ def _consolidate_dcp(path: str, backend: str | None) -> Any:
     sd: dict[str, Any] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        _load_state_dict(sd, storage_reader=GdsPersistReader(path, backend=backend),
-                         planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+        _load_state_dict(
+            sd,
+            storage_reader=GdsPersistReader(path, backend=backend),
+            planner=_EmptyStateDictLoadPlanner(),
+            no_dist=True,
+        )
     return sd
 
 
 # --------------------------------------------------------------------------- export
 
 
-def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
-                      to: str | None = None, sep: str = ".", backend: str | None = None,
-                      progress: ProgressCallback | None = None) -> ExportInfo:
+def export_checkpoint(
+    path: str | os.PathLike[str],
+    out: str | os.PathLike[str],
+    *,
+    to: str | None = None,
+    sep: str = ".",
+    backend: str | None = None,
+    progress: ProgressCallback | None = None,
+) -> ExportInfo:
     """Write the checkpoint at ``path`` to the file ``out`` as ``to="torch"`` (a ``torch.save``
     file that ``torch.load(out, weights_only=True)`` reads) or ``to="safetensors"`` (read by
     ``safetensors.torch.load_file``); ``None`` infers it from the suffix of ``out``.
@@ -225,10 +247,15 @@ def export_checkpoint(path: str | os.PathLike[str], out: str | os.PathLike[str],
             counter.add(done - last[0])
             last[0] = done
 
-        state = load(path, map_location="cpu", backend=backend,
-                     progress=on_read if progress is not None else None)
-        return _export_torch(state, out, counter,
-                             ["torch.save cannot stream: the state dict was loaded whole"])
+        state = load(
+            path,
+            map_location="cpu",
+            backend=backend,
+            progress=on_read if progress is not None else None,
+        )
+        return _export_torch(
+            state, out, counter, ["torch.save cannot stream: the state dict was loaded whole"]
+        )
     return _SafetensorsExport(path, m, out, sep, backend, progress).run()
 
 
@@ -279,15 +306,16 @@ def _tree_paths(tree: Any) -> dict[int, tuple[Any, ...]]:
             for i, v in enumerate(node["v"]):
                 walk(v, (*path, i))
         elif kind in ("dict", "odict"):
-            for k, v in zip(node["k"], node["v"]):
+            for k, v in zip(node["k"], node["v"], strict=False):
                 walk(v, (*path, k))
 
     walk(tree, ())
     return out
 
 
-def _plan_safetensors(tree: Any, tensors: list[TensorRecord], sep: str
-                      ) -> tuple[list[_StEntry], dict[str, str]]:
+def _plan_safetensors(
+    tree: Any, tensors: list[TensorRecord], sep: str
+) -> tuple[list[_StEntry], dict[str, str]]:
     """Names, order and offsets of the tensors, and the metadata that restores the rest."""
     paths = _tree_paths(tree)
     entries: list[_StEntry] = []
@@ -295,19 +323,23 @@ def _plan_safetensors(tree: Any, tensors: list[TensorRecord], sep: str
     for i, rec in enumerate(tensors):
         p = paths[i]
         if not p:
-            raise TypeError("cannot export a bare tensor to safetensors: wrap it in a dict "
-                            "({'weight': t}) or use to='torch'")
+            raise TypeError(
+                "cannot export a bare tensor to safetensors: wrap it in a dict "
+                "({'weight': t}) or use to='torch'"
+            )
         name = sep.join(str(k) for k in p)
         if name in seen:
             raise ValueError(
                 f"keys {_pstr(seen[name])} and {_pstr(p)} both become {name!r} when joined with "
-                f"sep={sep!r}; choose another separator (e.g. sep='/')")
+                f"sep={sep!r}; choose another separator (e.g. sep='/')"
+            )
         seen[name] = p
         dtype = DTYPES[rec.dtype]
         if dtype not in ST_DTYPES:
             raise TypeError(
                 f"cannot export {_pstr(p)} to safetensors: it has no code for dtype {dtype}; "
-                "use to='torch' (torch.save holds every dtype)")
+                "use to='torch' (torch.save holds every dtype)"
+            )
         entries.append(_StEntry(i, name, rec, math.prod(rec.shape) * dtype.itemsize))
     # data in storage order, so a streaming export reads each storage once, front to back
     entries.sort(key=lambda e: (e.record.storage, e.record.storage_offset, e.index))
@@ -319,7 +351,9 @@ def _plan_safetensors(tree: Any, tensors: list[TensorRecord], sep: str
     for e in entries:
         r = e.record
         if e.nbytes:
-            tied.setdefault((r.storage, r.storage_offset, r.shape, r.stride, r.dtype), []).append(e.name)
+            tied.setdefault((r.storage, r.storage_offset, r.shape, r.stride, r.dtype), []).append(
+                e.name
+            )
     by_index = sorted(entries, key=lambda e: e.index)
     meta = {
         "version": _META_VERSION,
@@ -340,19 +374,24 @@ def _pstr(path: tuple[Any, ...]) -> str:
 def _st_header(entries: list[_StEntry], metadata: dict[str, str]) -> bytes:
     header: dict[str, Any] = {"__metadata__": metadata}
     for e in entries:
-        header[e.name] = {"dtype": ST_DTYPES[DTYPES[e.record.dtype]], "shape": list(e.record.shape),
-                          "data_offsets": [e.begin, e.begin + e.nbytes]}
+        header[e.name] = {
+            "dtype": ST_DTYPES[DTYPES[e.record.dtype]],
+            "shape": list(e.record.shape),
+            "data_offsets": [e.begin, e.begin + e.nbytes],
+        }
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)  # the data buffer starts 8-byte aligned
     if len(raw) > _MAX_HEADER:
-        raise ValueError(f"the safetensors header would be {len(raw)} bytes, above the "
-                         f"{_MAX_HEADER}-byte limit of the format")
+        raise ValueError(
+            f"the safetensors header would be {len(raw)} bytes, above the "
+            f"{_MAX_HEADER}-byte limit of the format"
+        )
     return struct.pack("<Q", len(raw)) + raw
 
 
 def _is_contiguous(rec: TensorRecord) -> bool:
     expected = 1
-    for d, s in zip(reversed(rec.shape), reversed(rec.stride)):
+    for d, s in zip(reversed(rec.shape), reversed(rec.stride), strict=False):
         if d != 1 and s != expected:
             return False
         expected *= d
@@ -360,8 +399,15 @@ def _is_contiguous(rec: TensorRecord) -> bool:
 
 
 class _SafetensorsExport:
-    def __init__(self, path: str, m: Manifest, out: str, sep: str, backend: str | None,
-                 progress: ProgressCallback | None):
+    def __init__(
+        self,
+        path: str,
+        m: Manifest,
+        out: str,
+        sep: str,
+        backend: str | None,
+        progress: ProgressCallback | None,
+    ):
         self.path, self.m, self.out, self.sep = path, m, out, sep
         self.entries, self.metadata = _plan_safetensors(m.tree, m.tensors, sep)
         self.header = _st_header(self.entries, self.metadata)
@@ -371,11 +417,14 @@ class _SafetensorsExport:
 
     def describe(self, storage: int) -> str:
         names = [_pstr(self.paths[e.index]) for e in self.entries if e.record.storage == storage]
-        return "tensor " + (", ".join(names[:3]) + (" ..." if len(names) > 3 else "") or f"storage #{storage}")
+        return "tensor " + (
+            ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") or f"storage #{storage}"
+        )
 
     def run(self) -> ExportInfo:
-        be, _ = choose_backend(self.cfg.backend, self.path, False, self.cfg.io_threads,
-                               self.cfg.block_bytes)
+        be, _ = choose_backend(
+            self.cfg.backend, self.path, False, self.cfg.io_threads, self.cfg.block_bytes
+        )
         self.be = be
         out = _AtomicFile(self.out)
         self.fd = out.fd
@@ -383,9 +432,11 @@ class _SafetensorsExport:
         notes: list[str] = []
         try:
             try:  # reserve the space up front: a full disk fails before any data moves
-                os.posix_fallocate(self.fd, 0, self.data_start + sum(e.nbytes for e in self.entries))
-            except OSError as e:
-                if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                os.posix_fallocate(
+                    self.fd, 0, self.data_start + sum(e.nbytes for e in self.entries)
+                )
+            except OSError as err:
+                if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
             _pwrite_all(self.fd, self.header, 0)
             by_storage: dict[int, list[_StEntry]] = {}
@@ -398,8 +449,10 @@ class _SafetensorsExport:
                     if all(_is_contiguous(e.record) for e in entries):
                         self._stream_storage(storage, entries, handles)
                     else:
-                        notes.append(f"{self.describe(storage)}: non-contiguous view(s) "
-                                     "written as contiguous copies")
+                        notes.append(
+                            f"{self.describe(storage)}: non-contiguous view(s) "
+                            "written as contiguous copies"
+                        )
                         self._copy_storage(storage, entries, handles)
             finally:
                 for h in handles.values():
@@ -415,7 +468,9 @@ class _SafetensorsExport:
         self.counter.finish()
         if self.metadata and json.loads(self.metadata[META_KEY])["tied"]:
             notes.append("tied tensors written as separate copies (safetensors cannot alias)")
-        return ExportInfo(self.out, "safetensors", len(self.entries), os.path.getsize(self.out), notes)
+        return ExportInfo(
+            self.out, "safetensors", len(self.entries), os.path.getsize(self.out), notes
+        )
 
     def _extents(self, storage: int) -> list[Any]:
         return sorted((e for e in self.m.extents if e.storage == storage), key=lambda e: e.start)
@@ -425,7 +480,9 @@ class _SafetensorsExport:
         block = self.cfg.block_bytes
         for e in self._extents(storage):
             if e.file not in handles:
-                handles[e.file] = self.be.open(check_file(self.path, self.m.files[e.file]), write=False)
+                handles[e.file] = self.be.open(
+                    check_file(self.path, self.m.files[e.file]), write=False
+                )
             h = handles[e.file]
             crc = 0
             end = e.offset + e.length
@@ -443,9 +500,12 @@ class _SafetensorsExport:
                     f"checksum mismatch in {self.describe(storage)}: file "
                     f"{os.path.join(self.path, self.m.files[e.file].name)}, offset {e.offset}, "
                     f"{e.length} bytes: recorded crc32c {e.crc32c:08x}, read {crc:08x}; the data "
-                    "file is corrupted - nothing was exported")
+                    "file is corrupted - nothing was exported"
+                )
 
-    def _stream_storage(self, storage: int, entries: list[_StEntry], handles: dict[int, Any]) -> None:
+    def _stream_storage(
+        self, storage: int, entries: list[_StEntry], handles: dict[int, Any]
+    ) -> None:
         ranges = []
         for e in entries:
             itemsize = DTYPES[e.record.dtype].itemsize
@@ -471,8 +531,9 @@ class _SafetensorsExport:
             self.counter.add(e.nbytes)
 
 
-def _export_safetensors_from_memory(state: Any, out: str, sep: str, counter: ByteCounter,
-                                    notes: list[str]) -> ExportInfo:
+def _export_safetensors_from_memory(
+    state: Any, out: str, sep: str, counter: ByteCounter, notes: list[str]
+) -> ExportInfo:
     flat = flatten(state)
     entries, metadata = _plan_safetensors(flat.tree, flat.tensors, sep)
     header = _st_header(entries, metadata)
@@ -482,8 +543,11 @@ def _export_safetensors_from_memory(state: Any, out: str, sep: str, counter: Byt
         for e in entries:
             t = rebuild_tensor(e.record, flat.storage_objects[e.record.storage]).detach()
             if e.nbytes:
-                _pwrite_all(f.fd, t.contiguous().reshape(-1).view(torch.uint8).numpy(),
-                            len(header) + e.begin)
+                _pwrite_all(
+                    f.fd,
+                    t.contiguous().reshape(-1).view(torch.uint8).numpy(),
+                    len(header) + e.begin,
+                )
             counter.add(e.nbytes)
         f.commit()
     except BaseException:
@@ -507,13 +571,21 @@ def detect_format(file: str) -> str:
         (n,) = struct.unpack("<Q", head[:8])
         if n <= _MAX_HEADER and 8 + n <= size:
             return "safetensors"
-    raise ValueError(f"{file} is neither a torch.save file nor a safetensors file "
-                     "(pass format= to say which it is)")
+    raise ValueError(
+        f"{file} is neither a torch.save file nor a safetensors file "
+        "(pass format= to say which it is)"
+    )
 
 
-def import_checkpoint(file: str | os.PathLike[str], path: str | os.PathLike[str], *,
-                      format: str = "auto", backend: str | None = None,  # noqa: A002
-                      progress: ProgressCallback | None = None, **save_options: Any) -> SaveInfo:
+def import_checkpoint(
+    file: str | os.PathLike[str],
+    path: str | os.PathLike[str],
+    *,
+    format: str = "auto",
+    backend: str | None = None,  # noqa: A002
+    progress: ProgressCallback | None = None,
+    **save_options: Any,
+) -> SaveInfo:
     """Save the contents of a ``torch.save`` file or a safetensors file as a gds_persist
     checkpoint at ``path`` (atomically, like :func:`gds_persist.save`).
 
@@ -558,8 +630,9 @@ def _map_safetensors(file: str) -> Any:
         raise CheckpointError(f"{file} is too short to be a safetensors file")
     (n,) = struct.unpack("<Q", mm[:8])
     if n > _MAX_HEADER or 8 + n > size:
-        raise CheckpointError(f"{file}: safetensors header length {n} is impossible for a "
-                              f"{size}-byte file")
+        raise CheckpointError(
+            f"{file}: safetensors header length {n} is impossible for a {size}-byte file"
+        )
     try:
         header = json.loads(mm[8 : 8 + n])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -579,9 +652,15 @@ def _map_safetensors(file: str) -> Any:
                 f"{file}: tensor {name!r} has an unsupported dtype or malformed entry {info!r}"
             ) from None
         nbytes = math.prod(shape) * dtype.itemsize
-        if any(d < 0 for d in shape) or not 0 <= begin <= end <= buffer_len or end - begin != nbytes:
-            raise CheckpointError(f"{file}: tensor {name!r} has data_offsets {[begin, end]} that do "
-                                  f"not fit its shape {shape} and {dtype} or the file")
+        if (
+            any(d < 0 for d in shape)
+            or not 0 <= begin <= end <= buffer_len
+            or end - begin != nbytes
+        ):
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has data_offsets {[begin, end]} that do "
+                f"not fit its shape {shape} and {dtype} or the file"
+            )
         if nbytes == 0:
             tensors[name] = torch.empty(shape, dtype=dtype)
             continue
@@ -609,13 +688,15 @@ def _restore(file: str, tensors: dict[str, torch.Tensor], raw_meta: str) -> Any:
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise CheckpointError(f"{file}: its gds_persist metadata is malformed ({e})") from None
     if set(names) != set(tensors):
-        raise CheckpointError(f"{file}: its gds_persist metadata names other tensors than the file holds")
+        raise CheckpointError(
+            f"{file}: its gds_persist metadata names other tensors than the file holds"
+        )
     canonical = {}
     for group in tied:
         for other in group[1:]:
             canonical[other] = group[0]
     out = []
-    for name, is_param, needs_grad in zip(names, params, grads):
+    for name, is_param, needs_grad in zip(names, params, grads, strict=False):
         t = tensors[canonical.get(name, name)]
         if is_param:
             t = torch.nn.Parameter(t, requires_grad=needs_grad)

@@ -71,8 +71,9 @@ class ProgressBar:
     stderr. Thread-safe.
     """
 
-    def __init__(self, label: str, stream: TextIO | None = None, width: int = 24,
-                 min_interval: float = 0.1):
+    def __init__(
+        self, label: str, stream: TextIO | None = None, width: int = 24, min_interval: float = 0.1
+    ):
         self.label = label
         self.stream = stream if stream is not None else sys.stderr
         self.width = width
@@ -82,12 +83,15 @@ class ProgressBar:
         self._drawn = False
         self._lock = threading.Lock()
         self._last = (0, 0)
+        self._shown = (-1, -1)
 
     def __call__(self, done: int, total: int) -> None:
         with self._lock:
             self._last = (done, total)
             now = time.perf_counter()
-            if done < total and now - self._last_draw < self.min_interval:
+            if (done, total) == self._shown or (
+                done < total and now - self._last_draw < self.min_interval
+            ):
                 return
             self._last_draw = now
             self._draw(done, total, now)
@@ -99,16 +103,20 @@ class ProgressBar:
         filled = int(frac * self.width)
         bar = "#" * filled + "-" * (self.width - filled)
         eta = (total - done) / rate if rate > 0 and done < total else 0.0
-        line = (f"\r{self.label} [{bar}] {frac * 100:5.1f}% {human_bytes(done)}/"
-                f"{human_bytes(total)} {rate / 1e9:.2f} GB/s ETA {eta:4.0f} s")
+        line = (
+            f"\r{self.label} [{bar}] {frac * 100:5.1f}% {human_bytes(done)}/"
+            f"{human_bytes(total)} {rate / 1e9:.2f} GB/s ETA {eta:4.0f} s"
+        )
         self.stream.write(line)
         self.stream.flush()
         self._drawn = True
+        self._shown = (done, total)
 
     def close(self) -> None:
         with self._lock:
             if self._drawn:
-                self._draw(*self._last, time.perf_counter())
+                if self._shown != self._last:
+                    self._draw(*self._last, time.perf_counter())
                 self.stream.write("\n")
                 self.stream.flush()
                 self._drawn = False

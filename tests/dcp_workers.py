@@ -26,8 +26,9 @@ def free_port() -> int:
 
 
 def init(rank: int, world: int, port: int) -> None:
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world)
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world
+    )
 
 
 def replicated_state(version: int = 0) -> dict:
@@ -55,18 +56,25 @@ def zeros_like_state(sd: dict) -> dict:
         if isinstance(v, list):
             return [z(x) for x in v]
         return type(v)() if not isinstance(v, (int, float)) else 0
+
     return z(sd)
 
 
 def same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.shape == b.shape and \
-            torch.equal(a.view(torch.uint8) if a.dtype == torch.bool else a,
-                        b.view(torch.uint8) if b.dtype == torch.bool else b)
+        return (
+            isinstance(b, torch.Tensor)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and torch.equal(
+                a.view(torch.uint8) if a.dtype == torch.bool else a,
+                b.view(torch.uint8) if b.dtype == torch.bool else b,
+            )
+        )
     if isinstance(a, dict):
         return a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
     if isinstance(a, list):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
+        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=False))
     return a == b
 
 
@@ -138,8 +146,11 @@ def save_scenarios(rank: int, world: int, port: int, root: str) -> None:
     path = os.path.join(root, "interrupted")
     dcp.save(replicated_state(0), storage_writer=GdsPersistWriter(path))
     try:
-        dcp.save(replicated_state(2), storage_writer=GdsPersistWriter(path),
-                 planner=FailingPlanner(fail_rank=1))
+        dcp.save(
+            replicated_state(2),
+            storage_writer=GdsPersistWriter(path),
+            planner=FailingPlanner(fail_rank=1),
+        )
         report["interrupted_raised"] = False
     except BaseException as e:  # DCP raises CheckpointException (a BaseException)
         report["interrupted_raised"] = "injected failure" in str(e)
@@ -148,7 +159,8 @@ def save_scenarios(rank: int, world: int, port: int, root: str) -> None:
     dcp.load(back, storage_reader=GdsPersistReader(path))
     report["interrupted_kept_previous"] = same(back, replicated_state(0))
     report["interrupted_leftovers"] = sorted(
-        n for n in os.listdir(root) if n.startswith(".interrupted"))
+        n for n in os.listdir(root) if n.startswith(".interrupted")
+    )
 
     with open(os.path.join(root, f"report-{rank}.json"), "w") as f:
         json.dump(report, f)
@@ -164,11 +176,15 @@ def load_scenarios(rank: int, world: int, port: int, root: str) -> None:
 
     mesh = init_device_mesh("cpu", (world,))
     expected = dtensor_state(mesh, [Shard(0)])
-    back = {k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in expected.items()}
+    back = {
+        k: (torch.zeros_like(v) if isinstance(v, torch.Tensor) else v) for k, v in expected.items()
+    }
     dcp.load(back, storage_reader=GdsPersistReader(os.path.join(root, "dt")))
     report = {
         "dt_local_shapes": [list(back[k].to_local().shape) for k in ("w", "odd")],
-        "dt_equal": all(torch.equal(back[k].to_local(), expected[k].to_local()) for k in ("w", "odd"))
+        "dt_equal": all(
+            torch.equal(back[k].to_local(), expected[k].to_local()) for k in ("w", "odd")
+        )
         and torch.equal(back["rep"], expected["rep"]),
     }
     sd = replicated_state()

@@ -21,6 +21,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # spawned workers import it too
 import dcp_workers as W  # noqa: E402
+
 import gds_persist  # noqa: E402
 from gds_persist import ChecksumError, NotCommittedError  # noqa: E402
 from gds_persist.dcp import GdsPersistReader, GdsPersistWriter
@@ -76,8 +77,11 @@ def test_dtensor_shard0_saved_by_two_loaded_by_two(saved):
 @pytest.mark.slow
 def test_dtensor_shard0_loaded_by_one_rank_into_full_tensors(saved):
     root, _ = saved
-    back = {"w": torch.zeros(10, 6), "odd": torch.zeros(7, 3, dtype=torch.float16),
-            "rep": torch.zeros(12, dtype=torch.int32)}
+    back = {
+        "w": torch.zeros(10, 6),
+        "odd": torch.zeros(7, 3, dtype=torch.float16),
+        "rep": torch.zeros(12, dtype=torch.int32),
+    }
     dcp.load(back, storage_reader=GdsPersistReader(os.path.join(root, "dt")), no_dist=True)
     assert torch.equal(back["w"], W.full_sharded(10, 6, 1))
     assert torch.equal(back["odd"], W.full_sharded(7, 3, 2).to(torch.float16))
@@ -201,10 +205,15 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
         def killed(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
         w.commit = killed
-        dcp.save({{"x": torch.zeros(1000)}}, storage_writer=GdsPersistWriter({path!r}), no_dist=True)
+        dcp.save({{"x": torch.zeros(1000)}}, storage_writer=GdsPersistWriter({path!r}),
+                 no_dist=True)
     """)
-    proc = subprocess.run([sys.executable, "-c", script], env={**os.environ, "PYTHONPATH": REPO},
-                          capture_output=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        env={**os.environ, "PYTHONPATH": REPO},
+        capture_output=True,
+        timeout=120,
+    )
     assert proc.returncode == -9, proc.stderr.decode()[-2000:]
     leftovers = [n for n in os.listdir(tmp_path) if n != "ck"]
     assert leftovers and all(n.startswith(".ck.tmp-") for n in leftovers)
@@ -232,18 +241,27 @@ def test_reader_refuses_plain_checkpoints_and_unsafe_pickles(tmp_path):
         GdsPersistReader(plain).read_metadata()
 
     path = str(tmp_path / "ck")
-    dcp.save({"obj": Custom(), "x": torch.ones(2)}, storage_writer=GdsPersistWriter(path), no_dist=True)
+    dcp.save(
+        {"obj": Custom(), "x": torch.ones(2)}, storage_writer=GdsPersistWriter(path), no_dist=True
+    )
     with pytest.raises(CheckpointException) as info:
-        dcp.load({"obj": None, "x": torch.zeros(2)}, storage_reader=GdsPersistReader(path),
-                 no_dist=True)
+        dcp.load(
+            {"obj": None, "x": torch.zeros(2)}, storage_reader=GdsPersistReader(path), no_dist=True
+        )
     assert "weights_only=True" in str(info.value.failures[0][0])
     assert "DCP item 'obj'" in str(info.value.failures[0][0])
 
 
 def test_use_collectives_false_is_refused(tmp_path):
-    with pytest.raises((CheckpointException, gds_persist.CheckpointError), match="use_collectives=False"):
-        dcp.save({"x": torch.ones(2)}, storage_writer=GdsPersistWriter(str(tmp_path / "c")),
-                 no_dist=True, use_collectives=False)
+    with pytest.raises(
+        (CheckpointException, gds_persist.CheckpointError), match="use_collectives=False"
+    ):
+        dcp.save(
+            {"x": torch.ones(2)},
+            storage_writer=GdsPersistWriter(str(tmp_path / "c")),
+            no_dist=True,
+            use_collectives=False,
+        )
 
 
 def test_cli_inspect_and_verify_work_on_dcp_checkpoints(tmp_path):

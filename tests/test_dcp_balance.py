@@ -10,7 +10,7 @@ from gds_persist.dcp.balancing import ALIGN, balance, rank_bytes
 
 
 def check_cover(sizes, holders, pieces):
-    for i, (size, hs, ps) in enumerate(zip(sizes, holders, pieces)):
+    for i, (size, hs, ps) in enumerate(zip(sizes, holders, pieces, strict=False)):
         pos = 0
         for p in ps:
             assert p.item == i and p.start == pos and p.stop > p.start

@@ -24,15 +24,24 @@ EXAMPLES = os.path.join(REPO, "examples")
 def example(name: str):
     if EXAMPLES not in sys.path:
         sys.path.insert(0, EXAMPLES)
-    spec = importlib.util.spec_from_file_location(f"example_{name}", os.path.join(EXAMPLES, f"{name}.py"))
+    spec = importlib.util.spec_from_file_location(
+        f"example_{name}", os.path.join(EXAMPLES, f"{name}.py")
+    )
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 def torchrun(script: str, *args: str) -> str:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(EXAMPLES, script), *args]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.join(EXAMPLES, script),
+        *args,
+    ]
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
@@ -61,7 +70,9 @@ def test_ddp_example_under_torchrun_resumes(tmp_path):
     # ... resumed by 2 data-parallel ranks
     out = torchrun("train_ddp.py", "--ckpt-dir", ckpt, "--steps", "4", "--width", "64")
     assert out.count("resumed from step 2") == 2, out
-    done = re.findall(r"\[rank (\d)\] done at step 4; checkpoint written by (.+?); params (\w+)", out)
+    done = re.findall(
+        r"\[rank (\d)\] done at step 4; checkpoint written by (.+?); params (\w+)", out
+    )
     assert len(done) == 2 and done[0][2] == done[1][2], out  # replicas agree
     ck = gds_persist.load(os.path.join(ckpt, "latest"))
     assert ck["step"] == 4 and ck["world_size"] == 2
@@ -85,11 +96,15 @@ def test_fsdp_dcp_example_under_torchrun_reshards_both_ways(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         msd, osd = get_state_dict(model, opt)
-        dcp.save({"train": {"model": msd, "optim": osd}, "step": 1},
-                 storage_writer=GdsPersistWriter(latest), no_dist=True)
+        dcp.save(
+            {"train": {"model": msd, "optim": osd}, "step": 1},
+            storage_writer=GdsPersistWriter(latest),
+            no_dist=True,
+        )
     # ... resumed by 2 FSDP ranks (resharded to Shard(0)), which save asynchronously each step
-    out = torchrun("train_fsdp_dcp.py", "--ckpt-dir", str(tmp_path / "fsdp"), "--steps", "3",
-                   "--width", "64")
+    out = torchrun(
+        "train_fsdp_dcp.py", "--ckpt-dir", str(tmp_path / "fsdp"), "--steps", "3", "--width", "64"
+    )
     assert out.count("resumed from step 1") == 2, out
     digests = re.findall(r"\[rank \d\] done at step 3; params (\w+)", out)
     assert len(digests) == 2 and digests[0] == digests[1], out

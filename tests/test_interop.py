@@ -12,7 +12,7 @@ import safetensors.torch as st
 import torch
 
 import gds_persist
-from gds_persist import ChecksumError, CheckpointError, export_checkpoint, import_checkpoint
+from gds_persist import CheckpointError, ChecksumError, export_checkpoint, import_checkpoint
 from gds_persist.cli import main
 from gds_persist.interop import ST_DTYPES, detect_format
 
@@ -20,23 +20,35 @@ from gds_persist.interop import ST_DTYPES, detect_format
 def state() -> dict:
     g = torch.Generator().manual_seed(3)
     emb = torch.nn.Parameter(torch.randn(64, 16, generator=g))
-    model = OrderedDict([
-        ("emb.weight", emb),
-        ("head.weight", emb),  # tied: same storage, same view
-        ("fc.weight", torch.randn(16, 8, generator=g).to(torch.bfloat16)),
-        ("fc.bias", torch.randn(8, generator=g)),
-        ("t", torch.randn(5, 7, generator=g).t()),  # non-contiguous view
-        ("half", torch.randn(10, generator=g)[2:6]),  # a view into part of a storage
-        ("mask", torch.rand(9, generator=g) > 0.5),
-        ("empty", torch.empty(0, 4)),
-        ("scalar", torch.tensor(2.5)),
-    ])
+    model = OrderedDict(
+        [
+            ("emb.weight", emb),
+            ("head.weight", emb),  # tied: same storage, same view
+            ("fc.weight", torch.randn(16, 8, generator=g).to(torch.bfloat16)),
+            ("fc.bias", torch.randn(8, generator=g)),
+            ("t", torch.randn(5, 7, generator=g).t()),  # non-contiguous view
+            ("half", torch.randn(10, generator=g)[2:6]),  # a view into part of a storage
+            ("mask", torch.rand(9, generator=g) > 0.5),
+            ("empty", torch.empty(0, 4)),
+            ("scalar", torch.tensor(2.5)),
+        ]
+    )
     model._metadata = OrderedDict([("", {"version": 1})])
     return {
         "model": model,
-        "optim": {"state": {0: {"step": torch.tensor(10.0), "exp_avg": torch.zeros(64, 16)}},
-                  "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "eps": float("inf"),
-                                    "weight_decay": float("nan"), "params": [0], "name": None}]},
+        "optim": {
+            "state": {0: {"step": torch.tensor(10.0), "exp_avg": torch.zeros(64, 16)}},
+            "param_groups": [
+                {
+                    "lr": 1e-3,
+                    "betas": (0.9, 0.999),
+                    "eps": float("inf"),
+                    "weight_decay": float("nan"),
+                    "params": [0],
+                    "name": None,
+                }
+            ],
+        },
         "epoch": 4,
         "tag": "run-a",
         "done": False,
@@ -47,9 +59,14 @@ def assert_same(a, b, path="root"):
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), path
         assert a.dtype == b.dtype and a.shape == b.shape, path
-        assert torch.equal(a.detach().reshape(-1).view(torch.uint8) if a.dtype != torch.bool else a,
-                           b.detach().reshape(-1).view(torch.uint8) if b.dtype != torch.bool else b) \
-            if a.numel() else True, path
+        assert (
+            torch.equal(
+                a.detach().reshape(-1).view(torch.uint8) if a.dtype != torch.bool else a,
+                b.detach().reshape(-1).view(torch.uint8) if b.dtype != torch.bool else b,
+            )
+            if a.numel()
+            else True
+        ), path
         assert isinstance(a, torch.nn.Parameter) == isinstance(b, torch.nn.Parameter), path
     elif isinstance(a, dict):
         assert list(a.keys()) == list(b.keys()), path
@@ -57,7 +74,7 @@ def assert_same(a, b, path="root"):
             assert_same(a[k], b[k], f"{path}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), path
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=False)):
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, float) and math.isnan(a):
         assert isinstance(b, float) and math.isnan(b), path
@@ -93,13 +110,28 @@ def test_export_safetensors_loads_with_load_file_and_imports_back_exactly(ckpt, 
     assert info.to == "safetensors"
     flat = st.load_file(out)
     sd = state()
-    assert sorted(flat) == sorted([
-        "model.emb.weight", "model.head.weight", "model.fc.weight", "model.fc.bias", "model.t",
-        "model.half", "model.mask", "model.empty", "model.scalar",
-        "optim.state.0.step", "optim.state.0.exp_avg"])
+    assert sorted(flat) == sorted(
+        [
+            "model.emb.weight",
+            "model.head.weight",
+            "model.fc.weight",
+            "model.fc.bias",
+            "model.t",
+            "model.half",
+            "model.mask",
+            "model.empty",
+            "model.scalar",
+            "optim.state.0.step",
+            "optim.state.0.exp_avg",
+        ]
+    )
     for name, t in flat.items():
         keys = name.split(".", 1)
-        src = sd[keys[0]][keys[1]] if keys[0] == "model" else sd["optim"]["state"][0][name.split(".")[-1]]
+        src = (
+            sd[keys[0]][keys[1]]
+            if keys[0] == "model"
+            else sd["optim"]["state"][0][name.split(".")[-1]]
+        )
         assert t.is_contiguous() and torch.equal(t, src.detach().contiguous()), name
     assert any("tied" in n for n in info.notes) and any("non-contiguous" in n for n in info.notes)
 
@@ -153,8 +185,10 @@ def test_export_detects_corruption_and_leaves_no_output(ckpt, tmp_path):
         b = f.read(1)
         f.seek(e.offset + 7)
         f.write(bytes([b[0] ^ 1]))
-    for out, pattern in (("o.safetensors", r"checksum mismatch in tensor \['model'\]\['emb.weight'\]"),
-                         ("o.pt", r"checksum mismatch in tensor \['model'\]\['emb.weight'\]")):
+    for out, pattern in (
+        ("o.safetensors", r"checksum mismatch in tensor \['model'\]\['emb.weight'\]"),
+        ("o.pt", r"checksum mismatch in tensor \['model'\]\['emb.weight'\]"),
+    ):
         with pytest.raises(ChecksumError, match=pattern):
             export_checkpoint(ckpt, str(tmp_path / out))
     assert sorted(os.listdir(tmp_path)) == ["ck"]
@@ -194,8 +228,11 @@ def test_import_never_unpickles_arbitrary_code(tmp_path):
 
 
 def test_import_foreign_safetensors_file_gives_a_flat_dict(tmp_path):
-    tensors = {"a.weight": torch.randn(3, 4), "b": torch.arange(5, dtype=torch.int16),
-               "odd": torch.arange(3, dtype=torch.uint8)}  # makes the next offsets unaligned
+    tensors = {
+        "a.weight": torch.randn(3, 4),
+        "b": torch.arange(5, dtype=torch.int16),
+        "odd": torch.arange(3, dtype=torch.uint8),
+    }  # makes the next offsets unaligned
     tensors["z.after_odd"] = torch.randn(7, dtype=torch.float64)
     f = str(tmp_path / "m.safetensors")
     st.save_file(tensors, f, metadata={"format": "pt"})

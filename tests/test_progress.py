@@ -76,10 +76,14 @@ def test_dcp_writer_and_reader_report_progress(tmp_path, small_blocks):
     w, r = Recorder(), Recorder()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        dcp.save(sd, storage_writer=GdsPersistWriter(str(tmp_path / "ck"), progress=w),
-                 no_dist=True)
-        dcp.load({"w": torch.zeros(100_000), "step": 0},
-                 storage_reader=GdsPersistReader(str(tmp_path / "ck"), progress=r), no_dist=True)
+        dcp.save(
+            sd, storage_writer=GdsPersistWriter(str(tmp_path / "ck"), progress=w), no_dist=True
+        )
+        dcp.load(
+            {"w": torch.zeros(100_000), "step": 0},
+            storage_reader=GdsPersistReader(str(tmp_path / "ck"), progress=r),
+            no_dist=True,
+        )
     w.check()
     r.check()
     assert len(w.calls) > 3

@@ -49,8 +49,12 @@ def encode_value(obj: Any, where: str, depth: int = 0) -> Any:
     if isinstance(obj, list):
         return {"l": [encode_value(v, where, depth + 1) for v in obj]}
     if isinstance(obj, dict):
-        return {"m": [[encode_value(k, where, depth + 1), encode_value(v, where, depth + 1)]
-                      for k, v in obj.items()]}
+        return {
+            "m": [
+                [encode_value(k, where, depth + 1), encode_value(v, where, depth + 1)]
+                for k, v in obj.items()
+            ]
+        }
     raise CheckpointError(
         f"{where} holds an object of type {type(obj).__module__}.{type(obj).__qualname__}, "
         "which GdsPersistWriter cannot store without pickling; use DCP's DefaultSavePlanner or "
@@ -64,7 +68,7 @@ def decode_value(obj: Any, where: str, depth: int = 0) -> Any:
     if obj is None or isinstance(obj, (bool, str, int, float)):
         return obj
     if isinstance(obj, dict) and len(obj) == 1:
-        (tag, v), = obj.items()
+        ((tag, v),) = obj.items()
         if tag == "f" and v in ("inf", "-inf", "nan"):
             return float(v)
         if tag == "s" and isinstance(v, list) and all(type(d) is int and d >= 0 for d in v):
@@ -72,7 +76,11 @@ def decode_value(obj: Any, where: str, depth: int = 0) -> Any:
         if tag in ("t", "l") and isinstance(v, list):
             items = [decode_value(x, where, depth + 1) for x in v]
             return tuple(items) if tag == "t" else items
-        if tag == "m" and isinstance(v, list) and all(isinstance(p, list) and len(p) == 2 for p in v):
+        if (
+            tag == "m"
+            and isinstance(v, list)
+            and all(isinstance(p, list) and len(p) == 2 for p in v)
+        ):
             out = {}
             for k, val in v:
                 key = decode_value(k, where, depth + 1)
@@ -93,14 +101,18 @@ def encode_metadata(md: Metadata) -> dict[str, Any]:
         elif isinstance(entry, TensorStorageMetadata):
             props = entry.properties
             if props.dtype not in DTYPES.values():
-                raise CheckpointError(f"DCP item {fqn!r} has dtype {props.dtype}, which gds_persist cannot store")
+                raise CheckpointError(
+                    f"DCP item {fqn!r} has dtype {props.dtype}, which gds_persist cannot store"
+                )
             items[fqn] = {
                 "kind": "tensor",
                 "dtype": dtype_name(props.dtype),
                 "requires_grad": bool(props.requires_grad),
                 "size": [int(d) for d in entry.size],
-                "chunks": [{"offsets": [int(o) for o in c.offsets], "sizes": [int(s) for s in c.sizes]}
-                           for c in entry.chunks],
+                "chunks": [
+                    {"offsets": [int(o) for o in c.offsets], "sizes": [int(s) for s in c.sizes]}
+                    for c in entry.chunks
+                ],
             }
         else:
             raise CheckpointError(
@@ -108,11 +120,15 @@ def encode_metadata(md: Metadata) -> dict[str, Any]:
                 "which this version of GdsPersistWriter does not know"
             )
     sm = md.storage_meta
-    storage_meta = None if sm is None else {
-        "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
-        "save_id": sm.save_id,
-        "modules": [str(m) for m in (sm.modules or [])],
-    }
+    storage_meta = (
+        None
+        if sm is None
+        else {
+            "checkpoint_id": None if sm.checkpoint_id is None else str(sm.checkpoint_id),
+            "save_id": sm.save_id,
+            "modules": [str(m) for m in (sm.modules or [])],
+        }
+    )
     return {
         "version": md.version,
         "state_dict_metadata": items,
@@ -128,7 +144,7 @@ def _size(v: Any, where: str) -> torch.Size:
 
 
 def decode_metadata(doc: Any, where: str) -> Metadata:
-    """The DCP ``Metadata`` (without ``storage_data``) of a validated manifest's ``writer["dcp"]``."""
+    """DCP ``Metadata`` (without ``storage_data``) from a validated manifest's ``writer["dcp"]``."""
     if not isinstance(doc, dict) or not isinstance(doc.get("state_dict_metadata"), dict):
         raise ManifestError(f"{where}: the DCP metadata is missing or malformed")
     items: dict[str, Any] = {}
@@ -139,7 +155,11 @@ def decode_metadata(doc: Any, where: str) -> Metadata:
         if e.get("kind") == "bytes":
             items[fqn] = BytesStorageMetadata()
             continue
-        if e.get("kind") != "tensor" or e.get("dtype") not in DTYPES or not isinstance(e.get("chunks"), list):
+        if (
+            e.get("kind") != "tensor"
+            or e.get("dtype") not in DTYPES
+            or not isinstance(e.get("chunks"), list)
+        ):
             raise ManifestError(f"{here} is malformed: {str(e)[:120]}")
         size = _size(e.get("size"), here)
         chunks = []
@@ -147,17 +167,27 @@ def decode_metadata(doc: Any, where: str) -> Metadata:
             if not isinstance(c, dict):
                 raise ManifestError(f"{here}: bad chunk {c!r}")
             offsets, sizes = _size(c.get("offsets"), here), _size(c.get("sizes"), here)
-            if len(offsets) != len(size) or len(sizes) != len(size) or any(
-                    o + s > d for o, s, d in zip(offsets, sizes, size)):
-                raise ManifestError(f"{here}: chunk {c!r} lies outside the tensor's size {list(size)}")
+            if (
+                len(offsets) != len(size)
+                or len(sizes) != len(size)
+                or any(o + s > d for o, s, d in zip(offsets, sizes, size, strict=False))
+            ):
+                raise ManifestError(
+                    f"{here}: chunk {c!r} lies outside the tensor's size {list(size)}"
+                )
             chunks.append(ChunkStorageMetadata(offsets=offsets, sizes=sizes))
-        props = TensorProperties(dtype=DTYPES[e["dtype"]], requires_grad=bool(e.get("requires_grad")))
+        props = TensorProperties(
+            dtype=DTYPES[e["dtype"]], requires_grad=bool(e.get("requires_grad"))
+        )
         items[fqn] = TensorStorageMetadata(properties=props, size=size, chunks=chunks)
     sm = doc.get("storage_meta")
     storage_meta = None
     if isinstance(sm, dict):
-        storage_meta = StorageMeta(checkpoint_id=sm.get("checkpoint_id"), save_id=sm.get("save_id"),
-                                   modules=list(sm.get("modules") or []))
+        storage_meta = StorageMeta(
+            checkpoint_id=sm.get("checkpoint_id"),
+            save_id=sm.get("save_id"),
+            modules=list(sm.get("modules") or []),
+        )
     version = doc.get("version")
     return Metadata(
         state_dict_metadata=items,

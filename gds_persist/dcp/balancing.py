@@ -30,7 +30,9 @@ class Piece:
     stop: int
 
 
-def _water_fill(size: int, holders: list[int], loads: list[int], align: int) -> list[tuple[int, int]]:
+def _water_fill(
+    size: int, holders: list[int], loads: list[int], align: int
+) -> list[tuple[int, int]]:
     """Shares ``(rank, bytes)`` of ``size`` that bring the least-loaded holders to one level."""
     order = sorted(holders, key=lambda r: (loads[r], r))
     level = 0.0
@@ -46,15 +48,23 @@ def _water_fill(size: int, holders: list[int], loads: list[int], align: int) -> 
     prev = 0
     for i, r in enumerate(chosen):
         cum_float += max(0.0, level - loads[r])
-        end = size if i == len(chosen) - 1 else min(size, max(prev, round(cum_float / align) * align))
+        end = (
+            size if i == len(chosen) - 1 else min(size, max(prev, round(cum_float / align) * align))
+        )
         if end > prev:
             shares.append((r, end - prev))
         prev = end
     return shares
 
 
-def balance(sizes: Sequence[int], holders: Sequence[Sequence[int]], world_size: int, *,
-            split_min_bytes: int = 1 << 20, align: int = ALIGN) -> list[list[Piece]]:
+def balance(
+    sizes: Sequence[int],
+    holders: Sequence[Sequence[int]],
+    world_size: int,
+    *,
+    split_min_bytes: int = 1 << 20,
+    align: int = ALIGN,
+) -> list[list[Piece]]:
     """Assign every item's bytes to ranks that hold it, minimising the largest per-rank total.
 
     Items held by one rank go to it. The others, largest first: an item of at least
@@ -67,7 +77,7 @@ def balance(sizes: Sequence[int], holders: Sequence[Sequence[int]], world_size: 
     loads = [0] * world_size
     out: list[list[Piece]] = [[] for _ in sizes]
     flexible = []
-    for i, (size, hs) in enumerate(zip(sizes, holders)):
+    for i, (size, hs) in enumerate(zip(sizes, holders, strict=False)):
         hs = sorted(set(hs))
         if not hs or any(r < 0 or r >= world_size for r in hs):
             raise ValueError(f"item {i} has holders {hs} outside 0..{world_size - 1}")

@@ -88,10 +88,13 @@ def dcp_records(m: Manifest, where: str) -> dict[MetadataIndex, ItemRecord]:
         for d in tensor.shape:
             numel *= d
         if numel * DTYPES[tensor.dtype].itemsize != nbytes:
-            raise ManifestError(f"{where}: DCP item {fqn!r} has {nbytes} bytes for shape {tensor.shape}")
+            raise ManifestError(
+                f"{where}: DCP item {fqn!r} has {nbytes} bytes for shape {tensor.shape}"
+            )
         extents = tuple(sorted(by_storage.get(tensor.storage, []), key=lambda e: e.start))
-        out[MetadataIndex(fqn, offs)] = ItemRecord(fqn, kind, tensor.dtype, tuple(tensor.shape),
-                                                   nbytes, extents)
+        out[MetadataIndex(fqn, offs)] = ItemRecord(
+            fqn, kind, tensor.dtype, tuple(tensor.shape), nbytes, extents
+        )
     return out
 
 
@@ -111,9 +114,16 @@ class GdsPersistReader(StorageReader):
     wraps it in ``CheckpointException`` (``exc.failures[rank][0]`` is the original).
     """
 
-    def __init__(self, path: str | os.PathLike[str] = "", *, backend: str | None = None,
-                 verify: bool = True, trust_bytes: bool = False,
-                 read_budget_bytes: int = 256 << 20, progress: ProgressCallback | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = "",
+        *,
+        backend: str | None = None,
+        verify: bool = True,
+        trust_bytes: bool = False,
+        read_budget_bytes: int = 256 << 20,
+        progress: ProgressCallback | None = None,
+    ):
         super().__init__()
         self.path = os.fspath(path)
         self.backend = backend
@@ -159,8 +169,9 @@ class GdsPersistReader(StorageReader):
         self._manifest = m
         return md
 
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args: Any,
-                              **kwargs: Any) -> None:
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
         if not isinstance(metadata.storage_data, dict):
             raise CheckpointError("GdsPersistReader got metadata it did not read")
         self.storage_data = metadata.storage_data
@@ -190,20 +201,29 @@ class GdsPersistReader(StorageReader):
 
 
 def _is_whole(req: ReadItem, rec: ItemRecord) -> bool:
-    return (req.type == LoadItemType.TENSOR and all(o == 0 for o in req.storage_offsets)
-            and tuple(req.lengths) == rec.shape)
+    return (
+        req.type == LoadItemType.TENSOR
+        and all(o == 0 for o in req.storage_offsets)
+        and tuple(req.lengths) == rec.shape
+    )
 
 
 def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    for dim, (o, n) in enumerate(zip(offsets, lengths)):
+    for dim, (o, n) in enumerate(zip(offsets, lengths, strict=False)):
         t = t.narrow(dim, int(o), int(n))
     return t
 
 
 def _direct_bytes(target: torch.Tensor, rec: ItemRecord) -> torch.Tensor | None:
     """The destination's own bytes, when the chunk can be read straight into it."""
-    if (target.dtype != DTYPES[rec.dtype] or not target.is_contiguous() or target.is_conj()
-            or target.is_neg() or tuple(target.shape) != rec.shape or target.device.type not in ("cpu", "cuda")):
+    if (
+        target.dtype != DTYPES[rec.dtype]
+        or not target.is_contiguous()
+        or target.is_conj()
+        or target.is_neg()
+        or tuple(target.shape) != rec.shape
+        or target.device.type not in ("cpu", "cuda")
+    ):
         return None
     start = target.storage_offset() * target.element_size()
     return byte_view(target.untyped_storage())[start : start + rec.nbytes]
@@ -232,9 +252,13 @@ class _ReadJob:
             staged.append((rec, reqs, None))
         cfg = settings.current(backend=self.r.backend)
         wants_device = any(dest.is_cuda for *_, dest in direct)
-        be, _ = choose_backend(cfg.backend, self.r.path, wants_device, cfg.io_threads, cfg.block_bytes)
-        with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
-                ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
+        be, _ = choose_backend(
+            cfg.backend, self.r.path, wants_device, cfg.io_threads, cfg.block_bytes
+        )
+        with (
+            borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring,
+            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool,
+        ):
             self.be, self.ring, self.pool, self.cfg = be, ring, pool, cfg
             if direct:
                 self._read([(rec, dest) for rec, _, _, dest in direct])
@@ -261,22 +285,36 @@ class _ReadJob:
         for local, (rec, _) in enumerate(jobs):
             for e in rec.extents:
                 per_file.setdefault(e.file, []).append(
-                    Extent(local, e.start, e.length, e.file, e.offset, e.crc32c))
+                    Extent(local, e.start, e.length, e.file, e.offset, e.crc32c)
+                )
         dests = [dest for _, dest in jobs]
-        reader = FileReader(self.be, self.ring, self.pool, self.cfg.io_timeout_s, self.r.verify,
-                            lambda i: names[i], None, self.counter.hook)
+        reader = FileReader(
+            self.be,
+            self.ring,
+            self.pool,
+            self.cfg.io_timeout_s,
+            self.r.verify,
+            lambda i: names[i],
+            None,
+            self.counter.hook,
+        )
         for f, extents in sorted(per_file.items()):
             reader.read(check_file(self.r.path, m.files[f]), extents, dests)
 
-    def _staged_batch(self, batch: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]]) -> None:
+    def _staged_batch(
+        self, batch: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]]
+    ) -> None:
         bufs = [torch.empty(rec.nbytes, dtype=torch.uint8) for rec, _, _ in batch]
-        self._read([(rec, buf) for (rec, _, _), buf in zip(batch, bufs)])
-        for (rec, reqs, targets), buf in zip(batch, bufs):
+        self._read([(rec, buf) for (rec, _, _), buf in zip(batch, bufs, strict=False)])
+        for (rec, reqs, targets), buf in zip(batch, bufs, strict=False):
             if rec.kind == "bytes":
                 self._load_bytes(rec, reqs, buf)
                 continue
-            saved = buf.view(DTYPES[rec.dtype]).view(rec.shape) if rec.nbytes else \
-                torch.empty(rec.shape, dtype=DTYPES[rec.dtype])
+            saved = (
+                buf.view(DTYPES[rec.dtype]).view(rec.shape)
+                if rec.nbytes
+                else torch.empty(rec.shape, dtype=DTYPES[rec.dtype])
+            )
             for k, req in enumerate(reqs):
                 src = _narrow(saved, req.storage_offsets, req.lengths)
                 target = targets[k] if targets else self.planner.resolve_tensor(req).detach()

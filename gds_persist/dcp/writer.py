@@ -22,6 +22,7 @@ path.
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
@@ -120,10 +121,18 @@ class GdsPersistWriter(StorageWriter):
     (both need rank-local decisions about the shared temporary directory); a clear error says so.
     """
 
-    def __init__(self, path: str | os.PathLike[str] = "", *, backend: str | None = None,
-                 balance: bool = True, split_min_bytes: int = 1 << 20,
-                 block_bytes: int | None = None, staging_bytes: int | None = None,
-                 io_threads: int | None = None, progress: ProgressCallback | None = None):
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = "",
+        *,
+        backend: str | None = None,
+        balance: bool = True,
+        split_min_bytes: int = 1 << 20,
+        block_bytes: int | None = None,
+        staging_bytes: int | None = None,
+        io_threads: int | None = None,
+        progress: ProgressCallback | None = None,
+    ):
         super().__init__()
         self.path = os.fspath(path)
         self.backend = backend
@@ -164,8 +173,10 @@ class GdsPersistWriter(StorageWriter):
 
     def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
         if not self.path:
-            raise CheckpointError("GdsPersistWriter needs a path: GdsPersistWriter(path) or "
-                                  "dcp.save(..., checkpoint_id=path)")
+            raise CheckpointError(
+                "GdsPersistWriter needs a path: GdsPersistWriter(path) or "
+                "dcp.save(..., checkpoint_id=path)"
+            )
         if kwargs.get("use_collectives", True) is False:
             raise CheckpointError(
                 "GdsPersistWriter does not support dcp.save(use_collectives=False): without "
@@ -188,11 +199,13 @@ class GdsPersistWriter(StorageWriter):
             abort(self._tmp)
             raise
         out = []
-        for rank, (plan, (items, ranges)) in enumerate(zip(plans, assignment)):
+        for rank, (plan, (items, ranges)) in enumerate(zip(plans, assignment, strict=False)):
             out.append(replace(plan, items=items, storage_data=_RankPlan(self._tmp, rank, ranges)))
         return out
 
-    def _assign(self, plans: list[SavePlan]) -> list[tuple[list[WriteItem], dict[MetadataIndex, tuple[int, int]]]]:
+    def _assign(
+        self, plans: list[SavePlan]
+    ) -> list[tuple[list[WriteItem], dict[MetadataIndex, tuple[int, int]]]]:
         world = len(plans)
         owner: dict[MetadataIndex, int] = {}
         item_of: dict[MetadataIndex, WriteItem] = {}
@@ -210,13 +223,17 @@ class GdsPersistWriter(StorageWriter):
                     for k in inv.tensor_items:
                         if k in holders and item_of[k].type != WriteItemType.BYTE_IO:
                             holders[k].add(rank)
-        sizes = [(_chunk_nbytes(item_of[k]) if item_of[k].type != WriteItemType.BYTE_IO else 0)
-                 for k in order]
-        pieces = _balance.balance(sizes, [sorted(holders[k]) for k in order], world,
-                                  split_min_bytes=self.split_min_bytes)
+        sizes = [
+            (_chunk_nbytes(item_of[k]) if item_of[k].type != WriteItemType.BYTE_IO else 0)
+            for k in order
+        ]
+        pieces = _balance.balance(
+            sizes, [sorted(holders[k]) for k in order], world, split_min_bytes=self.split_min_bytes
+        )
         per_rank: list[tuple[list[WriteItem], dict[MetadataIndex, tuple[int, int]]]] = [
-            ([], {}) for _ in range(world)]
-        for k, size, item_pieces in zip(order, sizes, pieces):
+            ([], {}) for _ in range(world)
+        ]
+        for k, size, item_pieces in zip(order, sizes, pieces, strict=False):
             if not item_pieces:  # empty tensor or bytes item: its DCP owner writes it
                 per_rank[owner[k]][0].append(item_of[k])
                 continue
@@ -241,21 +258,39 @@ class GdsPersistWriter(StorageWriter):
                 "published or removed already (DCP plan caching, enable_plan_caching=True, is "
                 "not supported), or ranks do not share the filesystem of the checkpoint path"
             )
-        cfg = settings.current(backend=self.backend, block_bytes=self.block_bytes,
-                               staging_bytes=self.staging_bytes, io_threads=self.io_threads)
+        cfg = settings.current(
+            backend=self.backend,
+            block_bytes=self.block_bytes,
+            staging_bytes=self.staging_bytes,
+            io_threads=self.io_threads,
+        )
         sources: list[torch.Tensor] = []
         meta: list[tuple[WriteItem, str, str, tuple[int, ...], int, int, int]] = []
         for item in plan.items:
             data = planner.resolve_data(item)
+            shape: tuple[int, ...]
             if item.type == WriteItemType.BYTE_IO:
-                raw = bytearray(data.getbuffer())
-                src = torch.frombuffer(raw, dtype=torch.uint8) if raw else torch.empty(0, dtype=torch.uint8)
+                raw = bytearray(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+                src = (
+                    torch.frombuffer(raw, dtype=torch.uint8)
+                    if raw
+                    else torch.empty(0, dtype=torch.uint8)
+                )
                 kind, dtype, shape = "bytes", "uint8", (len(raw),)
             else:
+                if not isinstance(data, torch.Tensor):
+                    raise CheckpointError(
+                        f"DCP item {item.index.fqn!r}: the planner resolved a "
+                        f"{type(data).__name__} for a tensor item"
+                    )
                 src = _tensor_bytes(data)
                 td = item.tensor_data
                 assert td is not None
-                kind, dtype, shape = "tensor", dtype_name(td.properties.dtype), tuple(int(s) for s in td.chunk.sizes)
+                kind, dtype, shape = (
+                    "tensor",
+                    dtype_name(td.properties.dtype),
+                    tuple(int(s) for s in td.chunk.sizes),
+                )
                 if src.numel() != _chunk_nbytes(item):
                     raise CheckpointError(
                         f"DCP item {item.index.fqn!r}: the planner resolved {src.numel()} bytes "
@@ -270,10 +305,17 @@ class GdsPersistWriter(StorageWriter):
         fut.set_result(results)
         return fut
 
-    def _write_files(self, info: _RankPlan, cfg: settings.Settings, sources: list[torch.Tensor],
-                     meta: list[tuple[WriteItem, str, str, tuple[int, ...], int, int, int]]) -> list[WriteResult]:
+    def _write_files(
+        self,
+        info: _RankPlan,
+        cfg: settings.Settings,
+        sources: list[torch.Tensor],
+        meta: list[tuple[WriteItem, str, str, tuple[int, ...], int, int, int]],
+    ) -> list[WriteResult]:
         wants_device = any(s.is_cuda for s in sources)
-        be, reason = choose_backend(cfg.backend, info.tmp, wants_device, cfg.io_threads, cfg.block_bytes)
+        be, reason = choose_backend(
+            cfg.backend, info.tmp, wants_device, cfg.io_threads, cfg.block_bytes
+        )
         # kvikio writes CUDA sources straight from device memory only when a file holds nothing
         # else, so CUDA and host sources go to separate files there.
         groups: dict[str, list[int]] = {}
@@ -281,26 +323,47 @@ class GdsPersistWriter(StorageWriter):
             device_file = be.accepts_device and s.is_cuda
             name = f"rank{info.rank:05d}-{'dev' if device_file else 'host'}.bin"
             groups.setdefault(name, []).append(i)
-        plans = {name: layout_file(name, 0, [(i, meta[i][5], meta[i][6] - meta[i][5]) for i in idx])
-                 for name, idx in groups.items()}
+        plans = {
+            name: layout_file(name, 0, [(i, meta[i][5], meta[i][6] - meta[i][5]) for i in idx])
+            for name, idx in groups.items()
+        }
         counter = ByteCounter(self.progress, sum(p.size for p in plans.values()))
         placed: dict[int, tuple[str, int, int, int]] = {}  # source -> file, size, offset, crc
-        with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
-                ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
+        with (
+            borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring,
+            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool,
+        ):
             writer = FileWriter(be, ring, pool, cfg.io_timeout_s, counter.hook)
             for name, fplan in plans.items():
                 if not fplan.extents:
                     continue
                 crcs = writer.write(os.path.join(info.tmp, name), fplan, sources)
-                for e, crc in zip(fplan.extents, crcs):
+                for e, crc in zip(fplan.extents, crcs, strict=False):
                     placed[e.storage] = (name, fplan.size, e.offset, crc)
         counter.finish()
         backend = f"{be.name} ({reason})"
         results = []
         for i, (item, kind, dtype, shape, nbytes, lo, hi) in enumerate(meta):
             file, file_size, offset, crc = placed.get(i, (None, 0, 0, 0))
-            results.append(WriteResult(index=item.index, size_in_bytes=hi - lo, storage_data=_Written(
-                kind, dtype, shape, nbytes, lo, hi - lo, file, file_size, offset, crc, backend)))
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=hi - lo,
+                    storage_data=_Written(
+                        kind,
+                        dtype,
+                        shape,
+                        nbytes,
+                        lo,
+                        hi - lo,
+                        file,
+                        file_size,
+                        offset,
+                        crc,
+                        backend,
+                    ),
+                )
+            )
         return results
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -316,8 +379,9 @@ class GdsPersistWriter(StorageWriter):
             raise
 
 
-def build_manifest(metadata: Metadata, results: list[list[WriteResult]],
-                   writer: GdsPersistWriter) -> Manifest:
+def build_manifest(
+    metadata: Metadata, results: list[list[WriteResult]], writer: GdsPersistWriter
+) -> Manifest:
     """A gds_persist manifest over every rank's data files, with DCP's metadata as JSON."""
     by_index: dict[MetadataIndex, list[_Written]] = {}
     files: dict[str, int] = {}
@@ -326,7 +390,9 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]],
         for wr in rank_results:
             w = wr.storage_data
             if not isinstance(w, _Written):
-                raise CheckpointError(f"unexpected write result for {wr.index.fqn!r}: {type(w).__name__}")
+                raise CheckpointError(
+                    f"unexpected write result for {wr.index.fqn!r}: {type(w).__name__}"
+                )
             by_index.setdefault(wr.index, []).append(w)
             if w.file is not None:
                 files[w.file] = max(files.get(w.file, 0), w.file_size)
@@ -334,19 +400,28 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]],
             backends.append((rank, rank_results[0].storage_data.backend))
     file_names = sorted(files)
     file_index = {n: i for i, n in enumerate(file_names)}
-    storages, tensors, extents, nodes = [], [], [], []
+    storages: list[StorageRecord] = []
+    tensors: list[TensorRecord] = []
+    extents: list[Extent] = []
+    nodes: list[dict[str, Any]] = []
     for index in sorted(by_index, key=lambda k: (k.fqn, tuple(k.offset or ()))):
         pieces = sorted(by_index[index], key=lambda w: w.start)
         first = pieces[0]
         covered = 0
         for w in pieces:
             if w.start != covered or any(
-                    (w.kind, w.dtype, w.shape, w.nbytes) != (first.kind, first.dtype, first.shape, first.nbytes)
-                    for w in pieces):
-                raise CheckpointError(f"DCP item {index.fqn!r}: ranks wrote overlapping or mismatched ranges")
+                (w.kind, w.dtype, w.shape, w.nbytes)
+                != (first.kind, first.dtype, first.shape, first.nbytes)
+                for w in pieces
+            ):
+                raise CheckpointError(
+                    f"DCP item {index.fqn!r}: ranks wrote overlapping or mismatched ranges"
+                )
             covered += w.length
         if covered != first.nbytes:
-            raise CheckpointError(f"DCP item {index.fqn!r}: {covered} of {first.nbytes} bytes written")
+            raise CheckpointError(
+                f"DCP item {index.fqn!r}: {covered} of {first.nbytes} bytes written"
+            )
         s = len(storages)
         storages.append(StorageRecord(first.nbytes, "cpu"))
         stride, acc = [], 1
@@ -354,12 +429,24 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]],
             stride.append(acc)
             acc *= max(d, 1)
         tensors.append(TensorRecord(s, first.dtype, tuple(first.shape), tuple(reversed(stride)), 0))
-        extents += [Extent(s, w.start, w.length, file_index[w.file], w.offset, w.crc32c)
-                    for w in pieces if w.length and w.file is not None]
+        extents += [
+            Extent(s, w.start, w.length, file_index[w.file], w.offset, w.crc32c)
+            for w in pieces
+            if w.length and w.file is not None
+        ]
         offsets = None if index.offset is None else [int(o) for o in index.offset]
-        nodes.append({"t": "dict", "k": ["fqn", "offsets", "kind", "data"],
-                      "v": [index.fqn, None if offsets is None else {"t": "list", "v": offsets},
-                            first.kind, {"t": "tensor", "i": len(tensors) - 1}]})
+        nodes.append(
+            {
+                "t": "dict",
+                "k": ["fqn", "offsets", "kind", "data"],
+                "v": [
+                    index.fqn,
+                    None if offsets is None else {"t": "list", "v": offsets},
+                    first.kind,
+                    {"t": "tensor", "i": len(tensors) - 1},
+                ],
+            }
+        )
     tree = {"t": "dict", "k": ["dcp_items"], "v": [{"t": "list", "v": nodes}]}
     info = {
         "writer": WRITER_TAG,
@@ -374,4 +461,6 @@ def build_manifest(metadata: Metadata, results: list[list[WriteResult]],
         "seconds": round(time.perf_counter() - writer._t0, 6) if writer._t0 else None,
         "dcp": encode_metadata(metadata),
     }
-    return Manifest([DataFile(n, files[n]) for n in file_names], storages, tensors, extents, tree, info)
+    return Manifest(
+        [DataFile(n, files[n]) for n in file_names], storages, tensors, extents, tree, info
+    )
