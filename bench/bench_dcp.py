@@ -35,6 +35,7 @@ import torch  # noqa: E402
 
 from bench import machine  # noqa: E402
 from bench.bench_io import parse_size  # noqa: E402
+from bench.methods import _empty_like  # noqa: E402
 from bench.state import make_state_dict, summarize  # noqa: E402
 from gds_persist.progress import cli_progress  # noqa: E402
 
@@ -125,16 +126,6 @@ def worker(rank: int, world: int, port: int, args: argparse.Namespace, workdir: 
             json.dump({"payload_bytes": payload, "series": series, "rank_bytes": per_rank}, f)
     dist.barrier()
     dist.destroy_process_group()
-
-
-def _empty_like(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        return torch.empty_like(obj)
-    if isinstance(obj, dict):
-        return {k: _empty_like(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_empty_like(v) for v in obj)
-    return obj
 
 
 def median(xs: list[float]) -> float:

@@ -82,8 +82,8 @@ META_KEY = "gds_persist"
 _META_VERSION = 1
 _MAX_HEADER = 100 << 20  # what safetensors itself accepts
 
-# safetensors dtype codes (the subset this exporter writes; all are read back by safetensors>=0.4
-# except the unsigned 16/32/64-bit ones and the fnuz float8s, which need a newer safetensors).
+# safetensors dtype codes this exporter writes. The uint16/32/64, complex64 and fnuz float8 codes
+# are known to recent safetensors releases only (tested with 0.8).
 ST_DTYPES: dict[torch.dtype, str] = {
     torch.float64: "F64",
     torch.float32: "F32",

@@ -273,3 +273,34 @@ def test_cli_inspect_and_verify_work_on_dcp_checkpoints(tmp_path):
     shutil.copytree(path, tmp_path / "bad")
     _flip_byte_in(str(tmp_path / "bad"), "w")
     assert main(["verify", str(tmp_path / "bad")]) == 1
+
+
+@pytest.mark.slow
+def test_process_based_async_save(tmp_path):
+    """DCP's process executor pickles the writer into a separate checkpointing process."""
+    path = str(tmp_path / "ck")
+    script = textwrap.dedent(f"""
+        import warnings
+        warnings.simplefilter("ignore")
+        import torch, torch.distributed as dist, torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+        from gds_persist.dcp import GdsPersistReader, GdsPersistWriter
+        if __name__ == "__main__":
+            dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{W.free_port()}",
+                                    rank=0, world_size=1)
+            sd = {{"w": torch.randn(100, 10), "step": 4}}
+            fut = dcp.async_save(sd, storage_writer=GdsPersistWriter({path!r}),
+                                 async_checkpointer_type=AsyncCheckpointerType.PROCESS)
+            getattr(fut, "upload_completion", fut).result()
+            back = {{"w": torch.zeros(100, 10), "step": 0}}
+            dcp.load(back, storage_reader=GdsPersistReader({path!r}))
+            assert torch.equal(back["w"], sd["w"]) and back["step"] == 4
+            print("OK")
+            dist.destroy_process_group()
+    """)
+    script_path = tmp_path / "run.py"
+    script_path.write_text(script)
+    proc = subprocess.run([sys.executable, str(script_path)], capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": REPO}, timeout=180)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
+    assert gds_persist.verify(path).ok
