@@ -300,7 +300,12 @@ def test_process_based_async_save(tmp_path):
     """)
     script_path = tmp_path / "run.py"
     script_path.write_text(script)
-    proc = subprocess.run([sys.executable, str(script_path)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": REPO}, timeout=180)
+    proc = subprocess.run(
+        [sys.executable, str(script_path)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        timeout=180,
+    )
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr[-3000:]
     assert gds_persist.verify(path).ok
