@@ -19,6 +19,7 @@ from .commit import is_temporary
 from .errors import ChecksumError, NotCommittedError
 from .flatten import rebuild_tensor, tensor_paths, unflatten
 from .format import MANIFEST_NAME, Manifest, parse_manifest
+from .progress import ByteCounter, ProgressCallback
 from .read import FileReader, check_file
 from .staging import borrow_ring
 
@@ -77,28 +78,33 @@ def _target_device(saved: str, map_location: MapLocation) -> torch.device:
 
 
 def _read_all(path: str, m: Manifest, dests: list[torch.Tensor] | None, verify: bool,
-              backend: str | None, errors: list[ChecksumError] | None = None) -> str:
+              backend: str | None, errors: list[ChecksumError] | None = None,
+              progress: ProgressCallback | None = None) -> str:
     cfg = settings.current(backend=backend)
     wants_device = dests is not None and any(d.is_cuda for d in dests)
     be, reason = choose_backend(cfg.backend, path, wants_device, cfg.io_threads, cfg.block_bytes)
     describe = storage_descriptions(m)
+    counter = ByteCounter(progress, m.total_bytes)
     with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
             ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
-        reader = FileReader(be, ring, pool, cfg.io_timeout_s, verify, describe, errors)
+        reader = FileReader(be, ring, pool, cfg.io_timeout_s, verify, describe, errors,
+                            counter.hook)
         for index, f in enumerate(m.files):
             extents = [e for e in m.extents if e.file == index]
             reader.read(check_file(path, f), extents, dests)
+    counter.finish()
     return f"{be.name} ({reason})"
 
 
 def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, verify: bool = True,
-         backend: str | None = None) -> Any:
+         backend: str | None = None, progress: ProgressCallback | None = None) -> Any:
     """Load the checkpoint at ``path``; every extent's CRC32C is checked unless ``verify=False``.
 
     ``map_location`` works as in ``torch.load``: ``None`` restores each tensor to the device it was
     saved from; a device or string moves everything there; a dict maps saved locations
     (``"cuda:1"``) to new ones; a callable ``f(storage, location)`` receives each storage loaded on
     the CPU and returns the storage to use (or None to keep the default placement).
+    ``progress(done_bytes, total_bytes)``, if given, is called as data is read.
     Raises :class:`ChecksumError` naming the tensor, file and offset of corrupted bytes.
     """
     path = os.fspath(path)
@@ -107,7 +113,7 @@ def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, veri
         check_file(path, f)
     devices = [_target_device(s.device, map_location) for s in m.storages]
     dests = [torch.empty(s.nbytes, dtype=torch.uint8, device=d) for s, d in zip(m.storages, devices)]
-    _read_all(path, m, dests, verify, backend)
+    _read_all(path, m, dests, verify, backend, progress=progress)
     storages = [d.untyped_storage() for d in dests]
     if callable(map_location) and not isinstance(map_location, dict):
         storages = [_apply_callable(map_location, s, rec.device)
@@ -136,7 +142,8 @@ class VerifyReport:
         return not self.errors
 
 
-def verify(path: str | os.PathLike[str], *, backend: str | None = None) -> VerifyReport:
+def verify(path: str | os.PathLike[str], *, backend: str | None = None,
+           progress: ProgressCallback | None = None) -> VerifyReport:
     """Re-read every extent and check its CRC32C without keeping the data; reports all mismatches.
 
     Raises for problems that stop the check (bad manifest, missing or truncated file).
@@ -144,5 +151,5 @@ def verify(path: str | os.PathLike[str], *, backend: str | None = None) -> Verif
     path = os.fspath(path)
     m = read_manifest(path)
     errors: list[ChecksumError] = []
-    _read_all(path, m, None, True, backend, errors)
+    _read_all(path, m, None, True, backend, errors, progress)
     return VerifyReport(path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors)

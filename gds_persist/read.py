@@ -61,7 +61,8 @@ def blocks_to_read(extents: Sequence[Extent], block_bytes: int) -> list[tuple[in
 class FileReader:
     def __init__(self, backend: Backend, ring: StagingRing | None, pool: ThreadPoolExecutor,
                  timeout_s: float, verify: bool, describe: Describe,
-                 errors: list[ChecksumError] | None = None):
+                 errors: list[ChecksumError] | None = None,
+                 progress: Callable[[int], None] | None = None):
         self.backend = backend
         self.ring = ring
         self.pool = pool
@@ -69,6 +70,7 @@ class FileReader:
         self.verify = verify
         self.describe = describe
         self.errors = errors  # collect mismatches here instead of raising the first one
+        self.progress = progress  # called with the bytes of each block consumed
 
     def read(self, path: str, extents: Sequence[Extent],
              dests: Sequence[torch.Tensor] | None) -> None:
@@ -104,6 +106,8 @@ class FileReader:
             if got != e.length:
                 raise TruncatedError(f"{path}: short read at offset {e.offset} ({got} of {e.length} bytes)")
             pieces.append(piece)
+            if self.progress is not None:
+                self.progress(e.length)
         if self.verify:  # on the device (kernels/crc32c.cu), before the data is handed back
             for e, crc in zip(extents, device_crc32c_many(pieces), strict=True):
                 self._check(path, e, crc)
@@ -130,6 +134,8 @@ class FileReader:
                     if got != hi - lo:
                         raise TruncatedError(f"{path}: short read at offset {lo} ({got} of {hi - lo} bytes)")
                     self._consume(path, buf, lo, hi, extents, first, dests, crcs, copier)
+                    if self.progress is not None:
+                        self.progress(hi - lo)
                 finally:
                     self.ring.release(buf)
                 first = next_first(extents, first, hi)

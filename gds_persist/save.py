@@ -6,6 +6,7 @@ import errno
 import os
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from .errors import DiskFullError
 from .flatten import Flattened, flatten
 from .format import Extent, Manifest, dump_manifest
 from .plan import SavePlan, plan_single_writer
+from .progress import ByteCounter, ProgressCallback
 from .staging import borrow_ring
 from .write import FileWriter, byte_view
 
@@ -44,12 +46,15 @@ class SaveInfo:
 
 def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None = None,
          block_bytes: int | None = None, staging_bytes: int | None = None,
-         io_threads: int | None = None) -> SaveInfo:
+         io_threads: int | None = None, progress: ProgressCallback | None = None) -> SaveInfo:
     """Write ``state_dict`` to the checkpoint directory ``path``, durably and atomically.
 
     ``backend`` is ``"auto"`` (default, or ``$GDS_PERSIST_BACKEND``), ``"direct"``,
     ``"buffered"`` or ``"kvikio"``. An existing checkpoint at ``path`` is replaced only once the
     new one is complete and fsynced; if anything fails, it is left as it was.
+
+    ``progress(done_bytes, total_bytes)``, if given, is called as data files are written (see
+    :mod:`gds_persist.progress`).
 
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
@@ -66,7 +71,8 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
     try:
         be, reason = choose_backend(cfg.backend, tmp, any(s.is_cuda for s in flat.storage_objects),
                                     cfg.io_threads, cfg.block_bytes)
-        extents = write_plan(be, tmp, plan, flat, cfg)
+        counter = ByteCounter(progress, plan.total_bytes)
+        extents = write_plan(be, tmp, plan, flat, cfg, counter.hook)
         if getattr(be, "fallback_reason", None):  # kvikio switched to POSIX I/O mid-save
             reason = f"{reason}; {be.fallback_reason}"  # type: ignore[attr-defined]
         writer = {"backend": be.name, "reason": reason, "gds_persist": __version__,
@@ -74,6 +80,7 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
         write_manifest(tmp, dump_manifest(Manifest([f.data_file for f in plan.files], flat.storages,
                                      flat.tensors, extents, flat.tree, writer)))
         commit(tmp, path)
+        counter.finish()
     except OSError as e:
         abort(tmp)
         if e.errno == errno.ENOSPC:
@@ -93,13 +100,14 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
 
 
 def write_plan(backend: Backend, directory: str, plan: SavePlan, flat: Flattened,
-               cfg: settings.Settings) -> list[Extent]:
+               cfg: settings.Settings,
+               progress: Callable[[int], None] | None = None) -> list[Extent]:
     """Write every file of ``plan`` into ``directory``; return the sealed extents (with CRCs)."""
     sources = [byte_view(s) for s in flat.storage_objects]
     sealed: list[Extent] = []
     with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
             ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
-        writer = FileWriter(backend, ring, pool, cfg.io_timeout_s)
+        writer = FileWriter(backend, ring, pool, cfg.io_timeout_s, progress)
         for f in plan.files:
             crcs = writer.write(os.path.join(directory, f.name), f, sources)
             sealed += [_with_crc(e, c) for e, c in zip(f.extents, crcs)]
