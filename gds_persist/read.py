@@ -161,7 +161,8 @@ class FileReader:
                 e = extents[k]
                 if dests is not None:
                     dst_lo = e.start + start - e.offset
-                    dst, src = dests[e.storage][dst_lo : dst_lo + end - start], buf.tensor[start - lo : end - lo]
+                    dst = dests[e.storage][dst_lo : dst_lo + end - start]
+                    src = buf.tensor[start - lo : end - lo]
                     if copier is None:
                         dst.copy_(src)
                     else:

@@ -145,11 +145,12 @@ class FileWriter:
                 buf.tensor[cursor - lo : start - lo].zero_()
             e = extents[k]
             src_lo = e.start + start - e.offset
-            dst, src = buf.tensor[start - lo : end - lo], sources[e.storage][src_lo : src_lo + end - start]
+            dst = buf.tensor[start - lo : end - lo]
+            src = sources[e.storage][src_lo : src_lo + end - start]
             if copier is None:
                 dst.copy_(src)
-            else:
-                copier.copy(dst, src)  # queued on the side stream; earlier buffers are being written
+            else:  # queued on the side stream while earlier buffers are being written
+                copier.copy(dst, src)
             cursor = end
         if cursor < hi:
             buf.tensor[cursor - lo : hi - lo].zero_()
