@@ -278,17 +278,7 @@ def _exchange(comm: Comm, strategy: str, pieces: list[list[Piece]],
               dests: Sequence[torch.Tensor | None], budget: int) -> None:
     """Every rank holds ``pieces[rank]``; afterwards every rank holds all of them."""
     if strategy == "broadcast":
-        width = max(budget, 1 << 20)
-        buf = torch.empty(width, dtype=torch.uint8, device=comm.device)
-        for src in range(comm.size):
-            for bucket in _buckets(pieces[src], width):
-                n = bucket[-1][3] + bucket[-1][2]
-                view = buf[:n]
-                if comm.rank == src:
-                    _pack(view, bucket, dests)
-                comm.broadcast_tensor(view, src, "exchange")
-                if comm.rank != src:
-                    _unpack(view, bucket, dests)
+        _exchange_broadcast(comm, pieces, dests, max(budget, 1 << 20))
         return
     width = max(budget // comm.size // 4096 * 4096, 1 << 16)  # per rank per round
     buckets = [_buckets(p, width) for p in pieces]
@@ -302,3 +292,50 @@ def _exchange(comm: Comm, strategy: str, pieces: list[list[Piece]],
         for r in range(comm.size):
             if r != comm.rank and k < len(buckets[r]):
                 _unpack(out[r * width : (r + 1) * width], buckets[r][k], dests)
+
+
+DIRECT_MIN = 1 << 20  # pieces at least this large are broadcast in place, without packing
+
+
+def _exchange_broadcast(comm: Comm, pieces: list[list[Piece]],
+                        dests: Sequence[torch.Tensor | None], width: int) -> None:
+    """Each rank broadcasts its pieces in turn: large ones straight from/into the destination
+    storages (no copies), small ones packed into buckets of at most ``width`` bytes."""
+    buf = torch.empty(width, dtype=torch.uint8, device=comm.device)
+    for src in range(comm.size):
+        small: list[Piece] = []
+        small_bytes = 0
+
+        def flush() -> None:
+            nonlocal small, small_bytes
+            for bucket in _buckets(small, width):
+                n = bucket[-1][3] + bucket[-1][2]
+                if comm.rank == src:
+                    _pack(buf[:n], bucket, dests)
+                comm.broadcast_tensor(buf[:n], src, "exchange")
+                if comm.rank != src:
+                    _unpack(buf[:n], bucket, dests)
+            small, small_bytes = [], 0
+
+        for storage, start, length in pieces[src]:
+            if length < DIRECT_MIN:  # decided by sizes only: the same on every rank
+                small.append((storage, start, length))
+                small_bytes += length
+                if small_bytes >= width:
+                    flush()
+                continue
+            flush()
+            dest = dests[storage]
+            assert dest is not None
+            for lo in range(start, start + length, width):
+                piece = dest[lo : min(lo + width, start + length)]
+                if piece.device == comm.device:
+                    comm.broadcast_tensor(piece, src, "exchange")
+                    continue
+                staged = buf[: piece.numel()]  # e.g. CUDA destinations over gloo
+                if comm.rank == src:
+                    staged.copy_(piece)
+                comm.broadcast_tensor(staged, src, "exchange")
+                if comm.rank != src:
+                    piece.copy_(staged)
+        flush()

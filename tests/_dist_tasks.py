@@ -171,3 +171,46 @@ def hang_one(ctx: Any, path: str, timeout_s: float) -> Any:
             return {"type": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0,
                     "mro": [c.__name__ for c in type(e).__mro__]}
     return {"type": None, "seconds": time.monotonic() - t0}
+
+
+def zero_resume(ctx: Any, path: str) -> Any:
+    """The docs' ZeRO example: DDP + ZeroRedundancyOptimizer, optimizer shards saved rank-local.
+
+    Train 3 steps, save, train 2 more; then rebuild from scratch, load, train the same 2 steps:
+    the parameters must match bit for bit (the resumed run is the same run)."""
+    import torch.distributed as dist
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def build() -> tuple[Any, Any]:
+        torch.manual_seed(0)
+        model = DDP(torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(),
+                                        torch.nn.Linear(32, 4)))
+        opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW,
+                                      lr=1e-2)
+        return model, opt
+
+    def train(model: Any, opt: Any, steps: range) -> None:
+        for step in steps:
+            g = torch.Generator().manual_seed(1000 * step + ctx.rank)
+            x = torch.randn(8, 16, generator=g)
+            loss = model(x).square().mean()
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+
+    model, opt = build()
+    train(model, opt, range(3))
+    state = {"model": model.module.state_dict(), "optimizer": opt.optim.state_dict(), "step": 3}
+    gds_persist.save(state, path, process_group=dist.group.WORLD, rank_local="optimizer")
+    train(model, opt, range(3, 5))
+    expected = [p.detach().clone() for p in model.parameters()]
+
+    model, opt = build()
+    state = gds_persist.load(path, process_group=dist.group.WORLD)
+    model.module.load_state_dict(state["model"])
+    opt.optim.load_state_dict(state["optimizer"])
+    train(model, opt, range(state["step"], 5))
+    own_shard = len(opt.optim.state)
+    return {"same": all(torch.equal(a, b) for a, b in zip(expected, model.parameters())),
+            "own_shard_tensors": own_shard}
