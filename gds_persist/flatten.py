@@ -28,6 +28,7 @@ DTYPES: dict[str, torch.dtype] = {
 }
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 _JSON_SCALARS = (str, int, type(None))  # bool is an int subclass; floats are handled apart
+MAX_DEPTH = 100  # containers nested deeper than this are refused at save and in a manifest
 
 
 @dataclass(frozen=True)
@@ -96,11 +97,13 @@ class _Flattener:
         self.tensors: list[TensorRecord] = []
         self.storages: list[StorageRecord] = []
         self.storage_objects: list[torch.UntypedStorage] = []
-        self._storage_index: dict[tuple[str, int], int] = {}
+        self._storage_index: dict[tuple[str, int, int], int] = {}
 
     def storage_index(self, t: torch.Tensor) -> int:
         storage = t.untyped_storage()
-        key = (str(t.device), storage.data_ptr())
+        # the size is part of the key: distinct storages can start at one address (from_numpy
+        # of a[:10] and of a) and must not be merged into the smaller one
+        key = (str(t.device), storage.data_ptr(), storage.nbytes())
         if storage.nbytes() and key in self._storage_index:
             return self._storage_index[key]
         index = len(self.storages)
@@ -125,6 +128,9 @@ class _Flattener:
         return {"t": "tensor", "i": len(self.tensors) - 1}
 
     def node(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        if len(path) > MAX_DEPTH:
+            raise _reject(path, f"a value nested more than {MAX_DEPTH} levels deep",
+                          "flatten the structure (loading must not exhaust the stack)")
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if isinstance(obj, bool) or isinstance(obj, _JSON_SCALARS):

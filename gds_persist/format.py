@@ -31,7 +31,7 @@ from typing import Any
 
 from .checksum import crc32c
 from .errors import ManifestError
-from .flatten import DTYPES, StorageRecord, TensorRecord
+from .flatten import DTYPES, MAX_DEPTH, StorageRecord, TensorRecord
 
 FORMAT_NAME = "gds_persist"
 FORMAT_VERSION = 2  # the newest version written; 1 is written when no version-2 field is needed
@@ -173,8 +173,8 @@ def _canonical(body: dict[str, Any]) -> bytes:
 def parse_manifest(raw: bytes, where: str) -> Manifest:
     """Parse and fully validate a manifest; ``where`` names it in every error."""
     try:
-        doc = json.loads(raw)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        doc = json.loads(raw, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as e:  # also UnicodeDecodeError, huge ints, deep nesting
         raise ManifestError(f"{where}: not valid JSON ({e}); the manifest is corrupted") from e
     _require(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME, where,
              f"not a {FORMAT_NAME} manifest")
@@ -187,6 +187,10 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     _require(crc32c(_canonical(body)) == doc.get("body_crc32c"), where,
              "body checksum mismatch; the manifest was corrupted or edited")
     return _ManifestValidator(body, where, version).build()
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name} is not allowed in a manifest")
 
 
 def _require(ok: bool, where: str, message: str) -> None:
@@ -309,6 +313,8 @@ class _ManifestValidator:
             raise self.fail(f"tensors[{i}] is malformed: {t}")
         record = TensorRecord(t["storage"], t["dtype"], tuple(t["shape"]), tuple(t["stride"]),
                               t["storage_offset"], t["requires_grad"], t["parameter"])
+        if math.prod(record.shape) > _MAX_SIZE:
+            raise self.fail(f"tensors[{i}] has more elements than any tensor can: {t['shape']}")
         if math.prod(record.shape):
             last = record.storage_offset + sum((d - 1) * s for d, s in zip(record.shape, record.stride))
             needed = (last + 1) * DTYPES[record.dtype].itemsize
@@ -348,8 +354,8 @@ class _ManifestValidator:
                 raise self.fail(f"storage {index} is {storage.nbytes} bytes but extents cover {covered}")
 
     def tree(self, node: Any, n_tensors: int, depth: int, main: bool = False) -> None:
-        if depth > 500:
-            raise self.fail("tree is nested too deeply")
+        if depth > MAX_DEPTH:
+            raise self.fail(f"tree is nested too deeply (more than {MAX_DEPTH} levels)")
         if node is None or isinstance(node, (bool, int, str)):
             return
         if isinstance(node, float):

@@ -126,6 +126,8 @@ def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, veri
 
         return load_parallel(path, m, map_location=map_location, verify=verify, backend=backend,
                              strategy=strategy, rank_local=rank_local, data_dirs=data_dirs)
+    for f in m.files:  # a missing or short file fails before any memory is allocated for it
+        check_file(path, f)
     devices = [_target_device(s.device, map_location) for s in m.storages]
     dests = [torch.empty(s.nbytes, dtype=torch.uint8, device=d) for s, d in zip(m.storages, devices)]
     _read_all(path, m, dests, verify, backend)

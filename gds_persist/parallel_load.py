@@ -162,12 +162,15 @@ def load_parallel(path: str, m: Manifest | None, *, map_location: Any = None, ve
     shared, by_rank = _my_pieces(manifest, set(replicated), comm) if share else ([], [])
 
     def read() -> list[list[int]]:
+        wanted_storages = set(needed)
+        for index in sorted({e.file for e in manifest.extents if e.storage in wanted_storages}):
+            full = data_file_path(path, manifest, index, roots)  # fail before allocating memory
+            check_file(os.path.dirname(full), manifest.files[index])
         for s in needed:
             rec = manifest.storages[s]
             device = _storage_device(rec.device, map_location, distributed)
             dests[s] = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
         if not share:
-            wanted_storages = set(needed)
             mine = [e for e in manifest.extents if e.storage in wanted_storages]
             read_extents(path, manifest, roots, mine, dests, verify, cfg, describe)
             return []

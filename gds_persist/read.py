@@ -12,6 +12,7 @@ import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -136,7 +137,7 @@ class FileReader:
     def _result(self, fut: Future[int], path: str) -> int:
         try:
             return fut.result(timeout=self.timeout_s)
-        except TimeoutError:
+        except FutureTimeout:
             raise CheckpointError(
                 f"reading {path} did not finish within {self.timeout_s:.0f} s (hung storage?)"
             ) from None

@@ -46,13 +46,24 @@ _overrides: dict[str, Any] = {}
 
 def _convert(name: str, value: Any) -> Any:
     kind = type(getattr(Settings(), name))
+    # int(True) and int(2.5) would silently become 1 and 2: refuse them instead
+    lossy = isinstance(value, bool) or (
+        kind is int and isinstance(value, float) and not value.is_integer())
     try:
+        if lossy:
+            raise ValueError(value)
         return kind(value)
     except (TypeError, ValueError) as e:
         raise ValueError(f"setting {name}={value!r} must be a {kind.__name__}") from e
 
 
 def _validate(s: Settings) -> Settings:
+    from .backends import BACKEND_NAMES
+    from .errors import BackendError
+
+    if s.backend not in BACKEND_NAMES:
+        raise BackendError(
+            f"unknown backend {s.backend!r}; valid backends: {', '.join(BACKEND_NAMES)}")
     if s.block_bytes <= 0 or s.block_bytes % 4096:
         raise ValueError(f"setting block_bytes={s.block_bytes} must be a positive multiple of 4096")
     if s.staging_bytes < 2 * s.block_bytes:
@@ -62,7 +73,7 @@ def _validate(s: Settings) -> Settings:
         )
     if s.io_threads < 1:
         raise ValueError(f"setting io_threads={s.io_threads} must be at least 1")
-    if s.io_timeout_s <= 0:
+    if not s.io_timeout_s > 0:  # also refuses nan
         raise ValueError(f"setting io_timeout_s={s.io_timeout_s} must be positive")
     if s.collective_timeout_s <= 0:
         raise ValueError(f"setting collective_timeout_s={s.collective_timeout_s} must be positive")
@@ -78,13 +89,15 @@ def _check_names(names: Any) -> None:
         raise TypeError(f"unknown setting(s) {sorted(unknown)}; valid: {sorted(ENV_VARS)}")
 
 
+def _from_environment() -> dict[str, Any]:
+    return {name: _convert(name, os.environ[env]) for name, env in ENV_VARS.items()
+            if env in os.environ}
+
+
 def current(**arguments: Any) -> Settings:
     """The settings in force, with non-None ``arguments`` taking precedence."""
     _check_names(arguments)
-    values: dict[str, Any] = {}
-    for name, env in ENV_VARS.items():
-        if env in os.environ:
-            values[name] = _convert(name, os.environ[env])
+    values = _from_environment()
     with _lock:
         values.update(_overrides)
     values.update({k: _convert(k, v) for k, v in arguments.items() if v is not None})
@@ -111,7 +124,7 @@ def set(**values: Any) -> _Scope:  # noqa: A001 - mirrors kvikio.defaults.set
     with _lock:
         previous = dict(_overrides)
         candidate = {**_overrides, **converted}
-    _validate(replace(Settings(), **candidate))
+    _validate(replace(Settings(), **{**_from_environment(), **candidate}))
     with _lock:
         _overrides.update(converted)
     return _Scope(previous)

@@ -50,8 +50,13 @@ class AlignedBuffer:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
         del self.tensor
-        self.view.release()
-        self._mmap.close()
+        try:
+            self.view.release()
+            self._mmap.close()
+        except BufferError:
+            # A slice of this buffer is still referenced, typically by the traceback of a failed
+            # I/O call; the mapping is freed with that last reference instead of now.
+            pass
 
     def __enter__(self) -> AlignedBuffer:
         return self

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 
 import torch
 
@@ -55,7 +56,7 @@ def wait_all(futures: "deque[Future[None]]", timeout_s: float, what: str) -> Non
         fut = futures.popleft()
         try:
             fut.result(timeout=timeout_s)
-        except TimeoutError:
+        except FutureTimeout:
             raise CheckpointError(
                 f"{what} did not finish within {timeout_s:.0f} s (hung storage?); "
                 "raise io_timeout_s if the drive is just slow"

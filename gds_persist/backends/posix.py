@@ -7,6 +7,7 @@ accepts O_DIRECT (tmpfs does not; :func:`supports_o_direct` probes it).
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import uuid
@@ -98,6 +99,13 @@ def supports_o_direct(directory: str) -> tuple[bool, str]:
     try:
         fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
     except OSError as e:
+        # Some filesystems (ramfs) create the file and only then refuse O_DIRECT: remove it.
+        with contextlib.suppress(OSError):
+            os.unlink(probe)
+        if e.errno in (errno.EROFS, errno.EACCES, errno.EPERM):  # a read-only checkpoint
+            readable = _o_direct_read_probe(directory)
+            if readable:
+                return True, readable
         return False, f"open(O_DIRECT) failed on {directory}: {os.strerror(e.errno or 0)}"
     try:
         with AlignedBuffer(4096) as buf:
@@ -108,6 +116,30 @@ def supports_o_direct(directory: str) -> tuple[bool, str]:
     finally:
         os.close(fd)
         os.unlink(probe)
+
+
+def _o_direct_read_probe(directory: str) -> str | None:
+    """For a directory we may not write to: can its files be read with O_DIRECT?"""
+    from ..staging import AlignedBuffer
+
+    with os.scandir(directory) as it:
+        entries = sorted(it, key=lambda e: e.name)
+    for entry in entries:
+        if not entry.is_file(follow_symlinks=False):
+            continue
+        try:
+            fd = os.open(entry.path, os.O_RDONLY | _O_DIRECT)
+        except OSError:
+            return None
+        try:
+            with AlignedBuffer(4096) as buf:
+                os.preadv(fd, [buf.view], 0)
+            return f"{directory} is read-only but accepts O_DIRECT reads"
+        except OSError:
+            return None
+        finally:
+            os.close(fd)
+    return None
 
 
 def require_o_direct(directory: str) -> None:

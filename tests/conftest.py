@@ -1,0 +1,70 @@
+"""Shared fixtures.
+
+* ``backend``: every I/O backend, parametrised, so one conformance suite runs against each.
+  ``direct`` and ``buffered`` always run (``direct`` needs a filesystem with O_DIRECT under
+  pytest's tmp dir, e.g. ext4 /tmp); ``kvikio`` carries the ``gpu`` mark and is skipped with the
+  reason (no CUDA device, kvikio not importable) on CPU machines. With ``kvikio`` the tensors
+  under test live on the GPU.
+* ``small_tmpfs``: a freshly mounted 8 MiB tmpfs (root only), for disk-full and no-O_DIRECT cases.
+* every test starts with no ``GDS_PERSIST_*`` environment variables and no ``settings.set``
+  overrides, and no cached staging ring survives it.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from gds_persist import settings
+from gds_persist.backends import supports_o_direct
+from gds_persist.staging import release_cached
+from tests.helpers import BackendCase, kvikio_missing
+
+TMPFS_BYTES = 8 << 20
+
+
+@pytest.fixture(
+    params=["direct", "buffered", pytest.param("kvikio", marks=pytest.mark.gpu)],
+)
+def backend(request: pytest.FixtureRequest, tmp_path: Path) -> BackendCase:
+    name = request.param
+    if name == "kvikio":
+        missing = kvikio_missing()
+        if missing:
+            pytest.skip(f"kvikio backend: {missing}")
+        return BackendCase(name, "cuda")
+    if name == "direct":
+        ok, why = supports_o_direct(str(tmp_path))
+        if not ok:
+            pytest.skip(f"direct backend: the test tmp dir refuses O_DIRECT ({why})")
+    return BackendCase(name, "cpu")
+
+
+@pytest.fixture(autouse=True)
+def _pristine_settings(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    for env in settings.ENV_VARS.values():
+        monkeypatch.delenv(env, raising=False)
+    with settings._cleared():
+        yield
+    release_cached()
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
+    """An 8 MiB tmpfs mounted for this test (root only; skipped with the reason otherwise)."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a size-limited tmpfs needs root")
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={TMPFS_BYTES}", "tmpfs", str(mnt)],
+                       capture_output=True, text=True)
+    if r.returncode:
+        pytest.skip(f"cannot mount a tmpfs here: {r.stderr.strip() or r.returncode}")
+    try:
+        yield mnt
+    finally:
+        subprocess.run(["umount", str(mnt)], check=True)

@@ -1,0 +1,153 @@
+"""Helpers shared by the test files: exact comparison of state dicts, raw access to checkpoints."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gds_persist.backends import supports_o_direct
+from gds_persist.checksum import crc32c
+from gds_persist.format import MANIFEST_NAME, _canonical
+
+
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """The bytes of ``t``'s elements in logical order, for any dtype (== is not defined on all)."""
+    flat = t.detach().cpu().contiguous().reshape(-1)
+    return flat.view(torch.uint8).numpy().tobytes()
+
+
+def assert_tensor_equal(got: torch.Tensor, want: torch.Tensor, where: str = "") -> None:
+    assert type(got) is type(want), f"{where}: type {type(got)} != {type(want)}"
+    assert got.dtype == want.dtype, f"{where}: dtype {got.dtype} != {want.dtype}"
+    assert got.shape == want.shape, f"{where}: shape {got.shape} != {want.shape}"
+    assert got.stride() == want.stride(), f"{where}: stride {got.stride()} != {want.stride()}"
+    assert got.storage_offset() == want.storage_offset(), f"{where}: storage offset"
+    assert got.requires_grad == want.requires_grad, f"{where}: requires_grad"
+    assert got.untyped_storage().nbytes() == want.untyped_storage().nbytes(), f"{where}: storage"
+    assert raw_bytes(got) == raw_bytes(want), f"{where}: bytes differ"
+
+
+def assert_tree_equal(got: Any, want: Any, where: str = "<root>",
+                      device: str | None = None) -> None:
+    """Exact structural equality: container types, key order, float bits (nan == nan), tensors.
+
+    ``device``: the device every loaded tensor must be on (default: the original's device).
+    """
+    assert type(got) is type(want), f"{where}: {type(got).__name__} != {type(want).__name__}"
+    if isinstance(want, torch.Tensor):
+        assert got.device == torch.device(device or want.device), f"{where}: device {got.device}"
+        assert_tensor_equal(got, want, where)
+    elif isinstance(want, dict):
+        assert list(got.keys()) == list(want.keys()), f"{where}: keys differ"
+        assert [type(k) for k in got] == [type(k) for k in want], f"{where}: key types differ"
+        for k in want:
+            assert_tree_equal(got[k], want[k], f"{where}[{k!r}]", device)
+        if isinstance(want, OrderedDict) or hasattr(want, "_metadata"):
+            assert getattr(got, "_metadata", None) == getattr(want, "_metadata", None), where
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), f"{where}: length {len(got)} != {len(want)}"
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            assert_tree_equal(g, w, f"{where}[{i}]", device)
+    elif isinstance(want, float):
+        assert (math.isnan(got) and math.isnan(want)) or (
+            got == want and math.copysign(1, got) == math.copysign(1, want)
+        ), f"{where}: {got!r} != {want!r}"
+    else:
+        assert got == want, f"{where}: {got!r} != {want!r}"
+
+
+def random_tensor(dtype: torch.dtype, numel: int, seed: int = 0,
+                  device: str = "cpu") -> torch.Tensor:
+    """``numel`` elements of ``dtype`` with random bits (random NaN payloads for floats)."""
+    g = torch.Generator().manual_seed(seed)
+    if dtype == torch.bool:
+        return torch.randint(0, 2, (numel,), generator=g, dtype=torch.uint8).to(device).bool()
+    nbytes = numel * dtype.itemsize
+    # move the bytes, then reinterpret: sub-byte dtypes (uint1..int7) have no copy kernel
+    return torch.randint(0, 256, (nbytes,), generator=g, dtype=torch.uint8).to(device).view(dtype)
+
+
+def data_files(path: str | os.PathLike[str]) -> dict[str, bytes]:
+    """Every data file of a checkpoint, name -> content."""
+    return {p.name: p.read_bytes() for p in sorted(Path(path).iterdir()) if p.name != MANIFEST_NAME}
+
+
+def manifest_doc(path: str | os.PathLike[str]) -> dict[str, Any]:
+    return json.loads((Path(path) / MANIFEST_NAME).read_bytes())
+
+
+def rewrite_manifest(path: str | os.PathLike[str], edit: Callable[[dict[str, Any]], Any],
+                     reseal: bool = True, whole: bool = False) -> None:
+    """Apply ``edit`` to the manifest body (``whole``: to the whole document); with ``reseal``
+    recompute ``body_crc32c`` as the writer does, so only the validator (not the body checksum)
+    can catch the edit."""
+    doc = manifest_doc(path)
+    edit(doc if whole else doc["body"])
+    if reseal:
+        doc["body_crc32c"] = crc32c(_canonical(doc["body"]))
+    (Path(path) / MANIFEST_NAME).write_text(json.dumps(doc, indent=1))
+
+
+def flip_byte(file: str | os.PathLike[str], offset: int) -> None:
+    with open(file, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+def open_fds() -> set[str]:
+    """This process's open descriptors, as ``fd -> target`` strings."""
+    out = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out.add(f"{fd} -> {os.readlink(f'/proc/self/fd/{fd}')}")
+        except FileNotFoundError:  # the descriptor listdir itself used
+            pass
+    return out
+
+
+def kvikio_missing() -> str | None:
+    """Why the kvikio backend cannot run here, or None when it can."""
+    if not torch.cuda.is_available():
+        return "no CUDA device (torch.cuda.is_available() is False)"
+    try:
+        import kvikio  # noqa: F401
+    except ImportError as e:
+        return f"kvikio not importable ({e}); install the gpu extra"
+    return None
+
+
+def cuda_missing() -> str | None:
+    if torch.cuda.is_available():
+        return None
+    return "no CUDA device (torch.cuda.is_available() is False)"
+
+
+@dataclass(frozen=True)
+class BackendCase:
+    """A backend under test and the device its tensors live on."""
+
+    name: str
+    device: str
+
+    def __str__(self) -> str:
+        return self.name
+
+
+def available_backends(directory: str) -> list[BackendCase]:
+    """Every backend that can run here (for tests comparing backends with each other)."""
+    out = [BackendCase("buffered", "cpu")]
+    if supports_o_direct(directory)[0]:
+        out.insert(0, BackendCase("direct", "cpu"))
+    if kvikio_missing() is None:
+        out.append(BackendCase("kvikio", "cuda"))
+    return out
