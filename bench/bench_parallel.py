@@ -66,7 +66,8 @@ def make_state(nbytes: int) -> dict[str, Any]:
     layers = max(2, min(layers, 12))
     numels = gpt_param_numels(layers, hidden, vocab=8192, seq=1024)
     scale = params / sum(n for _, n in numels)
-    pattern = torch.arange(1 << 20, dtype=torch.int64).mul_(2654435761).remainder_(251).to(torch.uint8)
+    pattern = torch.arange(1 << 20, dtype=torch.int64).mul_(2654435761).remainder_(251)
+    pattern = pattern.to(torch.uint8)
 
     def filled(numel: int, dtype: torch.dtype) -> torch.Tensor:
         t = torch.empty(numel, dtype=dtype)
@@ -132,7 +133,10 @@ def drive_limit(directory: str, nbytes: int) -> dict[str, Any]:
     """Sequential write (fsynced) and read GB/s of the drive under ``directory``."""
     nbytes = max(nbytes, 64 << 20)
     try:
-        from drive import DriveProbe  # the main benchmark's probe (fio when installed)
+        try:
+            from bench.drive import DriveProbe  # the main benchmark's probe (fio when installed)
+        except ImportError:
+            from drive import DriveProbe  # run as a script from another directory
 
         probe = DriveProbe(directory, nbytes)
         try:
@@ -251,7 +255,8 @@ def run_ranks(args: argparse.Namespace, directory: str) -> list[tuple[str, int, 
                 item = out.get(timeout=5)
             except queue.Empty:
                 if time.monotonic() > deadline or any(p.exitcode is not None for p in procs):
-                    raise RuntimeError("a benchmark rank died or hung; see its output above")
+                    raise RuntimeError("a benchmark rank died or hung; see its output "
+                                       "above") from None
                 continue
             if item[0] == "done":
                 done += 1
@@ -267,7 +272,8 @@ def run_ranks(args: argparse.Namespace, directory: str) -> list[tuple[str, int, 
 
 # --- report -------------------------------------------------------------------------------------
 
-def summarize(records: list[tuple[str, int, int, int, Any]], drive: dict[str, Any]) -> list[dict[str, Any]]:
+def summarize(records: list[tuple[str, int, int, int, Any]],
+              drive: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
     kinds = sorted({(k, n) for k, _, n, _, _ in records if k not in ("cache",)},
                    key=lambda kn: (kn[1], kn[0] != "save", kn[0]))
@@ -335,7 +341,8 @@ def machine(directory: str) -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f
+                        if ln.startswith("model name")), cpu)
     except OSError:
         pass
     fs = "?"
@@ -345,7 +352,8 @@ def machine(directory: str) -> dict[str, Any]:
         with open("/proc/mounts") as f:
             for line in f:
                 dev, point, kind = line.split()[:3]
-                if (real == point or real.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
+                inside = real == point or real.startswith(point.rstrip("/") + "/")
+                if inside and len(point) >= len(best):
                     best, fs = point, f"{kind} ({dev})"
     except OSError:
         pass

@@ -135,7 +135,7 @@ def _has_local(node: Any) -> bool:
         return False
     if node.get("t") == "local":
         return True
-    children = node.get("v") if isinstance(node.get("v"), list) else []
+    children: list[Any] = node["v"] if isinstance(node.get("v"), list) else []
     return any(_has_local(c) for c in children + ([node["meta"]] if "meta" in node else []))
 
 

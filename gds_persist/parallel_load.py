@@ -61,7 +61,8 @@ def root_map(m: Manifest, data_dirs: Any) -> dict[str, str]:
         raise ValueError(f"data_dirs has {len(data_dirs)} entries but the checkpoint records "
                          f"{len(recorded)} data directories ({recorded}); pass a list of that "
                          "length or a dict {recorded: new}")
-    return {old: os.path.abspath(os.fspath(new)) for old, new in zip(recorded, data_dirs)}
+    return {old: os.path.abspath(os.fspath(new))
+            for old, new in zip(recorded, data_dirs, strict=True)}
 
 
 def _tensor_indices(tree: Any) -> list[int]:
@@ -82,7 +83,8 @@ def _tensor_indices(tree: Any) -> list[int]:
 
 def read_extents(path: str, m: Manifest, roots: dict[str, str], extents: Sequence[Extent],
                  dests: Sequence[torch.Tensor | None], verify: bool, cfg: settings.Settings,
-                 describe: Callable[[int], str], sink: dict[tuple[int, int], int] | None = None) -> None:
+                 describe: Callable[[int], str],
+                 sink: dict[tuple[int, int], int] | None = None) -> None:
     """Read ``extents`` into ``dests`` (per storage). With ``sink``, CRCs are recorded there
     (keyed by file, offset) instead of compared."""
     by_file: dict[int, list[Extent]] = {}
@@ -193,15 +195,16 @@ def load_parallel(path: str, m: Manifest | None, *, map_location: Any = None, ve
     storages = [d.untyped_storage() if d is not None else None for d in dests]
     if callable(map_location) and not isinstance(map_location, dict):
         storages = [_apply_callable(map_location, s, rec.device) if s is not None else None
-                    for s, rec in zip(storages, manifest.storages)]
-    tensors = [None] * len(manifest.tensors)
+                    for s, rec in zip(storages, manifest.storages, strict=True)]
+    tensors: list[Any] = [None] * len(manifest.tensors)  # only those in ``tree`` are needed
     for i in wanted:
         t = manifest.tensors[i]
         tensors[i] = rebuild_tensor(t, storages[t.storage])  # type: ignore[arg-type]
-    return unflatten(tree, tensors)  # type: ignore[arg-type]
+    return unflatten(tree, tensors)
 
 
-def _my_pieces(m: Manifest, replicated: set[int], comm: Comm) -> tuple[list[Extent], list[list[Extent]]]:
+def _my_pieces(m: Manifest, replicated: set[int],
+               comm: Comm) -> tuple[list[Extent], list[list[Extent]]]:
     """The replicated extents in file order, and each rank's aligned pieces of them."""
     shared = sorted((e for e in m.extents if e.storage in replicated),
                     key=lambda e: (e.file, e.offset))
@@ -300,6 +303,18 @@ def _exchange(comm: Comm, strategy: str, pieces: list[list[Piece]],
 DIRECT_MIN = 1 << 20  # pieces at least this large are broadcast in place, without packing
 
 
+def _broadcast_packed(comm: Comm, src: int, small: list[Piece], buf: torch.Tensor,
+                      dests: Sequence[torch.Tensor | None]) -> None:
+    for bucket in _buckets(small, buf.numel()):
+        n = bucket[-1][3] + bucket[-1][2]
+        if comm.rank == src:
+            _pack(buf[:n], bucket, dests)
+        comm.broadcast_tensor(buf[:n], src, "exchange")
+        if comm.rank != src:
+            _unpack(buf[:n], bucket, dests)
+    small.clear()
+
+
 def _exchange_broadcast(comm: Comm, pieces: list[list[Piece]],
                         dests: Sequence[torch.Tensor | None], width: int) -> None:
     """Each rank broadcasts its pieces in turn: large ones straight from/into the destination
@@ -308,26 +323,16 @@ def _exchange_broadcast(comm: Comm, pieces: list[list[Piece]],
     for src in range(comm.size):
         small: list[Piece] = []
         small_bytes = 0
-
-        def flush() -> None:
-            nonlocal small, small_bytes
-            for bucket in _buckets(small, width):
-                n = bucket[-1][3] + bucket[-1][2]
-                if comm.rank == src:
-                    _pack(buf[:n], bucket, dests)
-                comm.broadcast_tensor(buf[:n], src, "exchange")
-                if comm.rank != src:
-                    _unpack(buf[:n], bucket, dests)
-            small, small_bytes = [], 0
-
         for storage, start, length in pieces[src]:
             if length < DIRECT_MIN:  # decided by sizes only: the same on every rank
                 small.append((storage, start, length))
                 small_bytes += length
                 if small_bytes >= width:
-                    flush()
+                    _broadcast_packed(comm, src, small, buf, dests)
+                    small_bytes = 0
                 continue
-            flush()
+            _broadcast_packed(comm, src, small, buf, dests)
+            small_bytes = 0
             dest = dests[storage]
             assert dest is not None
             for lo in range(start, start + length, width):
@@ -341,4 +346,4 @@ def _exchange_broadcast(comm: Comm, pieces: list[list[Piece]],
                 comm.broadcast_tensor(staged, src, "exchange")
                 if comm.rank != src:
                     piece.copy_(staged)
-        flush()
+        _broadcast_packed(comm, src, small, buf, dests)

@@ -37,7 +37,7 @@ from . import __version__, settings
 from .backends import choose_backend
 from .checksum import device_crc32c
 from .commit import abort, check_replaceable, commit, fsync_path, make_temporary, write_manifest
-from .distributed import Comm, make_comm
+from .distributed import make_comm
 from .errors import DistributedError, ReplicationError
 from .flatten import Flattened, StorageRecord, TensorRecord, flatten, tensor_paths
 from .format import (
@@ -99,7 +99,8 @@ def normalize_paths(rank_local: str | KeyPath | Iterable[str | KeyPath] | None) 
     for a in paths:
         for b in paths:
             if a is not b and a == b[: len(a)]:
-                raise ValueError(f"rank_local paths {a!r} and {b!r} overlap; mark only the outer one")
+                raise ValueError(f"rank_local paths {a!r} and {b!r} overlap; mark only the "
+                                 "outer one")
     return paths
 
 
@@ -117,7 +118,8 @@ def _replace_at(obj: Any, path: KeyPath, value: Any, full: KeyPath) -> tuple[Any
         return copy, old
     if isinstance(obj, (list, tuple)) and type(key) is int and 0 <= key < len(obj):
         items = list(obj)
-        items[key], old = (value, items[key]) if not rest else _replace_at(items[key], rest, value, full)
+        items[key], old = ((value, items[key]) if not rest
+                           else _replace_at(items[key], rest, value, full))
         return (items if isinstance(obj, list) else tuple(items)), old
     raise KeyError(f"rank_local path {full!r}: {key!r} does not index a {type(obj).__name__}")
 
@@ -178,18 +180,20 @@ def first_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str:
         return t
     names = tensor_paths(mine["tree"])
     fields = list(TensorRecord.__dataclass_fields__)
-    for i, (a, b) in enumerate(zip(mine["tensors"], ref["tensors"])):
-        for name, x, y in zip(fields, a, b):
+    for i, (a, b) in enumerate(zip(mine["tensors"], ref["tensors"], strict=True)):
+        for name, x, y in zip(fields, a, b, strict=True):
             if x != y:
                 return f"tensor {names.get(i, i)}: {name} {x} (rank 0: {y})"
     by_storage: dict[int, str] = {}
     for i, rec in enumerate(mine["tensors"]):
         by_storage.setdefault(rec[0], names.get(i, f"#{i}"))
-    for s, (a, b) in enumerate(zip(mine["storages"], ref["storages"])):
+    if len(mine["storages"]) != len(ref["storages"]):
+        return f"{len(mine['storages'])} storages (rank 0: {len(ref['storages'])})"
+    for s, (a, b) in enumerate(zip(mine["storages"], ref["storages"], strict=True)):
         if a != b:
             return (f"tensor {by_storage.get(s, s)}: storage of {a[0]} bytes on {a[1]} "
                     f"(rank 0: {b[0]} bytes on {b[1]})")
-    for s, (a, b) in enumerate(zip(mine["crc32c"] or [], ref["crc32c"] or [])):
+    for s, (a, b) in enumerate(zip(mine["crc32c"] or [], ref["crc32c"] or [], strict=True)):
         if a != b:
             return (f"tensor {by_storage.get(s, s)}: same shape and dtype, different values "
                     f"(crc32c {a:08x}, rank 0: {b:08x})")
@@ -199,7 +203,9 @@ def first_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str:
 def _tree_difference(a: Any, b: Any, path: KeyPath) -> str:
     where = "".join(f"[{k!r}]" for k in path) or "<root>"
     if type(a) is not type(b) or not isinstance(a, dict):
-        return "" if a == b and type(a) is type(b) else f"{where}: {_short(a)} (rank 0: {_short(b)})"
+        if a == b and type(a) is type(b):
+            return ""
+        return f"{where}: {_short(a)} (rank 0: {_short(b)})"
     if a.get("t") != b.get("t"):
         return f"{where}: a {a.get('t')} (rank 0: a {b.get('t')})"
     if a.get("t") in ("dict", "odict") and a["k"] != b["k"]:
@@ -210,7 +216,7 @@ def _tree_difference(a: Any, b: Any, path: KeyPath) -> str:
         if len(a["v"]) != len(b["v"]):
             return f"{where}: {len(a['v'])} items (rank 0: {len(b['v'])})"
         keys = a["k"] if "k" in a else range(len(a["v"]))
-        for k, x, y in zip(keys, a["v"], b["v"]):
+        for k, x, y in zip(keys, a["v"], b["v"], strict=True):
             d = _tree_difference(x, y, (*path, k))
             if d:
                 return d

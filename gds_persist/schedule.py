@@ -97,7 +97,8 @@ class DistributedPlan:
     def digest(self) -> str:
         """A short fingerprint, compared across ranks to prove they planned the same thing."""
         text = json.dumps([[f.plan.name, f.plan.size, f.rank, f.dir,
-                            [[e.storage, e.start, e.length, e.file, e.offset] for e in f.plan.extents]]
+                            [[e.storage, e.start, e.length, e.file, e.offset]
+                             for e in f.plan.extents]]
                            for f in self.files])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 
@@ -184,12 +185,14 @@ def node_order(ranks: Sequence[RankInfo]) -> tuple[tuple[int, ...], ...]:
     return tuple(tuple(v) for v in nodes.values())
 
 
-def choose_writers(ranks: Sequence[RankInfo], writers_per_node: int | None) -> tuple[tuple[int, ...], str]:
+def choose_writers(ranks: Sequence[RankInfo],
+                   writers_per_node: int | None) -> tuple[tuple[int, ...], str]:
     """Which ranks write replicated bytes: every rank (``None``), or ``k`` per node spread over
     the node's affinity groups (sockets / PCIe roots) when every rank's is known, else evenly
     over its local ranks (GPUs are usually numbered socket by socket)."""
     if writers_per_node is not None and writers_per_node < 1:
-        raise ValueError(f"writers_per_node={writers_per_node} must be at least 1 (or None: every rank)")
+        raise ValueError(f"writers_per_node={writers_per_node} must be at least 1 "
+                         "(or None: every rank)")
     by_rank = {r.rank: r for r in ranks}
     chosen: list[int] = []
     how = set()
@@ -198,7 +201,8 @@ def choose_writers(ranks: Sequence[RankInfo], writers_per_node: int | None) -> t
         k = n if writers_per_node is None else min(writers_per_node, n)
         if k == n:
             chosen += members
-            how.add("every rank writes" if writers_per_node is None else "every rank of the node writes")
+            how.add("every rank writes" if writers_per_node is None
+                    else "every rank of the node writes")
             continue
         affinities = [by_rank[r].affinity for r in members]
         if all(a is not None for a in affinities) and len(set(affinities)) > 1:
@@ -241,7 +245,7 @@ def plan_save(replicated_sizes: Sequence[int], ranks: Sequence[RankInfo], *,
         bases.append(next_base)
         next_base += len(info.local_sizes)
 
-    # Each rank's drive index: writers by their order among the node's writers, others by local rank.
+    # Each rank's drive: writers by their order among the node's writers, others by local rank.
     dir_of: dict[int, int] = {}
     for members in nodes:
         node_writers = [r for r in members if r in writers]
@@ -254,7 +258,7 @@ def plan_save(replicated_sizes: Sequence[int], ranks: Sequence[RankInfo], *,
     shares = split_stream(replicated_sizes, targets)
 
     files: list[PlannedFile] = []
-    for writer, pieces in zip(writers, shares):
+    for writer, pieces in zip(writers, shares, strict=True):
         if pieces:
             plan = layout_file(rank_data_file_name(writer), len(files), pieces)
             files.append(PlannedFile(plan, writer, dir_of[writer], "shared"))

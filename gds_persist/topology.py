@@ -23,8 +23,8 @@ def _pci_bus_id(device: int) -> str | None:
     props = torch.cuda.get_device_properties(device)
     if not hasattr(props, "pci_bus_id"):
         return None
-    return (f"{getattr(props, 'pci_domain_id', 0):08x}:{props.pci_bus_id:02x}:"
-            f"{props.pci_device_id:02x}.0")
+    domain, bus = getattr(props, "pci_domain_id", 0), props.pci_bus_id
+    return f"{domain:08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
 
 
 def gpu_affinity() -> tuple[str | None, str]:
@@ -57,7 +57,8 @@ def gpu_affinity() -> tuple[str | None, str]:
         try:
             return f"numa{pynvml.nvmlDeviceGetNumaNodeId(handle)}", "GPU NUMA node from NVML"
         except Exception:  # noqa: BLE001 - older NVML: fall back to the CPU affinity mask
-            words = pynvml.nvmlDeviceGetCpuAffinity(handle, max(1, (os.cpu_count() or 64) // 64 + 1))
+            size = max(1, (os.cpu_count() or 64) // 64 + 1)
+            words = pynvml.nvmlDeviceGetCpuAffinity(handle, size)
             return "cpus" + "-".join(f"{w:x}" for w in words), "GPU CPU-affinity mask from NVML"
     except Exception as e:  # noqa: BLE001
         return None, f"GPU affinity unknown: NVML query failed ({type(e).__name__}: {e})"

@@ -4,8 +4,8 @@ Starting processes that import torch costs seconds, so a test module starts one 
 many tasks. Each worker joins a gloo group of ``world`` ranks (FileStore rendezvous: no ports to
 race for) and also creates the subgroups of the first ``k`` ranks for every ``k``, so a task can
 save with 2 or 3 ranks and load with another count. A task is a module-level function
-``fn(ctx, *args, **kwargs)`` run on every rank; :meth:`Gang.run` returns every rank's result, or raises
-with the workers' tracebacks. No mocks: these are real processes and real collectives.
+``fn(ctx, *args, **kwargs)`` run on every rank; :meth:`Gang.run` returns every rank's result, or
+raises with the workers' tracebacks. No mocks: these are real processes and real collectives.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ class Gang:
             p.start()
         self.broken = False
 
-    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120, **kwargs: Any) -> list[Any]:
+    def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120,
+            **kwargs: Any) -> list[Any]:
         """Run ``fn(ctx, *args, **kwargs)`` on every rank; return the results by rank."""
         if self.broken:
             raise RuntimeError("the gang's process group was broken by an earlier test")
@@ -92,7 +93,8 @@ class Gang:
             out[rank] = (ok, value)
         failed = {r: v for r, (ok, v) in out.items() if not ok}
         if failed:
-            raise AssertionError("\n".join(f"--- rank {r}:\n{tb}" for r, tb in sorted(failed.items())))
+            raise AssertionError("\n".join(f"--- rank {r}:\n{tb}"
+                                           for r, tb in sorted(failed.items())))
         return [out[r][1] for r in range(self.world)]
 
     def close(self) -> None:

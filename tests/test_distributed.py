@@ -13,12 +13,12 @@ import os
 from collections.abc import Iterator
 from pathlib import Path
 
+import _dist_tasks as tasks
 import pytest
 import torch
-
-import _dist_tasks as tasks
-import gds_persist
 from _gang import Gang
+
+import gds_persist
 
 pytestmark = pytest.mark.slow
 WORLD = 4
@@ -142,7 +142,8 @@ def test_differing_replicas_are_reported(gang: Gang, tmp_path: Path, kind: str, 
     for r in results:
         assert r["type"] == "ReplicationError" and "DistributedError" in r["mro"]
         assert r["failed_ranks"] == [bad]
-        assert f"rank {bad}: tensor {detail}" in r["message"] or f"rank {bad}: {detail}" in r["message"]
+        assert (f"rank {bad}: tensor {detail}" in r["message"]
+                or f"rank {bad}: {detail}" in r["message"]), r["message"]
     assert not path.exists()
 
 
@@ -191,7 +192,8 @@ def test_corrupted_shared_extent_fails_every_rank(gang: Gang, tmp_path: Path) ->
         f.seek(big.offset + big.length - 3)
         f.write(bytes([byte[0] ^ 0xFF]))
     for strategy in ("allgather", "broadcast"):
-        errors = [e for e in gang.run(tasks.load_expect_error, 3, str(path), strategy=strategy) if e]
+        errors = [e for e in gang.run(tasks.load_expect_error, 3, str(path), strategy=strategy)
+                  if e]
         assert len(errors) == 3
         for e in errors:
             assert e["type"] == "ChecksumError", e
@@ -210,11 +212,11 @@ def test_manifest_records_the_plan(saved: dict[int, Path]) -> None:
 
 def test_zero_optimizer_shards_resume_exactly(gang: Gang, tmp_path: Path) -> None:
     """docs/DISTRIBUTED.md's ZeRO example, run: resuming from the checkpoint is bit-exact."""
-    results = gang.run(tasks.zero_resume, str(tmp_path / "zero"))
-    assert all(r["same"] for r in results), results
+    results = [r for r in gang.run(tasks.zero_resume, str(tmp_path / "zero")) if r]
+    assert all(r["shard_back"] and r["same"] for r in results), results
     assert sum(r["own_shard_tensors"] for r in results) == 4  # 4 parameters, sharded by rank
     m = gds_persist.read_manifest(tmp_path / "zero")
-    assert [s.rank for s in m.sections] == [0, 1, 2, 3]
+    assert [s.rank for s in m.sections] == [0, 1]
 
 
 def test_a_rank_that_never_joins_cannot_hang_the_others(gang: Gang, tmp_path: Path) -> None:

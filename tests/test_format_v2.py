@@ -60,7 +60,8 @@ def test_rank_local_without_process_group(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("paths", [["optim", ("optim", "lr")], ["nope"], [("model", "emb", "x")]])
 def test_bad_rank_local_paths(tmp_path: Path, paths: list[Any]) -> None:
-    with pytest.raises((ValueError, KeyError), match="overlap|not in the state dict|does not index"):
+    with pytest.raises((ValueError, KeyError),
+                       match="overlap|not in the state dict|does not index"):
         gds_persist.save(_state(), tmp_path / "c", rank_local=paths)
     assert not (tmp_path / "c").exists()
 

@@ -163,9 +163,9 @@ def test_empty_and_zero_size_state() -> None:
 def test_balanced_targets(total: int, preloaded: list[int]) -> None:
     targets = balanced_targets(total, preloaded)
     assert sum(targets) == total and min(targets) >= 0
-    finals = [t + p for t, p in zip(targets, preloaded)]
-    level = max(f for f, t in zip(finals, targets) if t > 0) if total else 0
-    for f, t in zip(finals, targets):
+    finals = [t + p for t, p in zip(targets, preloaded, strict=True)]
+    level = max(f for f, t in zip(finals, targets, strict=True) if t > 0) if total else 0
+    for f, t in zip(finals, targets, strict=True):
         if t > 0:
             assert f >= level - 1  # everyone who got bytes ends within one byte of the level
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from dataclasses import asdict, replace
 
 from ..scale import Prediction, Scenario, predict
@@ -18,21 +19,37 @@ from ..scale import Prediction, Scenario, predict
 DEFAULT_SWEEP = "8,16,32,64,128,256,512,1024"
 
 
+def _positive(kind: type) -> object:
+    def parse(text: str) -> object:
+        value = kind(float(text)) if kind is int else kind(text)
+        if not value > 0 or (kind is int and float(text) != value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a positive {kind.__name__}")
+        return value
+
+    parse.__name__ = kind.__name__
+    return parse
+
+
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="predict data-parallel checkpoint time: single writer vs partitioned",
+    p = sub.add_parser("plan", help="predict data-parallel checkpoint time: single writer "
+                       "vs partitioned",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--params", type=float, required=True, help="model parameters, e.g. 13e9")
-    p.add_argument("--bytes-per-param", type=int, default=14,
+    p.add_argument("--params", type=_positive(float), required=True,
+                   help="model parameters, e.g. 13e9")
+    p.add_argument("--bytes-per-param", type=_positive(int), default=14,
                    help="checkpoint bytes per parameter (default 14: mixed-precision Adam)")
-    p.add_argument("--dp", type=int, default=8, help="data-parallel degree = GPUs (default 8)")
-    p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--drives-per-node", type=int, default=8, help="NVMe drives per node, no RAID")
-    p.add_argument("--drive-gbps", type=float, default=3.0, help="write GB/s of one drive")
-    p.add_argument("--node-gbps", type=float, default=None,
+    p.add_argument("--dp", type=_positive(int), default=8,
+                   help="data-parallel degree = GPUs (default 8)")
+    p.add_argument("--gpus-per-node", type=_positive(int), default=8)
+    p.add_argument("--drives-per-node", type=_positive(int), default=8,
+                   help="NVMe drives per node, no RAID")
+    p.add_argument("--drive-gbps", type=_positive(float), default=3.0,
+                   help="write GB/s of one drive")
+    p.add_argument("--node-gbps", type=_positive(float), default=None,
                    help="cap on one node's total write GB/s (PCIe/host limit); default none")
-    p.add_argument("--writers-per-node", type=int, default=None,
+    p.add_argument("--writers-per-node", type=_positive(int), default=None,
                    help="writing ranks per node (default: every rank)")
-    p.add_argument("--iteration-s", type=float, default=1.0,
+    p.add_argument("--iteration-s", type=_positive(float), default=1.0,
                    help="training iteration time in seconds at --dp GPUs")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="GPUS",
                    help=f"table over data-parallel degrees (default {DEFAULT_SWEEP})")
@@ -84,7 +101,14 @@ def run(args: argparse.Namespace) -> int:
               f"{_pct(p.partitioned_fraction):>7} of the iteration")
         print(f"  speed-up {p.speedup:.1f}x")
         return 0
-    gpus = [int(g) for g in args.sweep.split(",") if g.strip()]
+    try:
+        gpus = [int(g) for g in args.sweep.split(",") if g.strip()]
+    except ValueError:
+        gpus = []
+    if not gpus or min(gpus) < 1:
+        print(f"gds-persist plan: --sweep wants a comma-separated list of GPU counts, not "
+              f"{args.sweep!r}", file=sys.stderr)
+        return 2
     rows = []
     for g in gpus:
         iteration = base.iteration_s * (base.dp / g if args.scaling == "strong" else 1.0)
@@ -93,7 +117,8 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps([_as_dict(p) for p in rows], indent=1))
         return 0
     s = base
-    print(f"{s.params:.3g} parameters x {s.bytes_per_param} B = {rows[0].checkpoint_bytes / 1e9:.1f} GB "
+    size = rows[0].checkpoint_bytes / 1e9
+    print(f"{s.params:.3g} parameters x {s.bytes_per_param} B = {size:.1f} GB "
           f"checkpoint; {s.gpus_per_node} GPUs and {s.drives_per_node} drives of "
           f"{s.drive_gbps:g} GB/s per node; {args.scaling} scaling from {s.iteration_s:g} s "
           f"per iteration at {s.dp} GPUs")
