@@ -11,10 +11,10 @@ For each rank count N it reports, against the drive's limit measured in the same
   read once in total and shared over the group; ``read_all``: every rank reads everything), the
   bytes actually read by all ranks together, and the page cache dropped first where we are root.
 
-The drive limit is fio's when ``bench/drive.py`` (the main benchmark's probe) is present and fio
-is installed, else a plain aligned O_DIRECT stream from Python (4 threads, 8 MiB blocks, fsync),
-labelled as such. Figures are medians of ``--runs`` with min-max; runs are interleaved across
-strategies. One spawn of ``max(ranks)`` processes serves every N (subgroups), so the run is short.
+The drive limit comes from the main benchmark's probe (``bench/drive.py``): fio when installed,
+else a plain aligned O_DIRECT stream from Python, labelled as such. Figures are medians of
+``--runs`` with min-max; runs are interleaved across strategies. One spawn of ``max(ranks)``
+processes serves every N (subgroups), so the run is short.
 """
 
 from __future__ import annotations
@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import mmap
 import os
 import platform
 import queue
@@ -32,7 +31,6 @@ import statistics
 import sys
 import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -91,74 +89,25 @@ def make_state(nbytes: int) -> dict[str, Any]:
 
 # --- the drive limit ----------------------------------------------------------------------------
 
-def _stream(path: str, nbytes: int, write: bool, block: int = 8 << 20, threads: int = 4) -> float:
-    """Seconds for a plain aligned O_DIRECT sequential write (with fsync) or read of ``nbytes``."""
-    nbytes = -(-nbytes // block) * block
-    buf = mmap.mmap(-1, block)
-    buf.write(os.urandom(block))
-    flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC) if write else os.O_RDONLY
-    fd = os.open(path, flags | getattr(os, "O_DIRECT", 0), 0o644)
-    offsets = list(range(0, nbytes, block))
-
-    def worker(t: int) -> None:
-        view = memoryview(buf)
-        mine = bytearray(0) if write else mmap.mmap(-1, block)
-        target = view if write else memoryview(mine)
-        for off in offsets[t::threads]:
-            done = 0
-            while done < block:
-                got = (os.pwrite(fd, target[done:], off + done) if write
-                       else os.preadv(fd, [target[done:]], off + done))
-                if got <= 0:
-                    raise OSError(f"short transfer at {off + done} of {path}")
-                done += got
-        if not write:
-            target.release()
-            mine.close()
-        view.release()
-
-    try:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(threads) as pool:
-            list(pool.map(worker, range(threads)))
-        if write:
-            os.fsync(fd)
-        return time.perf_counter() - t0
-    finally:
-        os.close(fd)
-        buf.close()
-
-
 def drive_limit(directory: str, nbytes: int) -> dict[str, Any]:
-    """Sequential write (fsynced) and read GB/s of the drive under ``directory``."""
-    nbytes = max(nbytes, 64 << 20)
+    """Sequential write (fsynced) and read GB/s of the drive under ``directory``, measured by
+    the main benchmark's probe (fio when installed, else a labelled plain O_DIRECT stream)."""
     try:
-        try:
-            from bench.drive import DriveProbe  # the main benchmark's probe (fio when installed)
-        except ImportError:
-            from drive import DriveProbe  # run as a script from another directory
+        from bench.drive import DriveProbe
+    except ImportError:  # run as a script: bench/ itself is on sys.path
+        from drive import DriveProbe
 
-        probe = DriveProbe(directory, nbytes)
-        try:
-            w, r = probe.write(), probe.read()
-            return {"tool": w.tool, "write_gbps": w.nbytes / w.seconds / 1e9,
-                    "read_gbps": r.nbytes / r.seconds / 1e9, "notes": list(probe.notes)}
-        finally:
-            probe.cleanup()
-    except (ImportError, AttributeError, TypeError):
-        pass
-    path = os.path.join(directory, "drive-limit.bin")
+    probe = DriveProbe(directory, max(nbytes, 64 << 20))
     try:
         drop_cache()
-        w = _stream(path, nbytes, True)
+        w = probe.write()
         drop_cache()
-        r = _stream(path, nbytes, False)
+        r = probe.read()
     finally:
-        if os.path.exists(path):
-            os.unlink(path)
-    n = -(-nbytes // (8 << 20)) * (8 << 20)
-    return {"tool": "python O_DIRECT stream (4 threads, 8 MiB blocks, fsync; not fio)",
-            "write_gbps": n / w / 1e9, "read_gbps": n / r / 1e9, "notes": []}
+        probe.cleanup()
+    return {"tool": w.tool if w.tool != r.tool else probe.tool,
+            "write_gbps": w.nbytes / w.seconds / 1e9, "read_gbps": r.nbytes / r.seconds / 1e9,
+            "notes": list(probe.notes)}
 
 
 def drop_cache() -> bool:
