@@ -418,8 +418,8 @@ def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
             g = e.storage if e.storage < replicated else base + e.storage - replicated
             sealed.append(Extent(g, e.start, e.length, e.file, e.offset, e.crc32c))
         if d >= 0:  # new directory entries must be durable before the commit
-            fsync_path(directory)
-            fsync_path(roots[d])
+            for entry in (directory, roots[d], os.path.dirname(roots[d])):
+                fsync_path(entry)
     local = prep.local
     return {
         "extents": [_extent_json(e) for e in sealed],

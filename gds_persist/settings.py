@@ -20,8 +20,9 @@ from typing import Any
 MiB = 1 << 20
 # How a data-parallel load gets replicated data to every rank: "read_all" - every rank reads every
 # byte itself; "broadcast" / "allgather" - each rank reads 1/N and the rest travels over the
-# process group. The default was chosen by bench/bench_parallel.py (docs/DISTRIBUTED.md).
-LOAD_STRATEGIES = ("allgather", "broadcast", "read_all")
+# process group. The default was chosen by bench/bench_parallel.py (docs/DISTRIBUTED.md):
+# broadcast matched read_all there while reading each byte once; gloo's all-gather was far slower.
+LOAD_STRATEGIES = ("broadcast", "allgather", "read_all")
 
 
 @dataclass(frozen=True)
@@ -32,7 +33,7 @@ class Settings:
     io_threads: int = 4  # concurrent pwrite/pread calls per process (the queue depth)
     io_timeout_s: float = 600.0  # no single wait on I/O or a peer lasts longer than this
     collective_timeout_s: float = 600.0  # data-parallel: longest wait for the other ranks
-    load_strategy: str = "allgather"  # data-parallel load of replicated data; see LOAD_STRATEGIES
+    load_strategy: str = "broadcast"  # data-parallel load of replicated data; see LOAD_STRATEGIES
 
     @property
     def ring_buffers(self) -> int:

@@ -27,12 +27,27 @@ def _pci_bus_id(device: int) -> str | None:
     return f"{domain:08x}:{bus:02x}:{getattr(props, 'pci_device_id', 0):02x}.0"
 
 
+_probed: dict[int, tuple[str | None, str]] = {}
+
+
 def gpu_affinity() -> tuple[str | None, str]:
     """``(affinity group, how it was found)`` for this process's current CUDA device.
 
     The group is the GPU's NUMA node (or its CPU-affinity mask) from NVML; ``None`` when unknown,
-    with the reason. Never raises.
+    with the reason. Never raises. Probed once per process and device.
     """
+    try:
+        import torch
+
+        device = torch.cuda.current_device() if torch.cuda.is_available() else -1
+    except Exception:  # noqa: BLE001
+        device = -1
+    if device not in _probed:
+        _probed[device] = _probe()
+    return _probed[device]
+
+
+def _probe() -> tuple[str | None, str]:
     try:
         import pynvml
     except ImportError as e:

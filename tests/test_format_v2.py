@@ -124,3 +124,20 @@ def test_v1_reader_semantics_unchanged_for_unknown_node(tmp_path: Path) -> None:
     _rewrite(tmp_path / "c", edit)
     with pytest.raises(ManifestError, match="is not valid"):
         parse_manifest((tmp_path / "c" / "manifest.json").read_bytes(), "m")
+
+
+def test_cli_inspect_and_verify_version_2(tmp_path: Path,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    from gds_persist.cli import main
+
+    gds_persist.save(_state(), tmp_path / "c", rank_local="optim", data_dirs=[tmp_path / "d"])
+    assert main(["inspect", str(tmp_path / "c")]) == 0
+    out = capsys.readouterr().out
+    assert "rank-local state of ranks [0]" in out and f"in {tmp_path / 'd'}/" in out
+    assert "['optim'][0]['shard']" in out
+    (tmp_path / "d").rename(tmp_path / "moved")
+    assert main(["verify", str(tmp_path / "c")]) == 2
+    assert "is missing" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "c"), "--data-dir",
+                 f"{tmp_path / 'd'}={tmp_path / 'moved'}"]) == 0
+    assert capsys.readouterr().out.startswith("OK")
