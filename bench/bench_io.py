@@ -32,6 +32,7 @@ import torch  # noqa: E402
 from bench import machine, methods, report  # noqa: E402
 from bench.drive import DriveProbe, fio_version  # noqa: E402
 from bench.state import DTYPES, make_state_dict, summarize  # noqa: E402
+from gds_persist.progress import cli_progress  # noqa: E402
 
 DEFAULT_SIZE = "2GiB"
 DEFAULT_RUNS = 3
@@ -104,7 +105,8 @@ _T0 = [time.perf_counter()]
 
 def log(msg: str) -> None:
     """Progress on stderr (stdout carries the report), with seconds since the run started."""
-    print(f"[{time.perf_counter() - _T0[0]:6.1f}s] {msg}", file=sys.stderr, flush=True)
+    clear = "\r\033[K" if sys.stderr.isatty() else ""  # over the progress bar, if one is drawn
+    print(f"{clear}[{time.perf_counter() - _T0[0]:6.1f}s] {msg}", file=sys.stderr, flush=True)
 
 
 def _check(method: methods.Method, ctx: methods.Context, loaded: Any,
@@ -225,6 +227,8 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
     items: list[methods.Method | None] = [None, *chosen.available]  # None = the drive limit
     order: list[list[str]] = []
     drive_runs: list[dict[str, Any]] = []
+    bar = cli_progress("bench")  # on a terminal only: bytes saved + loaded by all runs so far
+    moved, to_move = 0, args.runs * len(items) * 2 * summ.payload_bytes
     for rep in range(args.runs):
         shift = rep % len(items)
         this = items[shift:] + items[:shift]
@@ -245,6 +249,9 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
                 drive_w.nbytes, drive_r.nbytes = w.nbytes, r.nbytes
                 log(f"  drive  write {w.nbytes / w.seconds / 1e9:6.2f} GB/s  "
                     f"read {r.nbytes / r.seconds / 1e9:6.2f} GB/s  ({w.tool})")
+                moved += 2 * summ.payload_bytes
+                if bar is not None:
+                    bar(min(moved, to_move), to_move)
                 continue
             path = os.path.join(workdir, m.key)
             try:
@@ -262,6 +269,12 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
             series[(m.key, "load")].seconds.append(s_load)
             log(f"  {m.key:<12} save {summ.payload_bytes / s_save / 1e9:6.2f} GB/s  "
                 f"load {summ.payload_bytes / s_load / 1e9:6.2f} GB/s")
+            moved += 2 * summ.payload_bytes
+            if bar is not None:
+                bar(min(moved, to_move), to_move)
+    if bar is not None:
+        bar(to_move, to_move)
+        bar.close()
     drive_w.tool = drive_r.tool = drive_w.tool or probe.tool
     cache["resident_before_load"] = resident
 

@@ -349,6 +349,40 @@ class DcpFileSystem(Method):
         return target
 
 
+@register
+class DcpGdsPersist(DcpFileSystem):
+    """``dcp.save`` / ``dcp.load`` unchanged, with gds_persist's DCP storage backend
+    (``gds_persist.dcp.GdsPersistWriter`` / ``GdsPersistReader``) instead of FileSystemWriter."""
+
+    key = "dcp-gds"
+    label = "DCP GdsPersistWriter"
+    load_label = "DCP GdsPersistReader"
+    describe = ("gds_persist.dcp: backend auto (aligned O_DIRECT here, kvikio for CUDA tensors "
+                "when usable), CRC32C per extent verified on load, atomic commit with directory "
+                "fsync; single process, so no byte-range balancing (tests/test_dcp.py and "
+                "bench/bench_dcp.py measure that with several ranks)")
+
+    def writer(self, path: str, thread_count: int) -> Any:
+        from gds_persist.dcp import GdsPersistWriter
+
+        return GdsPersistWriter(path)
+
+    def reader(self, path: str) -> Any:
+        from gds_persist.dcp import GdsPersistReader
+
+        return GdsPersistReader(path)
+
+    def prepare(self, ctx: Context) -> None:  # no thread count to calibrate
+        self.notes.append(self.describe)
+
+    def save(self, ctx: Context, path: str) -> None:
+        super().save(ctx, path)
+        import gds_persist
+
+        writer = gds_persist.read_manifest(path).writer
+        self.info = {"backend": writer.get("backend"), "reason": writer.get("reason")}
+
+
 # --------------------------------------------------------------------------- safetensors
 
 

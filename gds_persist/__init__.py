@@ -26,6 +26,7 @@ from .errors import (  # noqa: E402
 )
 from .load import load, read_manifest, verify  # noqa: E402
 from .save import SaveInfo, save  # noqa: E402
+from .interop import export_checkpoint, import_checkpoint  # noqa: E402
 
 __all__ = [
     "BackendError",
@@ -39,6 +40,8 @@ __all__ = [
     "ReplicationError",
     "SaveInfo",
     "TruncatedError",
+    "export_checkpoint",
+    "import_checkpoint",
     "load",
     "read_manifest",
     "save",

@@ -19,6 +19,7 @@ from .commit import is_temporary
 from .errors import ChecksumError, NotCommittedError
 from .flatten import rebuild_tensor, tensor_paths, unflatten
 from .format import MANIFEST_NAME, Manifest, data_file_path, parse_manifest, sections_tree
+from .progress import ByteCounter, ProgressCallback
 from .read import FileReader, check_file
 from .staging import borrow_ring
 
@@ -78,30 +79,36 @@ def _target_device(saved: str, map_location: MapLocation) -> torch.device:
 
 def _read_all(path: str, m: Manifest, dests: list[torch.Tensor] | None, verify: bool,
               backend: str | None, errors: list[ChecksumError] | None = None,
+              progress: ProgressCallback | None = None,
               roots: dict[str, str] | None = None) -> str:
     cfg = settings.current(backend=backend)
     wants_device = dests is not None and any(d.is_cuda for d in dests)
     be, reason = choose_backend(cfg.backend, path, wants_device, cfg.io_threads, cfg.block_bytes)
     describe = storage_descriptions(m)
+    counter = ByteCounter(progress, m.total_bytes)
     with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
             ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
-        reader = FileReader(be, ring, pool, cfg.io_timeout_s, verify, describe, errors)
+        reader = FileReader(be, ring, pool, cfg.io_timeout_s, verify, describe, errors,
+                            counter.hook)
         for index, f in enumerate(m.files):
             extents = [e for e in m.extents if e.file == index]
             full = data_file_path(path, m, index, roots)
             reader.read(check_file(os.path.dirname(full), f), extents, dests)
+    counter.finish()
     return f"{be.name} ({reason})"
 
 
 def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, verify: bool = True,
-         backend: str | None = None, process_group: Any = None, strategy: str | None = None,
-         rank_local: Any = None, data_dirs: Any = None) -> Any:
+         backend: str | None = None, progress: ProgressCallback | None = None,
+         process_group: Any = None, strategy: str | None = None, rank_local: Any = None,
+         data_dirs: Any = None) -> Any:
     """Load the checkpoint at ``path``; every extent's CRC32C is checked unless ``verify=False``.
 
     ``map_location`` works as in ``torch.load``: ``None`` restores each tensor to the device it was
     saved from; a device or string moves everything there; a dict maps saved locations
     (``"cuda:1"``) to new ones; a callable ``f(storage, location)`` receives each storage loaded on
     the CPU and returns the storage to use (or None to keep the default placement).
+    ``progress(done_bytes, total_bytes)``, if given, is called as data is read.
     Raises :class:`ChecksumError` naming the tensor, file and offset of corrupted bytes.
 
     Any number of processes loads a checkpoint saved by any number (``docs/DISTRIBUTED.md``).
@@ -111,7 +118,8 @@ def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, veri
     current device unless ``map_location`` says otherwise. ``rank_local`` picks whose rank-local
     parts fill their places: ``None`` (this rank's with a process group, every rank's - a dict
     by rank - without), ``"all"``, or a rank number. ``data_dirs`` maps data directories that
-    moved: ``{recorded root: new root}`` or a list in the manifest's order.
+    moved: ``{recorded root: new root}`` or a list in the manifest's order. With a process group
+    ``progress`` counts the bytes this rank reads.
     """
     path = os.fspath(path)
     if process_group is not None:
@@ -119,18 +127,19 @@ def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, veri
 
         return load_parallel(path, None, map_location=map_location, verify=verify,
                              backend=backend, process_group=process_group, strategy=strategy,
-                             rank_local=rank_local, data_dirs=data_dirs)
+                             rank_local=rank_local, data_dirs=data_dirs, progress=progress)
     m = read_manifest(path)
     if m.version >= 2 or rank_local is not None or data_dirs is not None:
         from .parallel_load import load_parallel
 
         return load_parallel(path, m, map_location=map_location, verify=verify, backend=backend,
-                             strategy=strategy, rank_local=rank_local, data_dirs=data_dirs)
+                             strategy=strategy, rank_local=rank_local, data_dirs=data_dirs,
+                             progress=progress)
     for f in m.files:  # a missing or short file fails before any memory is allocated for it
         check_file(path, f)
     devices = [_target_device(s.device, map_location) for s in m.storages]
     dests = [torch.empty(s.nbytes, dtype=torch.uint8, device=d) for s, d in zip(m.storages, devices)]
-    _read_all(path, m, dests, verify, backend)
+    _read_all(path, m, dests, verify, backend, progress=progress)
     storages = [d.untyped_storage() for d in dests]
     if callable(map_location) and not isinstance(map_location, dict):
         storages = [_apply_callable(map_location, s, rec.device)
@@ -160,7 +169,7 @@ class VerifyReport:
 
 
 def verify(path: str | os.PathLike[str], *, backend: str | None = None,
-           data_dirs: Any = None) -> VerifyReport:
+           progress: ProgressCallback | None = None, data_dirs: Any = None) -> VerifyReport:
     """Re-read every extent and check its CRC32C without keeping the data; reports all mismatches.
 
     Raises for problems that stop the check (bad manifest, missing or truncated file).
@@ -174,5 +183,5 @@ def verify(path: str | os.PathLike[str], *, backend: str | None = None,
         from .parallel_load import root_map
 
         roots = root_map(m, data_dirs)
-    _read_all(path, m, None, True, backend, errors, roots)
+    _read_all(path, m, None, True, backend, errors, progress, roots)
     return VerifyReport(path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors)

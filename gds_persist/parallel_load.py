@@ -27,7 +27,8 @@ from .checksum import crc32c_combine
 from .distributed import Comm, make_comm
 from .errors import ChecksumError, ManifestError
 from .flatten import rebuild_tensor, unflatten
-from .format import Extent, Manifest, data_file_path, sections_tree
+from .format import Extent, Manifest, align_up, data_file_path, sections_tree
+from .progress import ByteCounter, ProgressCallback
 from .read import FileReader, check_file
 from .schedule import plan_reads
 from .staging import borrow_ring
@@ -84,7 +85,8 @@ def _tensor_indices(tree: Any) -> list[int]:
 def read_extents(path: str, m: Manifest, roots: dict[str, str], extents: Sequence[Extent],
                  dests: Sequence[torch.Tensor | None], verify: bool, cfg: settings.Settings,
                  describe: Callable[[int], str],
-                 sink: dict[tuple[int, int], int] | None = None) -> None:
+                 sink: dict[tuple[int, int], int] | None = None,
+                 hook: Callable[[int], None] | None = None) -> None:
     """Read ``extents`` into ``dests`` (per storage). With ``sink``, CRCs are recorded there
     (keyed by file, offset) instead of compared."""
     by_file: dict[int, list[Extent]] = {}
@@ -105,11 +107,11 @@ def read_extents(path: str, m: Manifest, roots: dict[str, str], extents: Sequenc
                                                    cfg.io_threads, cfg.block_bytes)[0]
             if sink is not None:
                 reader: FileReader = _RecordingReader(chosen[directory], ring, pool,
-                                                      cfg.io_timeout_s, True, describe,
-                                                      sink=sink, file_index=index)
+                                                      cfg.io_timeout_s, True, describe, None,
+                                                      hook, sink=sink, file_index=index)
             else:
                 reader = FileReader(chosen[directory], ring, pool, cfg.io_timeout_s, verify,
-                                    describe)
+                                    describe, None, hook)
             reader.read(full, by_file[index], dests)  # type: ignore[arg-type]
 
 
@@ -124,7 +126,7 @@ def _storage_device(saved: str, map_location: Any, distributed: bool) -> torch.d
 def load_parallel(path: str, m: Manifest | None, *, map_location: Any = None, verify: bool = True,
                   backend: str | None = None, process_group: Any = None,
                   strategy: str | None = None, rank_local: Any = None,
-                  data_dirs: Any = None) -> Any:
+                  data_dirs: Any = None, progress: ProgressCallback | None = None) -> Any:
     """See :func:`gds_persist.load` (the data-parallel arguments)."""
     from .load import _apply_callable, read_manifest, storage_descriptions
 
@@ -174,14 +176,18 @@ def load_parallel(path: str, m: Manifest | None, *, map_location: Any = None, ve
             dests[s] = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
         if not share:
             mine = [e for e in manifest.extents if e.storage in wanted_storages]
-            read_extents(path, manifest, roots, mine, dests, verify, cfg, describe)
+            counter = ByteCounter(progress, sum(align_up(e.length) for e in mine))
+            read_extents(path, manifest, roots, mine, dests, verify, cfg, describe,
+                         hook=counter.hook)
+            counter.finish()
             return []
-        own = set(needed) - set(replicated)
+        own = [e for e in manifest.extents if e.storage in set(needed) - set(replicated)]
         sub = by_rank[comm.rank]
+        counter = ByteCounter(progress, sum(align_up(e.length) for e in sub + own))
         sink: dict[tuple[int, int], int] | None = {} if verify else None
-        read_extents(path, manifest, roots, sub, dests, verify, cfg, describe, sink)
-        read_extents(path, manifest, roots, [e for e in manifest.extents if e.storage in own],
-                     dests, verify, cfg, describe)
+        read_extents(path, manifest, roots, sub, dests, verify, cfg, describe, sink, counter.hook)
+        read_extents(path, manifest, roots, own, dests, verify, cfg, describe, hook=counter.hook)
+        counter.finish()
         return [[e.file, e.offset, e.length, sink[(e.file, e.offset)]]
                 for e in sub] if sink is not None else []
 

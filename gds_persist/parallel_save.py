@@ -27,7 +27,7 @@ import socket
 import time
 import uuid
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
@@ -52,6 +52,7 @@ from .format import (
     stripe_dir_name,
 )
 from .plan import SavePlan
+from .progress import ByteCounter, ProgressCallback
 from .save import SaveInfo, write_plan
 from .schedule import DistributedPlan, RankInfo, plan_save
 from .topology import gpu_affinity, node_name
@@ -264,7 +265,8 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
                   data_dirs: Sequence[str | os.PathLike[str]] | None = None,
                   check_replicas: str = "structure", backend: str | None = None,
                   block_bytes: int | None = None, staging_bytes: int | None = None,
-                  io_threads: int | None = None) -> DistributedSaveInfo:
+                  io_threads: int | None = None,
+                  progress: ProgressCallback | None = None) -> DistributedSaveInfo:
     """See :func:`gds_persist.save` (the data-parallel arguments)."""
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
@@ -332,7 +334,12 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
         stripe = stripe_dir_name(_stripe_prefix(path), save_id)
 
         def write() -> dict[str, Any]:
-            return _write_my_files(plan, comm.rank, prep, tmp, roots, stripe, cfg, state)
+            counter = ByteCounter(progress, sum(plan.files[i].plan.size
+                                                for i in plan.files_of(comm.rank)))
+            result = _write_my_files(plan, comm.rank, prep, tmp, roots, stripe, cfg, state,
+                                     counter.hook)
+            counter.finish()
+            return result
 
         results = comm.agree("write", write, what, intact)
         t = clock("write", t)
@@ -385,7 +392,8 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
 
 def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
                     roots: Sequence[str], stripe: str, cfg: settings.Settings,
-                    state: dict[str, Any]) -> dict[str, Any]:
+                    state: dict[str, Any],
+                    hook: Callable[[int], None] | None = None) -> dict[str, Any]:
     t0 = time.perf_counter()
     replicated = len(prep.replicated.storages)
     base = plan.local_storage_base[rank]
@@ -414,7 +422,7 @@ def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
         backend_name = be.name
         state["written"] += [os.path.join(directory, f.name) for f in files]
         flat = Flattened(None, [], [], objects)
-        for e in write_plan(be, directory, local_plan, flat, cfg):
+        for e in write_plan(be, directory, local_plan, flat, cfg, hook):
             g = e.storage if e.storage < replicated else base + e.storage - replicated
             sealed.append(Extent(g, e.start, e.length, e.file, e.offset, e.crc32c))
         if d >= 0:  # new directory entries must be durable before the commit

@@ -60,7 +60,8 @@ def blocks_to_read(extents: Sequence[Extent], block_bytes: int) -> list[tuple[in
 class FileReader:
     def __init__(self, backend: Backend, ring: StagingRing | None, pool: ThreadPoolExecutor,
                  timeout_s: float, verify: bool, describe: Describe,
-                 errors: list[ChecksumError] | None = None):
+                 errors: list[ChecksumError] | None = None,
+                 progress: Callable[[int], None] | None = None):
         self.backend = backend
         self.ring = ring
         self.pool = pool
@@ -68,6 +69,7 @@ class FileReader:
         self.verify = verify
         self.describe = describe
         self.errors = errors  # collect mismatches here instead of raising the first one
+        self.progress = progress  # called with the bytes of each block consumed
 
     def read(self, path: str, extents: Sequence[Extent],
              dests: Sequence[torch.Tensor] | None) -> None:
@@ -103,6 +105,8 @@ class FileReader:
                 raise TruncatedError(f"{path}: short read at offset {e.offset} ({got} of {e.length} bytes)")
             if self.verify:
                 self._check(path, e, device_crc32c(piece))
+            if self.progress is not None:
+                self.progress(e.length)
 
     def _read_staged(self, handle: object, path: str, extents: Sequence[Extent],
                      dests: Sequence[torch.Tensor] | None) -> None:
@@ -125,6 +129,8 @@ class FileReader:
                     if got != hi - lo:
                         raise TruncatedError(f"{path}: short read at offset {lo} ({got} of {hi - lo} bytes)")
                     self._consume(path, buf, lo, hi, extents, first, dests, crcs)
+                    if self.progress is not None:
+                        self.progress(hi - lo)
                 finally:
                     self.ring.release(buf)
                 first = next_first(extents, first, hi)

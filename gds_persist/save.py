@@ -6,6 +6,7 @@ import errno
 import os
 import socket
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -19,6 +20,7 @@ from .errors import DiskFullError
 from .flatten import Flattened, flatten
 from .format import Extent, Manifest, dump_manifest
 from .plan import SavePlan, plan_single_writer
+from .progress import ByteCounter, ProgressCallback
 from .staging import borrow_ring
 from .write import FileWriter, byte_view
 
@@ -44,14 +46,17 @@ class SaveInfo:
 
 def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None = None,
          block_bytes: int | None = None, staging_bytes: int | None = None,
-         io_threads: int | None = None, process_group: Any = None, rank_local: Any = None,
-         writers_per_node: int | None = None, data_dirs: Any = None,
-         check_replicas: str = "structure") -> SaveInfo:
+         io_threads: int | None = None, progress: ProgressCallback | None = None,
+         process_group: Any = None, rank_local: Any = None, writers_per_node: int | None = None,
+         data_dirs: Any = None, check_replicas: str = "structure") -> SaveInfo:
     """Write ``state_dict`` to the checkpoint directory ``path``, durably and atomically.
 
     ``backend`` is ``"auto"`` (default, or ``$GDS_PERSIST_BACKEND``), ``"direct"``,
     ``"buffered"`` or ``"kvikio"``. An existing checkpoint at ``path`` is replaced only once the
     new one is complete and fsynced; if anything fails, it is left as it was.
+
+    ``progress(done_bytes, total_bytes)``, if given, is called as data files are written (see
+    :mod:`gds_persist.progress`).
 
     Data-parallel (``docs/DISTRIBUTED.md``): with ``process_group`` (a ``torch.distributed`` group,
     or ``"default"``), every rank of the group calls ``save`` with its replica of the state; each
@@ -61,7 +66,8 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
     limits the writing ranks per node; ``data_dirs`` stripes each node's files over several
     directories (one per drive). ``check_replicas`` compares the replicated state across ranks:
     ``"structure"`` (keys, dtypes, shapes, sizes; default), ``"checksums"`` (also the bytes) or
-    ``"off"``. Returns a :class:`~gds_persist.parallel_save.DistributedSaveInfo` then.
+    ``"off"``. Returns a :class:`~gds_persist.parallel_save.DistributedSaveInfo` then;
+    ``progress`` then counts this rank's own bytes.
 
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
@@ -74,7 +80,7 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
                              writers_per_node=writers_per_node, data_dirs=data_dirs,
                              check_replicas=check_replicas, backend=backend,
                              block_bytes=block_bytes, staging_bytes=staging_bytes,
-                             io_threads=io_threads)
+                             io_threads=io_threads, progress=progress)
     t0 = time.perf_counter()
     path = os.fspath(path)
     cfg = settings.current(backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
@@ -86,12 +92,14 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
     try:
         be, reason = choose_backend(cfg.backend, tmp, any(s.is_cuda for s in flat.storage_objects),
                                     cfg.io_threads, cfg.block_bytes)
-        extents = write_plan(be, tmp, plan, flat, cfg)
+        counter = ByteCounter(progress, plan.total_bytes)
+        extents = write_plan(be, tmp, plan, flat, cfg, counter.hook)
         writer = {"backend": be.name, "reason": reason, "gds_persist": __version__,
                   "torch": torch.__version__, "host": socket.gethostname(), "world_size": 1}
         write_manifest(tmp, dump_manifest(Manifest([f.data_file for f in plan.files], flat.storages,
                                      flat.tensors, extents, flat.tree, writer)))
         commit(tmp, path)
+        counter.finish()
     except OSError as e:
         abort(tmp)
         if e.errno == errno.ENOSPC:
@@ -111,13 +119,14 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
 
 
 def write_plan(backend: Backend, directory: str, plan: SavePlan, flat: Flattened,
-               cfg: settings.Settings) -> list[Extent]:
+               cfg: settings.Settings,
+               progress: Callable[[int], None] | None = None) -> list[Extent]:
     """Write every file of ``plan`` into ``directory``; return the sealed extents (with CRCs)."""
     sources = [byte_view(s) for s in flat.storage_objects]
     sealed: list[Extent] = []
     with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
             ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
-        writer = FileWriter(backend, ring, pool, cfg.io_timeout_s)
+        writer = FileWriter(backend, ring, pool, cfg.io_timeout_s, progress)
         for f in plan.files:
             crcs = writer.write(os.path.join(directory, f.name), f, sources)
             sealed += [_with_crc(e, c) for e, c in zip(f.extents, crcs)]

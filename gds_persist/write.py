@@ -12,7 +12,7 @@ from device memory to the file; no host staging.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 
@@ -76,11 +76,12 @@ class FileWriter:
     """Writes one planned data file with ``backend``; returns the CRC32C of every extent."""
 
     def __init__(self, backend: Backend, ring: StagingRing | None, pool: ThreadPoolExecutor,
-                 timeout_s: float):
+                 timeout_s: float, progress: Callable[[int], None] | None = None):
         self.backend = backend
         self.ring = ring
         self.pool = pool
         self.timeout_s = timeout_s
+        self.progress = progress  # called with the bytes of each finished write (any thread)
 
     def write(self, path: str, plan: FilePlan, sources: Sequence[torch.Tensor]) -> list[int]:
         handle = self.backend.open(path, write=True, size=plan.size)
@@ -103,6 +104,8 @@ class FileWriter:
             piece = sources[e.storage][e.start : e.start + e.length]
             self.backend.pwrite(handle, piece, e.offset)
             crcs.append(device_crc32c(piece))
+            if self.progress is not None:
+                self.progress(e.length)
         return crcs
 
     def _write_staged(self, handle: object, plan: FilePlan,
@@ -148,5 +151,7 @@ class FileWriter:
     def _write_block(self, handle: object, buf: AlignedBuffer, length: int, offset: int) -> None:
         try:
             self.backend.pwrite(handle, buf.view[:length], offset)
+            if self.progress is not None:
+                self.progress(length)
         finally:
             self.ring.release(buf)  # type: ignore[union-attr]

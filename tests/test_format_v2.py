@@ -141,3 +141,14 @@ def test_cli_inspect_and_verify_version_2(tmp_path: Path,
     assert main(["verify", str(tmp_path / "c"), "--data-dir",
                  f"{tmp_path / 'd'}={tmp_path / 'moved'}"]) == 0
     assert capsys.readouterr().out.startswith("OK")
+
+
+def test_export_of_a_version_2_checkpoint(tmp_path: Path) -> None:
+    """Export (gds_persist.interop) reads files from data directories and rank-local sections."""
+    from safetensors.torch import load_file
+
+    gds_persist.save(_state(), tmp_path / "c", rank_local="optim", data_dirs=[tmp_path / "d"])
+    gds_persist.export_checkpoint(tmp_path / "c", tmp_path / "c.safetensors")
+    out = load_file(str(tmp_path / "c.safetensors"))
+    assert torch.equal(out["model.emb"], _state()["model"]["emb"])
+    assert torch.equal(out["optim.0.shard"], torch.arange(10))

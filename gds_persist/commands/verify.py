@@ -7,6 +7,7 @@ import sys
 import time
 
 from ..load import verify
+from ..progress import cli_progress
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -21,7 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     moved = dict(d.split("=", 1) for d in args.data_dir if "=" in d)
-    report = verify(args.path, backend=args.backend, data_dirs=moved or None)
+    bar = cli_progress("verify")  # only on a terminal
+    try:
+        report = verify(args.path, backend=args.backend, progress=bar, data_dirs=moved or None)
+    finally:
+        if bar is not None:
+            bar.close()
     seconds = time.perf_counter() - t0
     for error in report.errors:
         print(f"MISMATCH: {error}", file=sys.stderr)

@@ -1,0 +1,343 @@
+"""``GdsPersistReader``: a DCP ``StorageReader`` for checkpoints written by ``GdsPersistWriter``.
+
+DCP calls (see ``torch.distributed.checkpoint.storage.StorageReader``)::
+
+    0) (all ranks)   reset(checkpoint_id)
+    1) (all ranks)   read_metadata()              validated manifest -> DCP Metadata (no pickle)
+    2) (all ranks)   set_up_storage_reader(...)
+    3) (all ranks)   prepare_local_plan(plan)     unchanged
+    4) (coordinator) prepare_global_plan(plans)   unchanged
+    5) (all ranks)   read_data(plan, planner)     aligned reads, CRC32C verified, then copied
+
+DCP's planner does the resharding: each read item asks for a box of a saved chunk. Every chunk
+a rank needs is read whole (its CRC32C covers the whole extent, so that is what can be
+verified), once, however many read items use it. Where a read item is the whole chunk and its
+destination is contiguous with the same dtype, the bytes go straight into the destination
+(device memory too); otherwise through a temporary host buffer, at most ``read_budget_bytes``
+of them at a time (a chunk larger than that is read alone).
+"""
+
+from __future__ import annotations
+
+import io
+import os
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.futures import Future
+
+from .. import settings
+from ..backends import choose_backend
+from ..errors import CheckpointError, ManifestError
+from ..flatten import DTYPES
+from ..format import Extent, Manifest
+from ..load import read_manifest
+from ..progress import ByteCounter, ProgressCallback
+from ..read import FileReader, check_file
+from ..staging import borrow_ring
+from ..write import byte_view
+from ._codec import decode_metadata
+from .writer import WRITER_TAG
+
+
+@dataclass(frozen=True)
+class ItemRecord:
+    """Where one saved DCP chunk (or bytes item) lives: ``Metadata.storage_data`` values."""
+
+    fqn: str
+    kind: str  # "tensor" | "bytes"
+    dtype: str
+    shape: tuple[int, ...]
+    nbytes: int
+    extents: tuple[Extent, ...]  # ``storage`` is the manifest's storage index
+
+    def describe(self, offsets: Sequence[int] | None) -> str:
+        at = "" if not offsets else f" chunk at offsets {tuple(int(o) for o in offsets)}"
+        return f"DCP item {self.fqn!r}{at}"
+
+
+def dcp_records(m: Manifest, where: str) -> dict[MetadataIndex, ItemRecord]:
+    """Map every saved chunk's ``MetadataIndex`` to its record, from a validated manifest."""
+    tree = m.tree
+    try:
+        assert isinstance(tree, dict) and tree.get("k") == ["dcp_items"]
+        nodes = tree["v"][0]["v"]
+    except (AssertionError, KeyError, IndexError, TypeError):
+        raise ManifestError(f"{where}: not a DCP checkpoint tree") from None
+    by_storage: dict[int, list[Extent]] = {}
+    for e in m.extents:
+        by_storage.setdefault(e.storage, []).append(e)
+    out: dict[MetadataIndex, ItemRecord] = {}
+    for node in nodes:
+        try:
+            fqn, offsets, kind, data = node["v"]
+            tensor = m.tensors[data["i"]]
+            offs = None if offsets is None else [int(o) for o in offsets["v"]]
+        except (KeyError, TypeError, ValueError, IndexError):
+            raise ManifestError(f"{where}: malformed DCP item node {str(node)[:80]}") from None
+        if kind not in ("tensor", "bytes") or not isinstance(fqn, str):
+            raise ManifestError(f"{where}: malformed DCP item node {str(node)[:80]}")
+        nbytes = m.storages[tensor.storage].nbytes
+        numel = 1
+        for d in tensor.shape:
+            numel *= d
+        if numel * DTYPES[tensor.dtype].itemsize != nbytes:
+            raise ManifestError(
+                f"{where}: DCP item {fqn!r} has {nbytes} bytes for shape {tensor.shape}"
+            )
+        extents = tuple(sorted(by_storage.get(tensor.storage, []), key=lambda e: e.start))
+        out[MetadataIndex(fqn, offs)] = ItemRecord(
+            fqn, kind, tensor.dtype, tuple(tensor.shape), nbytes, extents
+        )
+    return out
+
+
+class GdsPersistReader(StorageReader):
+    """Read checkpoints written by :class:`GdsPersistWriter`, verifying every CRC32C.
+
+    ``dcp.load(state_dict, storage_reader=GdsPersistReader(path))`` works unchanged, with any
+    number of ranks (DCP reshards). ``backend``: as in :func:`gds_persist.load`.
+    ``verify=False`` skips the checksum comparison (the bytes read are the same).
+
+    Non-tensor values (DCP "bytes" items) are pickles made by DCP's planner, which DCP's
+    ``DefaultLoadPlanner.load_bytes`` unpickles with ``weights_only=False``. Unless
+    ``trust_bytes=True``, the reader first checks each one loads with
+    ``torch.load(weights_only=True)`` (which runs no arbitrary code) and refuses it otherwise.
+
+    A corrupted data file raises :class:`gds_persist.ChecksumError` naming the DCP item; DCP
+    wraps it in ``CheckpointException`` (``exc.failures[rank][0]`` is the original).
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = "",
+        *,
+        backend: str | None = None,
+        verify: bool = True,
+        trust_bytes: bool = False,
+        read_budget_bytes: int = 256 << 20,
+        progress: ProgressCallback | None = None,
+    ):
+        super().__init__()
+        self.path = os.fspath(path)
+        self.backend = backend
+        self.verify = verify
+        self.trust_bytes = trust_bytes
+        self.read_budget_bytes = read_budget_bytes
+        self.progress = progress
+        self.storage_data: dict[MetadataIndex, ItemRecord] = {}
+        self._manifest: Manifest | None = None
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.storage_data = {}
+        self._manifest = None
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            return os.path.isfile(os.path.join(os.fspath(checkpoint_id), "manifest.json"))
+        except TypeError:
+            return False
+
+    # No **kwargs on purpose: DCP then does not retry with a "rank-local metadata" fallback
+    # (which this format does not have) and reports our error as it is.
+    def read_metadata(self, *args: Any) -> Metadata:
+        m = read_manifest(self.path)
+        where = os.path.join(self.path, "manifest.json")
+        if m.writer.get("writer") != WRITER_TAG or "dcp" not in m.writer:
+            raise CheckpointError(
+                f"{self.path} was written by gds_persist.save, not through DCP; load it with "
+                "gds_persist.load (GdsPersistReader reads checkpoints written by GdsPersistWriter)"
+            )
+        md = decode_metadata(m.writer["dcp"], where)
+        records = dcp_records(m, where)
+        md.storage_data = records
+        if md.storage_meta is None:
+            md.storage_meta = StorageMeta()
+        self._manifest = m
+        return md
+
+    def set_up_storage_reader(
+        self, metadata: Metadata, is_coordinator: bool, *args: Any, **kwargs: Any
+    ) -> None:
+        if not isinstance(metadata.storage_data, dict):
+            raise CheckpointError("GdsPersistReader got metadata it did not read")
+        self.storage_data = metadata.storage_data
+        if self._manifest is None:  # metadata read by another reader instance
+            self._manifest = read_manifest(self.path)
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        assert self._manifest is not None
+        groups: dict[MetadataIndex, list[ReadItem]] = {}
+        for req in plan.items:
+            if req.storage_index not in self.storage_data:
+                raise CheckpointError(f"{self.path} has no saved chunk {req.storage_index}")
+            groups.setdefault(req.storage_index, []).append(req)
+        total = sum(self.storage_data[k].nbytes for k in groups)
+        counter = ByteCounter(self.progress, total)
+        _ReadJob(self, planner, counter).run(groups)
+        counter.finish()
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+
+def _is_whole(req: ReadItem, rec: ItemRecord) -> bool:
+    return (
+        req.type == LoadItemType.TENSOR
+        and all(o == 0 for o in req.storage_offsets)
+        and tuple(req.lengths) == rec.shape
+    )
+
+
+def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    for dim, (o, n) in enumerate(zip(offsets, lengths, strict=False)):
+        t = t.narrow(dim, int(o), int(n))
+    return t
+
+
+def _direct_bytes(target: torch.Tensor, rec: ItemRecord) -> torch.Tensor | None:
+    """The destination's own bytes, when the chunk can be read straight into it."""
+    if (
+        target.dtype != DTYPES[rec.dtype]
+        or not target.is_contiguous()
+        or target.is_conj()
+        or target.is_neg()
+        or tuple(target.shape) != rec.shape
+        or target.device.type not in ("cpu", "cuda")
+    ):
+        return None
+    start = target.storage_offset() * target.element_size()
+    return byte_view(target.untyped_storage())[start : start + rec.nbytes]
+
+
+class _ReadJob:
+    def __init__(self, reader: GdsPersistReader, planner: LoadPlanner, counter: ByteCounter):
+        self.r = reader
+        self.planner = planner
+        self.counter = counter
+
+    def run(self, groups: dict[MetadataIndex, list[ReadItem]]) -> None:
+        direct: list[tuple[ItemRecord, ReadItem, torch.Tensor, torch.Tensor]] = []
+        # (record, read items, their targets if already resolved)
+        staged: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]] = []
+        for key, reqs in groups.items():
+            rec = self.r.storage_data[key]
+            if len(reqs) == 1 and _is_whole(reqs[0], rec):
+                target = self.planner.resolve_tensor(reqs[0]).detach()
+                dest = _direct_bytes(target, rec)
+                if dest is not None:
+                    direct.append((rec, reqs[0], target, dest))
+                else:
+                    staged.append((rec, reqs, [target]))
+                continue
+            staged.append((rec, reqs, None))
+        cfg = settings.current(backend=self.r.backend)
+        wants_device = any(dest.is_cuda for *_, dest in direct)
+        be, _ = choose_backend(
+            cfg.backend, self.r.path, wants_device, cfg.io_threads, cfg.block_bytes
+        )
+        with (
+            borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring,
+            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool,
+        ):
+            self.be, self.ring, self.pool, self.cfg = be, ring, pool, cfg
+            if direct:
+                self._read([(rec, dest) for rec, _, _, dest in direct])
+                for _, req, target, _ in direct:
+                    self.planner.commit_tensor(req, target)
+            batch: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]] = []
+            size = 0
+            for entry in staged:
+                rec = entry[0]
+                if batch and size + rec.nbytes > self.r.read_budget_bytes:
+                    self._staged_batch(batch)
+                    batch, size = [], 0
+                batch.append(entry)
+                size += rec.nbytes
+            if batch:
+                self._staged_batch(batch)
+
+    def _read(self, jobs: list[tuple[ItemRecord, torch.Tensor]]) -> None:
+        """Read every extent of each record into its byte destination, verifying CRC32C."""
+        m = self.r._manifest
+        assert m is not None
+        names = [rec.describe(None) for rec, _ in jobs]
+        per_file: dict[int, list[Extent]] = {}
+        for local, (rec, _) in enumerate(jobs):
+            for e in rec.extents:
+                per_file.setdefault(e.file, []).append(
+                    Extent(local, e.start, e.length, e.file, e.offset, e.crc32c)
+                )
+        dests = [dest for _, dest in jobs]
+        reader = FileReader(
+            self.be,
+            self.ring,
+            self.pool,
+            self.cfg.io_timeout_s,
+            self.r.verify,
+            lambda i: names[i],
+            None,
+            self.counter.hook,
+        )
+        for f, extents in sorted(per_file.items()):
+            reader.read(check_file(self.r.path, m.files[f]), extents, dests)
+
+    def _staged_batch(
+        self, batch: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]]
+    ) -> None:
+        bufs = [torch.empty(rec.nbytes, dtype=torch.uint8) for rec, _, _ in batch]
+        self._read([(rec, buf) for (rec, _, _), buf in zip(batch, bufs, strict=False)])
+        for (rec, reqs, targets), buf in zip(batch, bufs, strict=False):
+            if rec.kind == "bytes":
+                self._load_bytes(rec, reqs, buf)
+                continue
+            saved = (
+                buf.view(DTYPES[rec.dtype]).view(rec.shape)
+                if rec.nbytes
+                else torch.empty(rec.shape, dtype=DTYPES[rec.dtype])
+            )
+            for k, req in enumerate(reqs):
+                src = _narrow(saved, req.storage_offsets, req.lengths)
+                target = targets[k] if targets else self.planner.resolve_tensor(req).detach()
+                if target.shape != src.shape:
+                    raise CheckpointError(
+                        f"{rec.describe(req.storage_index.offset)}: the planner asked for a "
+                        f"{tuple(target.shape)} box but the saved box is {tuple(src.shape)}"
+                    )
+                target.copy_(src)
+                self.planner.commit_tensor(req, target)
+
+    def _load_bytes(self, rec: ItemRecord, reqs: list[ReadItem], buf: torch.Tensor) -> None:
+        data = buf.numpy().tobytes()
+        if not self.r.trust_bytes:
+            try:
+                torch.load(io.BytesIO(data), weights_only=True)
+            except Exception as e:  # noqa: BLE001 - any refusal of the safe unpickler
+                raise CheckpointError(
+                    f"{rec.describe(None)} in {self.r.path} holds a pickled object that "
+                    f"torch.load(weights_only=True) refuses ({type(e).__name__}: "
+                    f"{str(e).splitlines()[0] if str(e) else ''}); DCP's planner would unpickle it "
+                    "with weights_only=False, which can run arbitrary code. Pass "
+                    "GdsPersistReader(..., trust_bytes=True) only for checkpoints you trust"
+                ) from e
+        for req in reqs:
+            self.planner.load_bytes(req, io.BytesIO(data))

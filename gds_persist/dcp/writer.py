@@ -1,0 +1,466 @@
+"""``GdsPersistWriter``: a DCP ``StorageWriter`` that writes gds_persist checkpoints.
+
+DCP calls (see ``torch.distributed.checkpoint.storage.StorageWriter``)::
+
+    0) (all ranks)   reset(checkpoint_id)           path, fresh save id
+    1) (all ranks)   set_up_storage_writer(...)      role; refuses use_collectives=False
+    2) (all ranks)   prepare_local_plan(plan)        records which items this rank holds
+    3) (coordinator) prepare_global_plan(plans)      creates the temporary sibling directory,
+                                                      balances replicated items by byte range
+    4) (all ranks)   write_data(plan, planner)       one aligned data file per rank (two when
+                                                      CUDA and host items meet a kvikio backend),
+                                                      CRC32C per extent, fsynced
+    5) (coordinator) finish(metadata, results)       manifest (DCP metadata as JSON, no pickle),
+                                                      fsync, atomic rename into place
+
+The temporary directory's name travels to every rank inside the plan DCP scatters
+(``SavePlan.storage_data``), so only the coordinator creates and renames it. If any rank fails,
+DCP never calls ``finish``: the previous checkpoint at the path stays, and the temporary
+directory (which ``load`` and ``GdsPersistReader`` refuse) is removed by the next save of that
+path.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+from torch.futures import Future
+
+from .. import __version__, settings
+from ..backends import choose_backend
+from ..commit import abort, check_replaceable, commit, make_temporary, write_manifest
+from ..errors import CheckpointError
+from ..flatten import StorageRecord, TensorRecord
+from ..format import DataFile, Extent, Manifest, dump_manifest
+from ..plan import layout_file
+from ..progress import ByteCounter, ProgressCallback
+from ..staging import borrow_ring
+from ..write import FileWriter, byte_view
+from . import balancing as _balance
+from ._codec import dtype_name, encode_metadata
+
+WRITER_TAG = "gds_persist.dcp"
+
+
+@dataclass(frozen=True)
+class _Inventory:
+    """``prepare_local_plan`` -> coordinator: the tensor items this rank could write."""
+
+    tensor_items: tuple[MetadataIndex, ...]
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """Coordinator -> each rank (``SavePlan.storage_data``): where and which byte ranges."""
+
+    tmp: str
+    rank: int
+    ranges: dict[MetadataIndex, tuple[int, int]] = field(default_factory=dict)  # partial items
+
+
+@dataclass(frozen=True)
+class _Written:
+    """``WriteResult.storage_data``: one written byte range of one item."""
+
+    kind: str  # "tensor" | "bytes"
+    dtype: str  # "uint8" for bytes items
+    shape: tuple[int, ...]  # the chunk's sizes; (nbytes,) for bytes items
+    nbytes: int  # the whole item's bytes
+    start: int
+    length: int
+    file: str | None  # None for an empty range
+    file_size: int
+    offset: int
+    crc32c: int
+    backend: str
+
+
+def _chunk_nbytes(item: WriteItem) -> int:
+    td = item.tensor_data
+    assert td is not None
+    n = 1
+    for s in td.chunk.sizes:
+        n *= int(s)
+    return n * torch.empty((), dtype=td.properties.dtype).element_size()
+
+
+def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a tensor's own bytes (contiguous copy first if needed)."""
+    t = t.detach()
+    if not t.is_contiguous() or t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg().contiguous()
+    start = t.storage_offset() * t.element_size()
+    return byte_view(t.untyped_storage())[start : start + t.numel() * t.element_size()]
+
+
+class GdsPersistWriter(StorageWriter):
+    """Write DCP checkpoints with gds_persist's aligned backends, CRC32C and atomic commit.
+
+    ``dcp.save(state_dict, storage_writer=GdsPersistWriter(path))`` and ``dcp.async_save(...)``
+    work unchanged. ``path`` is a directory; an existing gds_persist checkpoint there is replaced
+    atomically once the new one is complete (anything else there is refused).
+
+    ``backend``: ``auto`` (default), ``direct``, ``buffered`` or ``kvikio`` (per rank, as in
+    :func:`gds_persist.save`). ``balance=True`` splits replicated items of at least
+    ``split_min_bytes`` across the ranks holding them (see :mod:`gds_persist.dcp.balancing`);
+    ``False`` keeps DCP's whole-item assignment. ``progress(done, total)`` reports this rank's
+    bytes. After a save, :attr:`rank_bytes` (coordinator) holds the bytes each rank was given.
+
+    Not supported: ``use_collectives=False`` and ``DefaultSavePlanner(enable_plan_caching=True)``
+    (both need rank-local decisions about the shared temporary directory); a clear error says so.
+    """
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str] = "",
+        *,
+        backend: str | None = None,
+        balance: bool = True,
+        split_min_bytes: int = 1 << 20,
+        block_bytes: int | None = None,
+        staging_bytes: int | None = None,
+        io_threads: int | None = None,
+        progress: ProgressCallback | None = None,
+    ):
+        super().__init__()
+        self.path = os.fspath(path)
+        self.backend = backend
+        self.balance = balance
+        self.split_min_bytes = split_min_bytes
+        self.block_bytes = block_bytes
+        self.staging_bytes = staging_bytes
+        self.io_threads = io_threads
+        self.progress = progress
+        self.is_coordinator = False
+        self.rank_bytes: list[int] = []
+        self.save_id = uuid.uuid4().hex
+        self._tmp: str | None = None
+        self._t0 = 0.0
+
+    # -- DCP interface ------------------------------------------------------------------------
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        if checkpoint_id:
+            self.path = os.fspath(checkpoint_id)
+        self.save_id = uuid.uuid4().hex
+        self._tmp = None
+        self.rank_bytes = []
+
+    @property
+    def checkpoint_id(self) -> str:
+        return self.path
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        try:
+            os.fspath(checkpoint_id)
+        except TypeError:
+            return False
+        return True
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        if not self.path:
+            raise CheckpointError(
+                "GdsPersistWriter needs a path: GdsPersistWriter(path) or "
+                "dcp.save(..., checkpoint_id=path)"
+            )
+        if kwargs.get("use_collectives", True) is False:
+            raise CheckpointError(
+                "GdsPersistWriter does not support dcp.save(use_collectives=False): without "
+                "collectives no rank can create and publish the shared temporary directory "
+                "atomically; use the default use_collectives=True"
+            )
+        self.is_coordinator = is_coordinator
+        self._t0 = time.perf_counter()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        held = tuple(i.index for i in plan.items if i.type != WriteItemType.BYTE_IO)
+        return replace(plan, storage_data=_Inventory(held))
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        check_replaceable(self.path)
+        self._tmp = make_temporary(self.path)
+        try:
+            assignment = self._assign(plans)
+        except BaseException:
+            abort(self._tmp)
+            raise
+        out = []
+        for rank, (plan, (items, ranges)) in enumerate(zip(plans, assignment, strict=False)):
+            out.append(replace(plan, items=items, storage_data=_RankPlan(self._tmp, rank, ranges)))
+        return out
+
+    def _assign(
+        self, plans: list[SavePlan]
+    ) -> list[tuple[list[WriteItem], dict[MetadataIndex, tuple[int, int]]]]:
+        world = len(plans)
+        owner: dict[MetadataIndex, int] = {}
+        item_of: dict[MetadataIndex, WriteItem] = {}
+        order: list[MetadataIndex] = []
+        for rank, plan in enumerate(plans):
+            for it in plan.items:
+                owner[it.index] = rank
+                item_of[it.index] = it
+                order.append(it.index)
+        holders: dict[MetadataIndex, set[int]] = {k: {r} for k, r in owner.items()}
+        if self.balance:
+            for rank, plan in enumerate(plans):
+                inv = plan.storage_data
+                if isinstance(inv, _Inventory):
+                    for k in inv.tensor_items:
+                        if k in holders and item_of[k].type != WriteItemType.BYTE_IO:
+                            holders[k].add(rank)
+        sizes = [
+            (_chunk_nbytes(item_of[k]) if item_of[k].type != WriteItemType.BYTE_IO else 0)
+            for k in order
+        ]
+        pieces = _balance.balance(
+            sizes, [sorted(holders[k]) for k in order], world, split_min_bytes=self.split_min_bytes
+        )
+        per_rank: list[tuple[list[WriteItem], dict[MetadataIndex, tuple[int, int]]]] = [
+            ([], {}) for _ in range(world)
+        ]
+        for k, size, item_pieces in zip(order, sizes, pieces, strict=False):
+            if not item_pieces:  # empty tensor or bytes item: its DCP owner writes it
+                per_rank[owner[k]][0].append(item_of[k])
+                continue
+            for p in item_pieces:
+                items, ranges = per_rank[p.rank]
+                items.append(item_of[k])
+                if (p.start, p.stop) != (0, size):
+                    ranges[k] = (p.start, p.stop)
+        self.rank_bytes = _balance.rank_bytes(pieces, world)
+        return per_rank
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        info = plan.storage_data
+        if not isinstance(info, _RankPlan):
+            raise CheckpointError(
+                "GdsPersistWriter.write_data got a plan it did not prepare (DCP plan caching, "
+                "DefaultSavePlanner(enable_plan_caching=True), is not supported)"
+            )
+        if not os.path.isdir(info.tmp):
+            raise CheckpointError(
+                f"the temporary directory {info.tmp} of this save does not exist: it was "
+                "published or removed already (DCP plan caching, enable_plan_caching=True, is "
+                "not supported), or ranks do not share the filesystem of the checkpoint path"
+            )
+        cfg = settings.current(
+            backend=self.backend,
+            block_bytes=self.block_bytes,
+            staging_bytes=self.staging_bytes,
+            io_threads=self.io_threads,
+        )
+        sources: list[torch.Tensor] = []
+        meta: list[tuple[WriteItem, str, str, tuple[int, ...], int, int, int]] = []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            shape: tuple[int, ...]
+            if item.type == WriteItemType.BYTE_IO:
+                raw = bytearray(data.getbuffer() if isinstance(data, io.BytesIO) else data)
+                src = (
+                    torch.frombuffer(raw, dtype=torch.uint8)
+                    if raw
+                    else torch.empty(0, dtype=torch.uint8)
+                )
+                kind, dtype, shape = "bytes", "uint8", (len(raw),)
+            else:
+                if not isinstance(data, torch.Tensor):
+                    raise CheckpointError(
+                        f"DCP item {item.index.fqn!r}: the planner resolved a "
+                        f"{type(data).__name__} for a tensor item"
+                    )
+                src = _tensor_bytes(data)
+                td = item.tensor_data
+                assert td is not None
+                kind, dtype, shape = (
+                    "tensor",
+                    dtype_name(td.properties.dtype),
+                    tuple(int(s) for s in td.chunk.sizes),
+                )
+                if src.numel() != _chunk_nbytes(item):
+                    raise CheckpointError(
+                        f"DCP item {item.index.fqn!r}: the planner resolved {src.numel()} bytes "
+                        f"for a chunk of {_chunk_nbytes(item)} bytes"
+                    )
+            nbytes = src.numel()
+            lo, hi = info.ranges.get(item.index, (0, nbytes))
+            sources.append(src)
+            meta.append((item, kind, dtype, shape, nbytes, lo, hi))
+        results = self._write_files(info, cfg, sources, meta)
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def _write_files(
+        self,
+        info: _RankPlan,
+        cfg: settings.Settings,
+        sources: list[torch.Tensor],
+        meta: list[tuple[WriteItem, str, str, tuple[int, ...], int, int, int]],
+    ) -> list[WriteResult]:
+        wants_device = any(s.is_cuda for s in sources)
+        be, reason = choose_backend(
+            cfg.backend, info.tmp, wants_device, cfg.io_threads, cfg.block_bytes
+        )
+        # kvikio writes CUDA sources straight from device memory only when a file holds nothing
+        # else, so CUDA and host sources go to separate files there.
+        groups: dict[str, list[int]] = {}
+        for i, s in enumerate(sources):
+            device_file = be.accepts_device and s.is_cuda
+            name = f"rank{info.rank:05d}-{'dev' if device_file else 'host'}.bin"
+            groups.setdefault(name, []).append(i)
+        plans = {
+            name: layout_file(name, 0, [(i, meta[i][5], meta[i][6] - meta[i][5]) for i in idx])
+            for name, idx in groups.items()
+        }
+        counter = ByteCounter(self.progress, sum(p.size for p in plans.values()))
+        placed: dict[int, tuple[str, int, int, int]] = {}  # source -> file, size, offset, crc
+        with (
+            borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring,
+            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool,
+        ):
+            writer = FileWriter(be, ring, pool, cfg.io_timeout_s, counter.hook)
+            for name, fplan in plans.items():
+                if not fplan.extents:
+                    continue
+                crcs = writer.write(os.path.join(info.tmp, name), fplan, sources)
+                for e, crc in zip(fplan.extents, crcs, strict=False):
+                    placed[e.storage] = (name, fplan.size, e.offset, crc)
+        counter.finish()
+        backend = f"{be.name} ({reason})"
+        results = []
+        for i, (item, kind, dtype, shape, nbytes, lo, hi) in enumerate(meta):
+            file, file_size, offset, crc = placed.get(i, (None, 0, 0, 0))
+            results.append(
+                WriteResult(
+                    index=item.index,
+                    size_in_bytes=hi - lo,
+                    storage_data=_Written(
+                        kind,
+                        dtype,
+                        shape,
+                        nbytes,
+                        lo,
+                        hi - lo,
+                        file,
+                        file_size,
+                        offset,
+                        crc,
+                        backend,
+                    ),
+                )
+            )
+        return results
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        if self._tmp is None:
+            raise CheckpointError("GdsPersistWriter.finish called without prepare_global_plan")
+        tmp, self._tmp = self._tmp, None
+        try:
+            manifest = build_manifest(metadata, results, self)
+            write_manifest(tmp, dump_manifest(manifest))
+            commit(tmp, self.path)
+        except BaseException:
+            abort(tmp)
+            raise
+
+
+def build_manifest(
+    metadata: Metadata, results: list[list[WriteResult]], writer: GdsPersistWriter
+) -> Manifest:
+    """A gds_persist manifest over every rank's data files, with DCP's metadata as JSON."""
+    by_index: dict[MetadataIndex, list[_Written]] = {}
+    files: dict[str, int] = {}
+    backends = []
+    for rank, rank_results in enumerate(results):
+        for wr in rank_results:
+            w = wr.storage_data
+            if not isinstance(w, _Written):
+                raise CheckpointError(
+                    f"unexpected write result for {wr.index.fqn!r}: {type(w).__name__}"
+                )
+            by_index.setdefault(wr.index, []).append(w)
+            if w.file is not None:
+                files[w.file] = max(files.get(w.file, 0), w.file_size)
+        if rank_results:
+            backends.append((rank, rank_results[0].storage_data.backend))
+    file_names = sorted(files)
+    file_index = {n: i for i, n in enumerate(file_names)}
+    storages: list[StorageRecord] = []
+    tensors: list[TensorRecord] = []
+    extents: list[Extent] = []
+    nodes: list[dict[str, Any]] = []
+    for index in sorted(by_index, key=lambda k: (k.fqn, tuple(k.offset or ()))):
+        pieces = sorted(by_index[index], key=lambda w: w.start)
+        first = pieces[0]
+        covered = 0
+        for w in pieces:
+            if w.start != covered or any(
+                (w.kind, w.dtype, w.shape, w.nbytes)
+                != (first.kind, first.dtype, first.shape, first.nbytes)
+                for w in pieces
+            ):
+                raise CheckpointError(
+                    f"DCP item {index.fqn!r}: ranks wrote overlapping or mismatched ranges"
+                )
+            covered += w.length
+        if covered != first.nbytes:
+            raise CheckpointError(
+                f"DCP item {index.fqn!r}: {covered} of {first.nbytes} bytes written"
+            )
+        s = len(storages)
+        storages.append(StorageRecord(first.nbytes, "cpu"))
+        stride, acc = [], 1
+        for d in reversed(first.shape):
+            stride.append(acc)
+            acc *= max(d, 1)
+        tensors.append(TensorRecord(s, first.dtype, tuple(first.shape), tuple(reversed(stride)), 0))
+        extents += [
+            Extent(s, w.start, w.length, file_index[w.file], w.offset, w.crc32c)
+            for w in pieces
+            if w.length and w.file is not None
+        ]
+        offsets = None if index.offset is None else [int(o) for o in index.offset]
+        nodes.append(
+            {
+                "t": "dict",
+                "k": ["fqn", "offsets", "kind", "data"],
+                "v": [
+                    index.fqn,
+                    None if offsets is None else {"t": "list", "v": offsets},
+                    first.kind,
+                    {"t": "tensor", "i": len(tensors) - 1},
+                ],
+            }
+        )
+    tree = {"t": "dict", "k": ["dcp_items"], "v": [{"t": "list", "v": nodes}]}
+    info = {
+        "writer": WRITER_TAG,
+        "backend": ", ".join(sorted({b.split(" ")[0] for _, b in backends})),
+        "reason": "; ".join(f"rank {r}: {b}" for r, b in backends),
+        "gds_persist": __version__,
+        "torch": torch.__version__,
+        "host": socket.gethostname(),
+        "world_size": len(results),
+        "rank_bytes": list(writer.rank_bytes),
+        "balanced": writer.balance,
+        "seconds": round(time.perf_counter() - writer._t0, 6) if writer._t0 else None,
+        "dcp": encode_metadata(metadata),
+    }
+    return Manifest(
+        [DataFile(n, files[n]) for n in file_names], storages, tensors, extents, tree, info
+    )
