@@ -105,10 +105,11 @@ def crc32c_shift(crc: int, nbytes: int) -> int:
     return gf2_multiply(x_pow_8n(nbytes), crc & 0xFFFFFFFF)
 
 
-def crc32c_combine(crc_a: int, crc_b: int, len_b: int) -> int:
+def crc32c_combine(crc_a: int, crc_b: int, length_b: int) -> int:
     """CRC32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)`` (like zlib's
-    ``crc32_combine``); no data is read, and ``len_b`` may be many GiB."""
-    return crc32c_shift(crc_a, len_b) ^ (crc_b & 0xFFFFFFFF)
+    ``crc32_combine``); no data is read, and ``length_b`` may be many GiB. Used to join the CRCs
+    of pieces checksummed apart (GPU threads, ranks reading parts of one extent)."""
+    return crc32c_shift(crc_a, length_b) ^ (crc_b & 0xFFFFFFFF)
 
 
 def crc32c_segmented(data: bytes | bytearray | memoryview, segment_bytes: int) -> int:

@@ -33,3 +33,22 @@ class BackendError(CheckpointError):
 
 class DiskFullError(CheckpointError, OSError):
     """The target filesystem has no room for the checkpoint; nothing earlier was touched."""
+
+
+class DistributedError(CheckpointError):
+    """A data-parallel save or load failed on some rank; every rank raises it, naming the failed
+    rank(s) and cause(s) in the message and in ``failed_ranks`` (rank -> cause)."""
+
+    def __init__(self, message: str, *, failed_ranks: dict[int, str] | None = None,
+                 phase: str | None = None):
+        super().__init__(message)
+        self.failed_ranks = dict(failed_ranks or {})
+        self.phase = phase
+
+
+class CollectiveTimeoutError(DistributedError):
+    """A rank waited longer than ``collective_timeout_s`` for the others (one hung or died)."""
+
+
+class ReplicationError(DistributedError):
+    """State promised to be replicated differs between ranks (structure, sizes or checksums)."""

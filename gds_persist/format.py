@@ -5,12 +5,26 @@ byte range of one storage) starts at a ``ALIGNMENT``-aligned offset of a data fi
 zeros and every data file's size is a multiple of ``ALIGNMENT``. The manifest is JSON (never a
 pickle) and carries a CRC32C of its own body. ``docs/FORMAT.md`` describes the format for other
 tools; :func:`parse_manifest` validates everything before any of it is trusted.
+
+Version 2 (written only when a checkpoint uses it; version 1 otherwise, so older readers keep
+reading plain checkpoints) adds, for data-parallel saves (``docs/DISTRIBUTED.md``):
+
+* ``dirs``: external data directories ``{"root": ABSOLUTE_PATH, "name": PLAIN_NAME}``; a file's
+  ``dir`` is 0 for the checkpoint directory itself and ``k`` for ``dirs[k-1]``, whose files live in
+  ``root/name/``. ``name`` is a plain name carrying the save's stripe mark (``*.gds-<id>``), so a
+  manifest can only point into directories a save created, and :func:`data_file_path` refuses any
+  file whose real path (symlinks resolved) leaves its directory.
+* ``sections``: rank-local state. The main tree holds ``{"t": "local", "i": j}`` placeholders;
+  section ``{"rank": r, "tree": {"t": "list", "v": [subtree_0, ...]}}`` holds rank ``r``'s subtree
+  for each placeholder ``j``. Tensor indices are global, as in the main tree.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import posixpath
 import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -20,18 +34,38 @@ from .errors import ManifestError
 from .flatten import DTYPES, MAX_DEPTH, StorageRecord, TensorRecord
 
 FORMAT_NAME = "gds_persist"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # the newest version written; 1 is written when no version-2 field is needed
+READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
 ALIGNMENT = 4096
 CHECKSUM_ALGORITHM = "crc32c"
 _MAX_SIZE = 1 << 62  # larger than any file; rejects overflowing sizes early
 _SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+STRIPE_MARK = ".gds-"  # external data directories are named ``<prefix>.gds-<save id>``
+_STRIPE_DIR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.gds-[0-9a-f]{6,64}$")
 
 
 @dataclass(frozen=True)
 class DataFile:
     name: str
     size: int
+    dir: int = 0  # 0: the checkpoint directory; k >= 1: Manifest.dirs[k - 1] (format version 2)
+
+
+@dataclass(frozen=True)
+class DataDir:
+    """An external data directory (e.g. another NVMe mount): files live in ``root/name/``."""
+
+    root: str  # absolute, normalised; a loader may map it elsewhere (``load(data_dirs=...)``)
+    name: str  # plain name with the stripe mark, unique to the save that created it
+
+
+@dataclass(frozen=True)
+class Section:
+    """Rank-local state of one rank: ``tree`` is a list node, one subtree per placeholder."""
+
+    rank: int
+    tree: Any
 
 
 @dataclass(frozen=True)
@@ -55,10 +89,19 @@ class Manifest:
     tree: Any
     writer: dict[str, Any] = field(default_factory=dict)  # backend, reason, world size: for humans
     alignment: int = ALIGNMENT
+    dirs: list[DataDir] = field(default_factory=list)  # version 2
+    sections: list[Section] = field(default_factory=list)  # version 2
 
     @property
     def total_bytes(self) -> int:
         return sum(f.size for f in self.files)
+
+    @property
+    def version(self) -> int:
+        """The format version this manifest needs: 2 only if it uses a version-2 field."""
+        if self.dirs or self.sections or any(f.dir for f in self.files) or _has_local(self.tree):
+            return 2
+        return 1
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
@@ -69,22 +112,54 @@ def data_file_name(index: int) -> str:
     return f"data-{index:05d}.bin"
 
 
+def rank_data_file_name(rank: int, index: int = 0) -> str:
+    """The data file a rank writes its share of the replicated state into."""
+    return f"data-r{rank:05d}-{index:05d}.bin"
+
+
+def local_file_name(rank: int, index: int = 0) -> str:
+    """The data file holding one rank's rank-local state."""
+    return f"local-r{rank:05d}-{index:05d}.bin"
+
+
+def stripe_dir_name(prefix: str, save_id: str) -> str:
+    """Name of the directory a save creates inside an external data directory."""
+    name = f"{prefix}{STRIPE_MARK}{save_id}"
+    if not _STRIPE_DIR_NAME.match(name):
+        raise ValueError(f"{name!r} is not a valid data directory name")
+    return name
+
+
+def _has_local(node: Any) -> bool:
+    if not isinstance(node, dict):
+        return False
+    if node.get("t") == "local":
+        return True
+    children: list[Any] = node["v"] if isinstance(node.get("v"), list) else []
+    return any(_has_local(c) for c in children + ([node["meta"]] if "meta" in node else []))
+
+
 def dump_manifest(m: Manifest) -> bytes:
+    version = m.version
     body = {
         "alignment": m.alignment,
         "checksum": CHECKSUM_ALGORITHM,
         "byteorder": "little",
-        "files": [asdict(f) for f in m.files],
+        "files": [asdict(f) if version >= 2 else {"name": f.name, "size": f.size}
+                  for f in m.files],
         "storages": [asdict(s) for s in m.storages],
         "tensors": [asdict(t) for t in m.tensors],
         "extents": [asdict(e) for e in m.extents],
         "tree": m.tree,
         "writer": m.writer,
     }
+    if version >= 2:
+        body["dirs"] = [asdict(d) for d in m.dirs]
+        body["sections"] = [asdict(sec) for sec in m.sections]
     text = _canonical(body)
     doc = {
         "format": FORMAT_NAME,
-        "version": FORMAT_VERSION,
+        "version": version,
         "body_crc32c": crc32c(text),
         "body": body,
     }
@@ -104,14 +179,14 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     _require(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME, where,
              f"not a {FORMAT_NAME} manifest")
     version = doc.get("version")
-    _require(version == FORMAT_VERSION, where,
-             f"format version {version!r} is not supported by this gds_persist (reads version "
-             f"{FORMAT_VERSION}); upgrade gds_persist to read it")
+    _require(type(version) is int and version in READABLE_VERSIONS, where,
+             f"format version {version!r} is not supported by this gds_persist (reads versions "
+             f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade gds_persist to read it")
     body = doc.get("body")
     _require(isinstance(body, dict), where, "has no body")
     _require(crc32c(_canonical(body)) == doc.get("body_crc32c"), where,
              "body checksum mismatch; the manifest was corrupted or edited")
-    return _ManifestValidator(body, where).build()
+    return _ManifestValidator(body, where, version).build()
 
 
 def _reject_constant(name: str) -> Any:
@@ -130,9 +205,11 @@ def _is_int(v: Any, lo: int = 0, hi: int = _MAX_SIZE) -> bool:
 class _ManifestValidator:
     """Checks every field of a manifest body, so later stages can trust indices and sizes."""
 
-    def __init__(self, body: dict[str, Any], where: str):
+    def __init__(self, body: dict[str, Any], where: str, version: int = 1):
         self.body = body
         self.where = where
+        self.version = version
+        self.n_local = 0  # placeholders seen in the main tree (version 2)
 
     def fail(self, message: str) -> ManifestError:
         return ManifestError(f"{self.where}: {message}")
@@ -152,7 +229,9 @@ class _ManifestValidator:
             raise self.fail(f"unsupported alignment/checksum {b.get('alignment')}/{b.get('checksum')}")
         if b.get("byteorder") != "little":
             raise self.fail("only little-endian checkpoints are supported")
-        files = [self.file(i, f) for i, f in enumerate(self.records("files", {"name": 0, "size": 0}))]
+        dirs = self.dirs() if self.version >= 2 else []
+        file_fields = {"name": 0, "size": 0, **({"dir": 0} if self.version >= 2 else {})}
+        files = [self.file(i, f, len(dirs)) for i, f in enumerate(self.records("files", file_fields))]
         storages = [self.storage(i, s) for i, s in enumerate(
             self.records("storages", {"nbytes": 0, "device": 0}))]
         tensor_fields = {k: 0 for k in TensorRecord.__dataclass_fields__}
@@ -162,19 +241,58 @@ class _ManifestValidator:
         extents = [self.extent(i, e, files, storages) for i, e in enumerate(
             self.records("extents", extent_fields))]
         self.coverage(extents, storages)
-        self.tree(b.get("tree"), len(tensors), depth=0)
+        self.tree(b.get("tree"), len(tensors), depth=0, main=True)
+        sections = self.sections(len(tensors)) if self.version >= 2 else []
         writer = b.get("writer")
         if not isinstance(writer, dict):
             raise self.fail("'writer' must be an object")
-        return Manifest(files, storages, tensors, extents, b["tree"], writer)
+        if len({(f.dir, f.name) for f in files}) != len(files):
+            raise self.fail("two files have the same name in the same directory")
+        return Manifest(files, storages, tensors, extents, b["tree"], writer, ALIGNMENT, dirs,
+                        sections)
 
-    def file(self, i: int, f: dict[str, Any]) -> DataFile:
+    def file(self, i: int, f: dict[str, Any], n_dirs: int = 0) -> DataFile:
         name = f["name"]
         if not isinstance(name, str) or not _SAFE_FILE_NAME.match(name) or name == "manifest.json":
             raise self.fail(f"files[{i}] name {name!r} is not a plain file name inside the checkpoint")
         if not _is_int(f["size"]) or f["size"] % ALIGNMENT:
             raise self.fail(f"files[{i}] size {f['size']!r} is not a non-negative multiple of {ALIGNMENT}")
-        return DataFile(name, f["size"])
+        directory = f.get("dir", 0)
+        if not _is_int(directory, 0, n_dirs):
+            raise self.fail(f"files[{i}] dir {directory!r} is not 0 (the checkpoint directory) or "
+                            f"one of the {n_dirs} data directories")
+        return DataFile(name, f["size"], directory)
+
+    def dirs(self) -> list[DataDir]:
+        out = []
+        for i, d in enumerate(self.records("dirs", {"root": 0, "name": 0})):
+            root, name = d["root"], d["name"]
+            if (not isinstance(root, str) or not root.startswith("/") or "\x00" in root
+                    or posixpath.normpath(root) != root or len(root) > 4096):
+                raise self.fail(f"dirs[{i}] root {root!r} is not an absolute, normalised path")
+            if not isinstance(name, str) or not _STRIPE_DIR_NAME.match(name):
+                raise self.fail(f"dirs[{i}] name {name!r} is not a plain data directory name "
+                                f"(NAME{STRIPE_MARK}<save id>)")
+            out.append(DataDir(root, name))
+        if len(set(out)) != len(out):
+            raise self.fail("'dirs' lists a directory twice")
+        return out
+
+    def sections(self, n_tensors: int) -> list[Section]:
+        out = []
+        for i, sec in enumerate(self.records("sections", {"rank": 0, "tree": 0})):
+            tree = sec["tree"]
+            if not _is_int(sec["rank"], 0, 1 << 24):
+                raise self.fail(f"sections[{i}] rank {sec['rank']!r} is not a rank")
+            if not (isinstance(tree, dict) and tree.get("t") == "list" and set(tree) == {"t", "v"}
+                    and isinstance(tree["v"], list) and len(tree["v"]) == self.n_local):
+                raise self.fail(f"sections[{i}] tree must be a list of {self.n_local} subtrees, "
+                                "one per rank-local placeholder")
+            self.tree(tree, n_tensors, depth=0)
+            out.append(Section(sec["rank"], tree))
+        if len({s.rank for s in out}) != len(out):
+            raise self.fail("two sections belong to the same rank")
+        return out
 
     def storage(self, i: int, s: dict[str, Any]) -> StorageRecord:
         if not _is_int(s["nbytes"]) or not isinstance(s["device"], str):
@@ -235,7 +353,7 @@ class _ManifestValidator:
             if covered != storage.nbytes:
                 raise self.fail(f"storage {index} is {storage.nbytes} bytes but extents cover {covered}")
 
-    def tree(self, node: Any, n_tensors: int, depth: int) -> None:
+    def tree(self, node: Any, n_tensors: int, depth: int, main: bool = False) -> None:
         if depth > MAX_DEPTH:
             raise self.fail(f"tree is nested too deeply (more than {MAX_DEPTH} levels)")
         if node is None or isinstance(node, (bool, int, str)):
@@ -251,15 +369,73 @@ class _ManifestValidator:
             return
         if kind == "float" and set(node) == {"t", "v"} and node["v"] in ("inf", "-inf", "nan"):
             return
+        if (kind == "local" and main and self.version >= 2 and set(node) == {"t", "i"}
+                and node["i"] == self.n_local):  # placeholders are numbered in tree order
+            self.n_local += 1
+            return
         if kind in ("list", "tuple") and set(node) == {"t", "v"} and isinstance(node["v"], list):
             for v in node["v"]:
-                self.tree(v, n_tensors, depth + 1)
+                self.tree(v, n_tensors, depth + 1, main)
             return
         if kind in ("dict", "odict") and {"t", "k", "v"} <= set(node) <= {"t", "k", "v", "meta"}:
             keys, values = node["k"], node["v"]
             if (isinstance(keys, list) and isinstance(values, list) and len(keys) == len(values)
                     and all(isinstance(k, str) or type(k) is int for k in keys)):
                 for v in values + ([node["meta"]] if "meta" in node else []):
-                    self.tree(v, n_tensors, depth + 1)
+                    self.tree(v, n_tensors, depth + 1, main)
                 return
         raise self.fail(f"tree node {str(node)[:80]!r} is not valid")
+
+
+def data_file_path(checkpoint: str, m: Manifest, index: int,
+                   roots: dict[str, str] | None = None) -> str:
+    """Where data file ``index`` of ``m`` lives, for the checkpoint directory ``checkpoint``.
+
+    ``roots`` maps recorded external roots to where they are now (``load(data_dirs=...)``).
+    Raises :class:`ManifestError` if the file's real path (symlinks resolved) leaves its directory.
+    """
+    f = m.files[index]
+    if f.dir == 0:
+        base = checkpoint
+    else:
+        d = m.dirs[f.dir - 1]
+        base = os.path.join((roots or {}).get(d.root, d.root), d.name)
+    full = os.path.join(base, f.name)
+    real_base, real = os.path.realpath(base), os.path.realpath(full)
+    if os.path.commonpath([real_base, real]) != real_base:
+        raise ManifestError(f"data file {full} resolves to {real}, outside its directory "
+                            f"{real_base}; refusing to read it")
+    return full
+
+
+def sections_tree(m: Manifest, ranks: Any = None) -> Any:
+    """The main tree with each rank-local placeholder replaced.
+
+    ``ranks`` None: by ``{"t": "dict", "k": [rank, ...], "v": [subtree, ...]}`` over every
+    section (all ranks' parts); an int: by that rank's subtree (ManifestError if it has none).
+    """
+    by_rank = {s.rank: s.tree["v"] for s in sorted(m.sections, key=lambda s: s.rank)}
+    if isinstance(ranks, int) and not isinstance(ranks, bool) and _has_local(m.tree) \
+            and ranks not in by_rank:
+        raise ManifestError(f"the checkpoint has no rank-local state for rank {ranks} (it holds "
+                            f"ranks {sorted(by_rank)})")
+
+    def walk(node: Any) -> Any:
+        if not isinstance(node, dict):
+            return node
+        kind = node.get("t")
+        if kind == "local":
+            j = node["i"]
+            if ranks is None:
+                return {"t": "dict", "k": list(by_rank), "v": [v[j] for v in by_rank.values()]}
+            return by_rank[ranks][j]
+        if kind in ("list", "tuple"):
+            return {"t": kind, "v": [walk(v) for v in node["v"]]}
+        if kind in ("dict", "odict"):
+            out = {**node, "v": [walk(v) for v in node["v"]]}
+            if "meta" in node:
+                out["meta"] = walk(node["meta"])
+            return out
+        return node
+
+    return walk(m.tree)

@@ -70,7 +70,7 @@ from .backends import choose_backend
 from .checksum import crc32c
 from .errors import CheckpointError, ChecksumError
 from .flatten import DTYPES, TensorRecord, flatten, rebuild_tensor, unflatten
-from .format import Manifest, align_up
+from .format import Manifest, align_up, data_file_path, sections_tree
 from .load import load, read_manifest
 from .progress import ByteCounter, ProgressCallback
 from .read import check_file
@@ -409,11 +409,12 @@ class _SafetensorsExport:
         progress: ProgressCallback | None,
     ):
         self.path, self.m, self.out, self.sep = path, m, out, sep
-        self.entries, self.metadata = _plan_safetensors(m.tree, m.tensors, sep)
+        tree = sections_tree(m) if m.sections else m.tree  # rank-local parts: {rank: part}
+        self.entries, self.metadata = _plan_safetensors(tree, m.tensors, sep)
         self.header = _st_header(self.entries, self.metadata)
         self.cfg = settings.current(backend=backend)
         self.counter = ByteCounter(progress, sum(e.nbytes for e in self.entries))
-        self.paths = _tree_paths(m.tree)
+        self.paths = _tree_paths(tree)
 
     def describe(self, storage: int) -> str:
         names = [_pstr(self.paths[e.index]) for e in self.entries if e.record.storage == storage]
@@ -481,7 +482,8 @@ class _SafetensorsExport:
         for e in self._extents(storage):
             if e.file not in handles:
                 handles[e.file] = self.be.open(
-                    check_file(self.path, self.m.files[e.file]), write=False
+                    check_file(os.path.dirname(data_file_path(self.path, self.m, e.file)),
+                               self.m.files[e.file]), write=False
                 )
             h = handles[e.file]
             crc = 0

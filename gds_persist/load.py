@@ -18,7 +18,7 @@ from .backends import choose_backend
 from .commit import is_temporary
 from .errors import ChecksumError, NotCommittedError
 from .flatten import rebuild_tensor, tensor_paths, unflatten
-from .format import MANIFEST_NAME, Manifest, parse_manifest
+from .format import MANIFEST_NAME, Manifest, data_file_path, parse_manifest, sections_tree
 from .progress import ByteCounter, ProgressCallback
 from .read import FileReader, check_file
 from .staging import borrow_ring
@@ -48,7 +48,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
 
 
 def storage_descriptions(m: Manifest) -> Callable[[int], str]:
-    paths = tensor_paths(m.tree)
+    paths = tensor_paths(sections_tree(m) if m.sections else m.tree)
     by_storage: dict[int, list[str]] = {}
     for i, t in enumerate(m.tensors):
         by_storage.setdefault(t.storage, []).append(paths.get(i, f"tensor #{i}"))
@@ -79,7 +79,8 @@ def _target_device(saved: str, map_location: MapLocation) -> torch.device:
 
 def _read_all(path: str, m: Manifest, dests: list[torch.Tensor] | None, verify: bool,
               backend: str | None, errors: list[ChecksumError] | None = None,
-              progress: ProgressCallback | None = None) -> str:
+              progress: ProgressCallback | None = None,
+              roots: dict[str, str] | None = None) -> str:
     cfg = settings.current(backend=backend)
     wants_device = dests is not None and any(d.is_cuda for d in dests)
     be, reason = choose_backend(cfg.backend, path, wants_device, cfg.io_threads, cfg.block_bytes)
@@ -91,13 +92,16 @@ def _read_all(path: str, m: Manifest, dests: list[torch.Tensor] | None, verify: 
                             counter.hook)
         for index, f in enumerate(m.files):
             extents = [e for e in m.extents if e.file == index]
-            reader.read(check_file(path, f), extents, dests)
+            full = data_file_path(path, m, index, roots)
+            reader.read(check_file(os.path.dirname(full), f), extents, dests)
     counter.finish()
     return f"{be.name} ({reason})"
 
 
 def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, verify: bool = True,
-         backend: str | None = None, progress: ProgressCallback | None = None) -> Any:
+         backend: str | None = None, progress: ProgressCallback | None = None,
+         process_group: Any = None, strategy: str | None = None, rank_local: Any = None,
+         data_dirs: Any = None) -> Any:
     """Load the checkpoint at ``path``; every extent's CRC32C is checked unless ``verify=False``.
 
     ``map_location`` works as in ``torch.load``: ``None`` restores each tensor to the device it was
@@ -106,9 +110,31 @@ def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, veri
     the CPU and returns the storage to use (or None to keep the default placement).
     ``progress(done_bytes, total_bytes)``, if given, is called as data is read.
     Raises :class:`ChecksumError` naming the tensor, file and offset of corrupted bytes.
+
+    Any number of processes loads a checkpoint saved by any number (``docs/DISTRIBUTED.md``).
+    With ``process_group``, every rank of the group calls ``load``; replicated data is read once
+    in total and shared over the group (``strategy``: ``"allgather"``, ``"broadcast"`` or
+    ``"read_all"``; default the ``load_strategy`` setting), and CUDA tensors go to each rank's
+    current device unless ``map_location`` says otherwise. ``rank_local`` picks whose rank-local
+    parts fill their places: ``None`` (this rank's with a process group, every rank's - a dict
+    by rank - without), ``"all"``, or a rank number. ``data_dirs`` maps data directories that
+    moved: ``{recorded root: new root}`` or a list in the manifest's order. With a process group
+    ``progress`` counts the bytes this rank reads.
     """
     path = os.fspath(path)
+    if process_group is not None:
+        from .parallel_load import load_parallel
+
+        return load_parallel(path, None, map_location=map_location, verify=verify,
+                             backend=backend, process_group=process_group, strategy=strategy,
+                             rank_local=rank_local, data_dirs=data_dirs, progress=progress)
     m = read_manifest(path)
+    if m.version >= 2 or rank_local is not None or data_dirs is not None:
+        from .parallel_load import load_parallel
+
+        return load_parallel(path, m, map_location=map_location, verify=verify, backend=backend,
+                             strategy=strategy, rank_local=rank_local, data_dirs=data_dirs,
+                             progress=progress)
     for f in m.files:  # a missing or short file fails before any memory is allocated for it
         check_file(path, f)
     devices = [_target_device(s.device, map_location) for s in m.storages]
@@ -143,13 +169,19 @@ class VerifyReport:
 
 
 def verify(path: str | os.PathLike[str], *, backend: str | None = None,
-           progress: ProgressCallback | None = None) -> VerifyReport:
+           progress: ProgressCallback | None = None, data_dirs: Any = None) -> VerifyReport:
     """Re-read every extent and check its CRC32C without keeping the data; reports all mismatches.
 
     Raises for problems that stop the check (bad manifest, missing or truncated file).
+    ``data_dirs`` as for :func:`load`.
     """
     path = os.fspath(path)
     m = read_manifest(path)
     errors: list[ChecksumError] = []
-    _read_all(path, m, None, True, backend, errors, progress)
+    roots = None
+    if data_dirs is not None:
+        from .parallel_load import root_map
+
+        roots = root_map(m, data_dirs)
+    _read_all(path, m, None, True, backend, errors, progress, roots)
     return VerifyReport(path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors)

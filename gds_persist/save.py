@@ -46,7 +46,9 @@ class SaveInfo:
 
 def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None = None,
          block_bytes: int | None = None, staging_bytes: int | None = None,
-         io_threads: int | None = None, progress: ProgressCallback | None = None) -> SaveInfo:
+         io_threads: int | None = None, progress: ProgressCallback | None = None,
+         process_group: Any = None, rank_local: Any = None, writers_per_node: int | None = None,
+         data_dirs: Any = None, check_replicas: str = "structure") -> SaveInfo:
     """Write ``state_dict`` to the checkpoint directory ``path``, durably and atomically.
 
     ``backend`` is ``"auto"`` (default, or ``$GDS_PERSIST_BACKEND``), ``"direct"``,
@@ -56,10 +58,29 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
     ``progress(done_bytes, total_bytes)``, if given, is called as data files are written (see
     :mod:`gds_persist.progress`).
 
+    Data-parallel (``docs/DISTRIBUTED.md``): with ``process_group`` (a ``torch.distributed`` group,
+    or ``"default"``), every rank of the group calls ``save`` with its replica of the state; each
+    writes a disjoint, byte-balanced share and rank 0 commits. ``rank_local`` marks key paths
+    (``"optimizer"`` or ``("optimizer", "state")``, or a list of them) whose subtrees differ per
+    rank (ZeRO shards): written by their owner only. ``writers_per_node`` (default: every rank)
+    limits the writing ranks per node; ``data_dirs`` stripes each node's files over several
+    directories (one per drive). ``check_replicas`` compares the replicated state across ranks:
+    ``"structure"`` (keys, dtypes, shapes, sizes; default), ``"checksums"`` (also the bytes) or
+    ``"off"``. Returns a :class:`~gds_persist.parallel_save.DistributedSaveInfo` then;
+    ``progress`` then counts this rank's own bytes.
+
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
-    backend.
+    backend, :class:`DistributedError` (on every rank, naming the failed rank) when a rank fails.
     """
+    if process_group is not None or rank_local is not None or data_dirs is not None:
+        from .parallel_save import save_parallel
+
+        return save_parallel(state_dict, path, process_group=process_group, rank_local=rank_local,
+                             writers_per_node=writers_per_node, data_dirs=data_dirs,
+                             check_replicas=check_replicas, backend=backend,
+                             block_bytes=block_bytes, staging_bytes=staging_bytes,
+                             io_threads=io_threads, progress=progress)
     t0 = time.perf_counter()
     path = os.fspath(path)
     cfg = settings.current(backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,

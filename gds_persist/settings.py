@@ -18,6 +18,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 MiB = 1 << 20
+# How a data-parallel load gets replicated data to every rank: "read_all" - every rank reads every
+# byte itself; "broadcast" / "allgather" - each rank reads 1/N and the rest travels over the
+# process group. The default was chosen by bench/bench_parallel.py (docs/DISTRIBUTED.md):
+# broadcast matched read_all there while reading each byte once; gloo's all-gather was far slower.
+LOAD_STRATEGIES = ("broadcast", "allgather", "read_all")
 
 
 @dataclass(frozen=True)
@@ -27,6 +32,8 @@ class Settings:
     staging_bytes: int = 128 * MiB  # the whole staging ring; never grows with the checkpoint
     io_threads: int = 4  # concurrent pwrite/pread calls per process (the queue depth)
     io_timeout_s: float = 600.0  # no single wait on I/O or a peer lasts longer than this
+    collective_timeout_s: float = 600.0  # data-parallel: longest wait for the other ranks
+    load_strategy: str = "broadcast"  # data-parallel load of replicated data; see LOAD_STRATEGIES
 
     @property
     def ring_buffers(self) -> int:
@@ -69,6 +76,11 @@ def _validate(s: Settings) -> Settings:
         raise ValueError(f"setting io_threads={s.io_threads} must be at least 1")
     if not s.io_timeout_s > 0:  # also refuses nan
         raise ValueError(f"setting io_timeout_s={s.io_timeout_s} must be positive")
+    if s.collective_timeout_s <= 0:
+        raise ValueError(f"setting collective_timeout_s={s.collective_timeout_s} must be positive")
+    if s.load_strategy not in LOAD_STRATEGIES:
+        raise ValueError(f"setting load_strategy={s.load_strategy!r} must be one of "
+                         f"{', '.join(LOAD_STRATEGIES)}")
     return s
 
 

@@ -545,7 +545,7 @@ _ALL_SETTING_VALUES: dict[str, tuple[Any, Any, Any]] = {
     "io_timeout_s": (11.5, 22.0, 33.25),
     # data-parallel settings (gds_persist.parallel_save), where that code is present
     "collective_timeout_s": (12.5, 24.0, 36.75),
-    "load_strategy": ("broadcast", "read_all", "broadcast"),
+    "load_strategy": ("allgather", "read_all", "allgather"),
 }
 SETTING_VALUES = {k: v for k, v in _ALL_SETTING_VALUES.items() if k in settings.ENV_VARS}
 

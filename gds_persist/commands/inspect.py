@@ -6,6 +6,7 @@ import argparse
 import json
 
 from ..flatten import DTYPES, tensor_paths
+from ..format import sections_tree
 from ..load import read_manifest
 
 
@@ -29,12 +30,15 @@ def run(args: argparse.Namespace) -> int:
           f"{w.get('backend')} ({w.get('reason')}), world size {w.get('world_size')}")
     print(f"  {len(m.tensors)} tensors in {len(m.storages)} storages, {len(m.files)} data files, "
           f"{m.total_bytes} bytes on disk")
+    if m.sections:
+        print(f"  rank-local state of ranks {[s.rank for s in m.sections]}")
     for f in m.files:
-        print(f"  file {f.name}: {f.size} bytes")
+        where = "" if not f.dir else f" in {m.dirs[f.dir - 1].root}/{m.dirs[f.dir - 1].name}"
+        print(f"  file {f.name}{where}: {f.size} bytes")
     extents_of: dict[int, list] = {}
     for e in m.extents:
         extents_of.setdefault(e.storage, []).append(e)
-    paths = tensor_paths(m.tree)
+    paths = tensor_paths(sections_tree(m) if m.sections else m.tree)
     print(f"  {'key':<48} {'dtype':<14} {'shape':<20} {'bytes':>12}  extents (file@offset+len crc32c)")
     for i, t in enumerate(m.tensors):
         nbytes = DTYPES[t.dtype].itemsize * _numel(t.shape)

@@ -14,14 +14,17 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("verify", help="re-read and checksum every extent; exit 1 on any mismatch")
     p.add_argument("path")
     p.add_argument("--backend", default=None, help="auto (default), direct or buffered")
+    p.add_argument("--data-dir", action="append", default=[], metavar="RECORDED=NOW",
+                   help="a data directory that moved since the save (repeatable)")
     p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
+    moved = dict(d.split("=", 1) for d in args.data_dir if "=" in d)
     bar = cli_progress("verify")  # only on a terminal
     try:
-        report = verify(args.path, backend=args.backend, progress=bar)
+        report = verify(args.path, backend=args.backend, progress=bar, data_dirs=moved or None)
     finally:
         if bar is not None:
             bar.close()

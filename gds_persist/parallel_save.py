@@ -1,0 +1,531 @@
+"""Data-parallel save: every rank writes its planned share of the replicated state (and its own
+rank-local state); rank 0 writes the manifest and commits. See ``docs/DISTRIBUTED.md``.
+
+Phases, each closed by :meth:`Comm.agree`, so a failure on any rank is known to every rank, which
+all raise an error naming it; no rank waits longer than ``collective_timeout_s``:
+
+1. ``prepare``: split off rank-local parts, flatten, describe the replicated structure, probe the
+   node and GPU affinity; rank 0 creates the temporary checkpoint directory.
+2. ``check``: only when the replicated structure differs between ranks - find and report where.
+3. ``write``: plan (deterministically, identically on every rank), then write and fsync this rank's
+   files into the temporary directory or its data directory; report extents and checksums.
+4. ``commit``: rank 0 assembles, validates and writes the manifest, then commits atomically (the
+   core's :func:`gds_persist.commit.commit`); every rank returns only once that is durable.
+
+Nothing is committed unless every rank's files are durable; the previous checkpoint at the path
+stays intact on any failure.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import socket
+import time
+import uuid
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import astuple, dataclass, field
+from typing import Any
+
+import torch
+
+from . import __version__, settings
+from .backends import choose_backend
+from .checksum import device_crc32c
+from .commit import abort, check_replaceable, commit, fsync_path, make_temporary, write_manifest
+from .distributed import make_comm
+from .errors import DistributedError, ReplicationError
+from .flatten import Flattened, StorageRecord, TensorRecord, flatten, tensor_paths
+from .format import (
+    STRIPE_MARK,
+    DataDir,
+    DataFile,
+    Extent,
+    Manifest,
+    Section,
+    dump_manifest,
+    parse_manifest,
+    stripe_dir_name,
+)
+from .plan import SavePlan
+from .progress import ByteCounter, ProgressCallback
+from .save import SaveInfo, write_plan
+from .schedule import DistributedPlan, RankInfo, plan_save
+from .topology import gpu_affinity, node_name
+from .write import byte_view
+
+KeyPath = tuple[Any, ...]
+CHECK_REPLICAS = ("structure", "checksums", "off")
+
+
+@dataclass
+class DistributedSaveInfo(SaveInfo):
+    """:class:`SaveInfo` of a data-parallel save, as seen by one rank.
+
+    ``bytes_written`` and ``gbps`` are for the whole checkpoint (all ranks); ``rank_bytes`` and
+    ``rank_gbps`` for this rank's own files.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    writers: list[int] = field(default_factory=list)
+    rank_bytes: int = 0
+    rank_files: list[str] = field(default_factory=list)
+    rank_write_seconds: float = 0.0
+    writer_balance: float = 1.0
+    node_balance: float = 1.0
+    nodes: int = 1
+    placement: str = ""  # how writers were chosen, incl. whether NVML was usable and why not
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase on this rank
+
+    @property
+    def rank_gbps(self) -> float:
+        s = self.rank_write_seconds
+        return self.rank_bytes / s / 1e9 if s else float("inf")
+
+
+# --- rank-local parts -------------------------------------------------------------------------
+
+def normalize_paths(rank_local: str | KeyPath | Iterable[str | KeyPath] | None) -> list[KeyPath]:
+    """``"optimizer"`` or ``("optimizer", "state")`` or a list of them -> list of key tuples."""
+    if rank_local is None:
+        return []
+    if isinstance(rank_local, (str, tuple)):
+        rank_local = [rank_local]
+    paths = [(p,) if isinstance(p, (str, int)) else tuple(p) for p in rank_local]
+    for a in paths:
+        for b in paths:
+            if a is not b and a == b[: len(a)]:
+                raise ValueError(f"rank_local paths {a!r} and {b!r} overlap; mark only the "
+                                 "outer one")
+    return paths
+
+
+def _replace_at(obj: Any, path: KeyPath, value: Any, full: KeyPath) -> tuple[Any, Any]:
+    """A copy of ``obj`` with the subtree at ``path`` replaced (only the spine is copied)."""
+    key, rest = path[0], path[1:]
+    if isinstance(obj, dict):
+        if key not in obj:
+            raise KeyError(f"rank_local path {full!r}: key {key!r} is not in the state dict")
+        new_child, old = (value, obj[key]) if not rest else _replace_at(obj[key], rest, value, full)
+        copy = OrderedDict(obj) if isinstance(obj, OrderedDict) else dict(obj)
+        if hasattr(obj, "_metadata"):
+            copy._metadata = obj._metadata  # type: ignore[attr-defined]
+        copy[key] = new_child
+        return copy, old
+    if isinstance(obj, (list, tuple)) and type(key) is int and 0 <= key < len(obj):
+        items = list(obj)
+        items[key], old = ((value, items[key]) if not rest
+                           else _replace_at(items[key], rest, value, full))
+        return (items if isinstance(obj, list) else tuple(items)), old
+    raise KeyError(f"rank_local path {full!r}: {key!r} does not index a {type(obj).__name__}")
+
+
+def split_rank_local(state: Any, paths: Sequence[KeyPath]) -> tuple[Flattened, Flattened]:
+    """Flatten ``state`` into its replicated part (with ``{"t": "local", "i": j}`` placeholders,
+    numbered in tree order) and its rank-local part (a list tree, one subtree per placeholder)."""
+    token = uuid.uuid4().hex
+    marks = {f"\x00gds_persist-rank-local:{token}:{j}": j for j in range(len(paths))}
+    by_mark = {j: m for m, j in marks.items()}
+    subtrees: list[Any] = [None] * len(paths)
+    for j, p in enumerate(paths):
+        if p == ():
+            if len(paths) > 1:
+                raise ValueError("rank_local=() marks the whole state; give no other path")
+            state, subtrees[j] = by_mark[j], state
+        else:
+            state, subtrees[j] = _replace_at(state, p, by_mark[j], p)
+    replicated = flatten(state)
+    order: list[int] = []
+
+    def walk(node: Any) -> Any:
+        if isinstance(node, str) and node in marks:
+            order.append(marks[node])
+            return {"t": "local", "i": len(order) - 1}
+        if isinstance(node, dict) and isinstance(node.get("v"), list):
+            out = {**node, "v": [walk(v) for v in node["v"]]}
+            if "meta" in node:
+                out["meta"] = walk(node["meta"])
+            return out
+        return node
+
+    replicated.tree = walk(replicated.tree)
+    local = flatten([subtrees[j] for j in order]) if paths else flatten([])
+    return replicated, local
+
+
+# --- replication check ------------------------------------------------------------------------
+
+def describe(flat: Flattened, crcs: list[int] | None) -> dict[str, Any]:
+    """What must be identical on every rank that claims to hold the same replicated state."""
+    return {
+        "tree": flat.tree,
+        "tensors": [list(astuple(t)) for t in flat.tensors],
+        "storages": [[s.nbytes, s.device.split(":")[0]] for s in flat.storages],
+        "crc32c": crcs,
+    }
+
+
+def digest(description: dict[str, Any]) -> str:
+    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
+
+
+def first_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str:
+    """Where this rank's replicated state first differs from rank 0's, in words ('' if nowhere)."""
+    t = _tree_difference(mine["tree"], ref["tree"], ())
+    if t:
+        return t
+    names = tensor_paths(mine["tree"])
+    fields = list(TensorRecord.__dataclass_fields__)
+    for i, (a, b) in enumerate(zip(mine["tensors"], ref["tensors"], strict=True)):
+        for name, x, y in zip(fields, a, b, strict=True):
+            if x != y:
+                return f"tensor {names.get(i, i)}: {name} {x} (rank 0: {y})"
+    by_storage: dict[int, str] = {}
+    for i, rec in enumerate(mine["tensors"]):
+        by_storage.setdefault(rec[0], names.get(i, f"#{i}"))
+    if len(mine["storages"]) != len(ref["storages"]):
+        return f"{len(mine['storages'])} storages (rank 0: {len(ref['storages'])})"
+    for s, (a, b) in enumerate(zip(mine["storages"], ref["storages"], strict=True)):
+        if a != b:
+            return (f"tensor {by_storage.get(s, s)}: storage of {a[0]} bytes on {a[1]} "
+                    f"(rank 0: {b[0]} bytes on {b[1]})")
+    for s, (a, b) in enumerate(zip(mine["crc32c"] or [], ref["crc32c"] or [], strict=True)):
+        if a != b:
+            return (f"tensor {by_storage.get(s, s)}: same shape and dtype, different values "
+                    f"(crc32c {a:08x}, rank 0: {b:08x})")
+    return ""
+
+
+def _tree_difference(a: Any, b: Any, path: KeyPath) -> str:
+    where = "".join(f"[{k!r}]" for k in path) or "<root>"
+    if type(a) is not type(b) or not isinstance(a, dict):
+        if a == b and type(a) is type(b):
+            return ""
+        return f"{where}: {_short(a)} (rank 0: {_short(b)})"
+    if a.get("t") != b.get("t"):
+        return f"{where}: a {a.get('t')} (rank 0: a {b.get('t')})"
+    if a.get("t") in ("dict", "odict") and a["k"] != b["k"]:
+        extra = [k for k in a["k"] if k not in b["k"]]
+        missing = [k for k in b["k"] if k not in a["k"]]
+        return f"{where}: keys differ from rank 0's (extra: {extra[:5]}, missing: {missing[:5]})"
+    if a.get("t") in ("list", "tuple", "dict", "odict"):
+        if len(a["v"]) != len(b["v"]):
+            return f"{where}: {len(a['v'])} items (rank 0: {len(b['v'])})"
+        keys = a["k"] if "k" in a else range(len(a["v"]))
+        for k, x, y in zip(keys, a["v"], b["v"], strict=True):
+            d = _tree_difference(x, y, (*path, k))
+            if d:
+                return d
+        return ""
+    return "" if a == b else f"{where}: {_short(a)} (rank 0: {_short(b)})"
+
+
+def _short(v: Any) -> str:
+    if isinstance(v, dict) and v.get("t") == "tensor":
+        return "a tensor"
+    text = repr(v)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+# --- the save ---------------------------------------------------------------------------------
+
+@dataclass
+class _Prepared:
+    replicated: Flattened
+    local: Flattened
+    description: dict[str, Any]
+    digest: str
+
+
+def _prepare(state_dict: Any, paths: Sequence[KeyPath], check: str) -> _Prepared:
+    replicated, local = split_rank_local(state_dict, paths)
+    crcs = None
+    if check == "checksums":
+        crcs = [device_crc32c(byte_view(s)) for s in replicated.storage_objects]
+    description = json.loads(json.dumps(describe(replicated, crcs)))  # as the others see it
+    return _Prepared(replicated, local, description, digest(description) if check != "off" else "")
+
+
+def _stripe_prefix(path: str) -> str:
+    base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(path))[:100].lstrip(".-") or "ckpt"
+    return f"{base}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+
+
+def _extent_json(e: Extent) -> list[int]:
+    return [e.storage, e.start, e.length, e.file, e.offset, e.crc32c]
+
+
+def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_group: Any = None,
+                  rank_local: Any = None, writers_per_node: int | None = None,
+                  data_dirs: Sequence[str | os.PathLike[str]] | None = None,
+                  check_replicas: str = "structure", backend: str | None = None,
+                  block_bytes: int | None = None, staging_bytes: int | None = None,
+                  io_threads: int | None = None,
+                  progress: ProgressCallback | None = None) -> DistributedSaveInfo:
+    """See :func:`gds_persist.save` (the data-parallel arguments)."""
+    t0 = time.perf_counter()
+    path = os.path.abspath(os.fspath(path))
+    cfg = settings.current(backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
+                           io_threads=io_threads)
+    if check_replicas not in CHECK_REPLICAS:
+        raise ValueError(f"check_replicas={check_replicas!r}; valid: {', '.join(CHECK_REPLICAS)}")
+    paths = normalize_paths(rank_local)
+    roots = [os.path.abspath(os.fspath(d)) for d in (data_dirs or [])]
+    if len(set(roots)) != len(roots):
+        raise ValueError(f"data_dirs lists a directory twice: {roots}")
+    comm = make_comm(process_group, cfg.collective_timeout_s)
+    what = f"gds_persist save of {path} (rank {comm.rank} of {comm.size})"
+    intact = f"; nothing was committed and any previous checkpoint at {path} is intact"
+    phases: dict[str, float] = {}
+    state: dict[str, Any] = {"tmp": None, "written": [], "dirs": []}
+    committed = False
+
+    def clock(name: str, since: float) -> float:
+        now = time.perf_counter()
+        phases[name] = now - since
+        return now
+
+    try:
+        # 1. prepare --------------------------------------------------------------------------
+        def prepare() -> dict[str, Any]:
+            state["prep"] = _prepare(state_dict, paths, check_replicas)
+            affinity, why = gpu_affinity()
+            info: dict[str, Any] = {
+                "digest": state["prep"].digest, "node": node_name(), "affinity": affinity,
+                "affinity_why": why, "host": socket.gethostname(),
+                "local_sizes": [s.nbytes for s in state["prep"].local.storages],
+            }
+            if comm.rank == 0:
+                check_replaceable(path)
+                state["tmp"] = make_temporary(path)
+                info.update(tmp=state["tmp"], save_id=uuid.uuid4().hex[:12])
+            return info
+
+        t = time.perf_counter()
+        infos = comm.agree("prepare", prepare, what, intact)
+        t = clock("prepare", t)
+        prep: _Prepared = state["prep"]
+        tmp, save_id = infos[0]["tmp"], infos[0]["save_id"]
+
+        # 2. check replication ------------------------------------------------------------------
+        if check_replicas != "off" and any(i["digest"] != infos[0]["digest"] for i in infos):
+            ref = comm.broadcast_json(prep.description if comm.rank == 0 else None, 0, "check")
+            diffs = comm.agree("check", lambda: first_difference(prep.description, ref), what,
+                               intact)
+            bad = {r: d or "differs from rank 0" for r, d in enumerate(diffs)
+                   if infos[r]["digest"] != infos[0]["digest"]}
+            raise ReplicationError(
+                f"{what}: the state promised to be replicated (everything not marked rank_local) "
+                "differs between ranks: " + "; ".join(f"rank {r}: {d}" for r, d in bad.items())
+                + "; mark per-rank state with rank_local=..., or fix the replicas" + intact,
+                failed_ranks=bad, phase="check")
+        t = clock("check", t)
+
+        # 3. plan and write ---------------------------------------------------------------------
+        ranks = [RankInfo(r, i["node"], i["affinity"], tuple(i["local_sizes"]))
+                 for r, i in enumerate(infos)]
+        plan = plan_save([s.nbytes for s in prep.replicated.storages], ranks,
+                         writers_per_node=writers_per_node, data_dirs=len(roots))
+        stripe = stripe_dir_name(_stripe_prefix(path), save_id)
+
+        def write() -> dict[str, Any]:
+            counter = ByteCounter(progress, sum(plan.files[i].plan.size
+                                                for i in plan.files_of(comm.rank)))
+            result = _write_my_files(plan, comm.rank, prep, tmp, roots, stripe, cfg, state,
+                                     counter.hook)
+            counter.finish()
+            return result
+
+        results = comm.agree("write", write, what, intact)
+        t = clock("write", t)
+        if len({r["plan"] for r in results}) != 1:
+            raise DistributedError(f"{what}: ranks computed different plans (different gds_persist "
+                                   f"versions on different ranks?){intact}", phase="write")
+
+        # 4. commit ------------------------------------------------------------------------------
+        state["committing"] = True  # from here a failure may come after the rename: keep files
+
+        def commit_step() -> bool:
+            if comm.rank != 0:
+                return True
+            manifest = _assemble(plan, prep, results, infos, roots, stripe, save_id, comm.size)
+            raw = dump_manifest(manifest)
+            parse_manifest(raw, f"the manifest being written for {path}")  # never commit garbage
+            write_manifest(tmp, raw)
+            commit(tmp, path)
+            return True
+
+        comm.agree("commit", commit_step, what,
+                   f"; rank 0 could not commit, so any previous checkpoint at {path} is intact")
+        committed = True
+        clock("commit", t)
+    except BaseException:
+        if not committed:
+            _cleanup(state, comm.rank == 0)
+        raise
+    if roots and comm.rank in {members[0] for members in plan.nodes}:
+        _remove_stale_stripes(roots, _stripe_prefix(path), stripe)
+
+    prep = state["prep"]
+    mine = [plan.files[i].plan for i in plan.files_of(comm.rank)]
+    placement = plan.placement + "; " + infos[comm.rank]["affinity_why"]
+    payload = (sum(s.nbytes for s in prep.replicated.storages)
+               + sum(sum(i["local_sizes"]) for i in infos))
+    return DistributedSaveInfo(
+        path=path, backend=results[comm.rank]["backend"], reason=results[comm.rank]["reason"],
+        bytes_written=plan.total_bytes, payload_bytes=payload,
+        seconds=time.perf_counter() - t0,
+        tensors=len(prep.replicated.tensors) + sum(r["n_tensors"] for r in results),
+        storages=len(prep.replicated.storages) + sum(len(i["local_sizes"]) for i in infos),
+        files=[f.plan.name for f in plan.files],
+        rank=comm.rank, world_size=comm.size, writers=list(plan.writers),
+        rank_bytes=sum(f.size for f in mine), rank_files=[f.name for f in mine],
+        rank_write_seconds=results[comm.rank]["seconds"], writer_balance=plan.writer_balance,
+        node_balance=plan.node_balance, nodes=len(plan.nodes), placement=placement, phases=phases,
+    )
+
+
+def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
+                    roots: Sequence[str], stripe: str, cfg: settings.Settings,
+                    state: dict[str, Any],
+                    hook: Callable[[int], None] | None = None) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    replicated = len(prep.replicated.storages)
+    base = plan.local_storage_base[rank]
+    objects = prep.replicated.storage_objects + prep.local.storage_objects
+
+    def compact(g: int) -> int:  # global storage index -> index into ``objects``
+        return g if g < replicated else replicated + g - base
+
+    by_dir: dict[int, list] = {}
+    for i in plan.files_of(rank):
+        by_dir.setdefault(plan.files[i].dir, []).append(plan.files[i].plan)
+    sealed: list[Extent] = []
+    backend_name, reason = "none", "this rank had nothing to write"
+    wants_device = any(s.is_cuda for s in objects)
+    for d, files in sorted(by_dir.items()):
+        directory = tmp if d < 0 else os.path.join(roots[d], stripe)
+        if d >= 0 and directory not in state["dirs"]:
+            os.makedirs(directory, exist_ok=True)
+            state["dirs"].append(directory)
+        local_plan = SavePlan(tuple(
+            type(f)(f.name, f.size, tuple(Extent(compact(e.storage), e.start, e.length, e.file,
+                                                 e.offset) for e in f.extents))
+            for f in files))
+        be, reason = choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
+                                    cfg.block_bytes)
+        backend_name = be.name
+        state["written"] += [os.path.join(directory, f.name) for f in files]
+        flat = Flattened(None, [], [], objects)
+        for e in write_plan(be, directory, local_plan, flat, cfg, hook):
+            g = e.storage if e.storage < replicated else base + e.storage - replicated
+            sealed.append(Extent(g, e.start, e.length, e.file, e.offset, e.crc32c))
+        if d >= 0:  # new directory entries must be durable before the commit
+            for entry in (directory, roots[d], os.path.dirname(roots[d])):
+                fsync_path(entry)
+    local = prep.local
+    return {
+        "extents": [_extent_json(e) for e in sealed],
+        "backend": backend_name, "reason": reason, "plan": plan.digest(),
+        "seconds": time.perf_counter() - t0,
+        "n_tensors": len(local.tensors),
+        "local": {"tree": local.tree, "tensors": [list(astuple(t)) for t in local.tensors],
+                  "storages": [[s.nbytes, s.device] for s in local.storages]},
+    }
+
+
+def _shift_tree(node: Any, by: int) -> Any:
+    if not isinstance(node, dict):
+        return node
+    if node.get("t") == "tensor":
+        return {"t": "tensor", "i": node["i"] + by}
+    if isinstance(node.get("v"), list):
+        out = {**node, "v": [_shift_tree(v, by) for v in node["v"]]}
+        if "meta" in node:
+            out["meta"] = _shift_tree(node["meta"], by)
+        return out
+    return node
+
+
+def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, Any]],
+              infos: list[dict[str, Any]], roots: Sequence[str], stripe: str, save_id: str,
+              world: int) -> Manifest:
+    used = sorted({f.dir for f in plan.files if f.dir >= 0})
+    dir_index = {d: k + 1 for k, d in enumerate(used)}
+    files = [DataFile(f.plan.name, f.plan.size, dir_index.get(f.dir, 0)) for f in plan.files]
+    dirs = [DataDir(roots[d], stripe) for d in used]
+    storages = list(prep.replicated.storages)
+    tensors = list(prep.replicated.tensors)
+    sections = []
+    has_local = any(True for _ in _placeholders(prep.replicated.tree))
+    for rank, result in enumerate(results):
+        local = result["local"]
+        assert len(storages) == plan.local_storage_base[rank]
+        t_base, s_base = len(tensors), len(storages)
+        storages += [StorageRecord(n, dev) for n, dev in local["storages"]]
+        for rec in local["tensors"]:
+            storage, dtype, shape, stride, offset, grad, param = rec
+            tensors.append(TensorRecord(storage + s_base, dtype, tuple(shape), tuple(stride),
+                                        offset, grad, param))
+        if has_local:
+            sections.append(Section(rank, _shift_tree(local["tree"], t_base)))
+    extents = sorted((Extent(*e) for r in results for e in r["extents"]),
+                     key=lambda e: (e.file, e.offset))
+    hosts = sorted({i["host"] for i in infos})
+    writer = {
+        "backend": ",".join(sorted({r["backend"] for r in results if r["backend"] != "none"})),
+        "reason": results[0]["reason"], "gds_persist": __version__, "torch": torch.__version__,
+        "host": hosts[0] if len(hosts) == 1 else f"{len(hosts)} hosts", "world_size": world,
+        "save_id": save_id, "plan": plan.summary(),
+    }
+    return Manifest(files, storages, tensors, extents, prep.replicated.tree, writer,
+                    dirs=dirs, sections=sections)
+
+
+def _placeholders(node: Any) -> Iterable[int]:
+    if isinstance(node, dict):
+        if node.get("t") == "local":
+            yield node["i"]
+        for v in node.get("v", []) if isinstance(node.get("v"), list) else []:
+            yield from _placeholders(v)
+
+
+def _cleanup(state: dict[str, Any], is_root: bool) -> None:
+    """After a failed save: remove what this rank wrote (rank 0: the temporary directory).
+
+    Once the commit phase began, a failure may have come after the rename (or this rank cannot
+    know), so files in data directories are left alone; the next successful save removes them
+    if they are not part of the checkpoint.
+    """
+    if is_root and state["tmp"]:
+        abort(state["tmp"])  # never holds the new checkpoint once it was renamed into place
+    if state.get("committing"):
+        return
+    for f in state["written"]:
+        try:
+            os.unlink(f)
+        except OSError:
+            pass
+    for d in state["dirs"]:
+        try:
+            os.rmdir(d)  # succeeds for whichever rank of the directory cleans up last
+        except OSError:
+            pass
+
+
+def _remove_stale_stripes(roots: Sequence[str], prefix: str, keep: str) -> None:
+    """After a commit: remove this path's data directories that the new manifest does not use
+    (the replaced checkpoint's, and those of interrupted saves). Best effort."""
+    for root in roots:
+        try:
+            entries = os.listdir(root)
+        except OSError:
+            continue
+        for entry in entries:
+            if entry != keep and entry.startswith(prefix + STRIPE_MARK):
+                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
