@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from gds_persist.commit import fsync_path
+
 from .state import StateSummary, iter_tensors
 
 # DCP warns on every call without a process group even when asked for no_dist explicitly.
@@ -98,14 +100,6 @@ def register(factory: Callable[[], Method], key: str | None = None) -> Callable[
         raise ValueError(f"method key {name!r} is empty or already registered")
     REGISTRY[name] = factory
     return factory
-
-
-def fsync_path(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def remove(path: str) -> None:

@@ -38,7 +38,6 @@ Note: cuFile reaches full speed with 4096-aligned file offsets and sizes, which 
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import tempfile
@@ -47,9 +46,9 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import BackendError, DiskFullError
+from ..errors import BackendError
 from .base import Backend
-from .posix import _O_DIRECT, _preallocate, supports_o_direct
+from .posix import _O_DIRECT, _preallocate, pread_all, pwrite_all, supports_o_direct
 
 log = logging.getLogger("gds_persist")
 
@@ -250,7 +249,7 @@ class KvikioBackend(Backend):
 
     def pwrite(self, handle: KvikioHandle, buf: Any, offset: int) -> None:
         if not _is_device(buf):
-            _posix_pwrite(handle.fd, memoryview(buf).cast("B"), offset)
+            pwrite_all(handle.fd, memoryview(buf).cast("B"), offset)
             return
         n = buf.numel()
         if handle.cufile is not None and self.fallback_reason is None:
@@ -267,7 +266,7 @@ class KvikioBackend(Backend):
 
     def pread(self, handle: KvikioHandle, buf: Any, offset: int) -> int:
         if not _is_device(buf):
-            return _posix_pread(handle.fd, memoryview(buf).cast("B"), offset)
+            return pread_all(handle.fd, memoryview(buf).cast("B"), offset)
         n = buf.numel()
         if handle.cufile is not None and self.fallback_reason is None:
             self._sync_device(handle, buf)
@@ -339,7 +338,7 @@ class KvikioBackend(Backend):
                     padded = _align_up(length)
                     bounce.tensor[length:padded].zero_()
                     length = padded
-                _posix_pwrite(handle.fd, bounce.view[:length], offset + lo)
+                pwrite_all(handle.fd, bounce.view[:length], offset + lo)
 
     def bounce_read(self, handle: KvikioHandle, tensor: Any, offset: int) -> int:
         """Read ``tensor.numel()`` bytes at ``offset`` into a tensor (any device) through the
@@ -352,7 +351,7 @@ class KvikioBackend(Backend):
             for lo in range(0, n, step):
                 hi = min(lo + step, n)
                 want = _align_up(hi - lo) if handle.direct else hi - lo
-                got = min(_posix_pread(handle.fd, bounce.view[:want], offset + lo), hi - lo)
+                got = min(pread_all(handle.fd, bounce.view[:want], offset + lo), hi - lo)
                 tensor[lo : lo + got].copy_(bounce.tensor[:got])
                 total += got
                 if got < hi - lo:
@@ -369,26 +368,3 @@ def _some_file(directory: str) -> str | None:
     except OSError:
         pass
     return None
-
-
-def _posix_pwrite(fd: int, view: memoryview, offset: int) -> None:
-    while view.nbytes:
-        try:
-            n = os.pwrite(fd, view, offset)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise DiskFullError(
-                    errno.ENOSPC, f"disk full writing {view.nbytes} bytes at offset {offset}"
-                ) from e
-            raise
-        view, offset = view[n:], offset + n
-
-
-def _posix_pread(fd: int, view: memoryview, offset: int) -> int:
-    total = 0
-    while total < view.nbytes:
-        n = os.preadv(fd, [view[total:]], offset + total)
-        if n == 0:
-            break
-        total += n
-    return total

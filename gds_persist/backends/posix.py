@@ -34,25 +34,10 @@ class PosixBackend(Backend):
         return fd
 
     def pwrite(self, handle: int, buf: memoryview, offset: int) -> None:
-        view = memoryview(buf).cast("B")
-        while view.nbytes:
-            try:
-                n = os.pwrite(handle, view, offset)
-            except OSError as e:
-                if e.errno == errno.ENOSPC:
-                    raise DiskFullError(errno.ENOSPC, f"disk full writing {view.nbytes} bytes at offset {offset}") from e
-                raise
-            view, offset = view[n:], offset + n
+        pwrite_all(handle, memoryview(buf).cast("B"), offset)
 
     def pread(self, handle: int, buf: memoryview, offset: int) -> int:
-        view = memoryview(buf).cast("B")
-        total = 0
-        while total < view.nbytes:
-            n = os.preadv(handle, [view[total:]], offset + total)
-            if n == 0:
-                break
-            total += n
-        return total
+        return pread_all(handle, memoryview(buf).cast("B"), offset)
 
     def sync(self, handle: int) -> None:
         os.fsync(handle)
@@ -72,6 +57,31 @@ class BufferedBackend(PosixBackend):
     """Plain POSIX I/O through the page cache, fsynced; for filesystems without O_DIRECT."""
 
     name = "buffered"
+
+
+def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
+    """Write all of ``view`` at ``offset``, resuming after short writes."""
+    while view.nbytes:
+        try:
+            n = os.pwrite(fd, view, offset)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise DiskFullError(
+                    errno.ENOSPC, f"disk full writing {view.nbytes} bytes at offset {offset}"
+                ) from e
+            raise
+        view, offset = view[n:], offset + n
+
+
+def pread_all(fd: int, view: memoryview, offset: int) -> int:
+    """Read into ``view`` from ``offset`` until it is full or the file ends; bytes read."""
+    total = 0
+    while total < view.nbytes:
+        n = os.preadv(fd, [view[total:]], offset + total)
+        if n == 0:
+            break
+        total += n
+    return total
 
 
 def _preallocate(fd: int, path: str, size: int) -> None:
