@@ -12,6 +12,7 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 from . import settings  # noqa: E402
+from .checkpointer import Checkpointer, SaveHandle  # noqa: E402
 from .errors import (  # noqa: E402
     BackendError,
     CheckpointError,
@@ -31,6 +32,7 @@ from .interop import export_checkpoint, import_checkpoint  # noqa: E402
 __all__ = [
     "BackendError",
     "CheckpointError",
+    "Checkpointer",
     "ChecksumError",
     "CollectiveTimeoutError",
     "DiskFullError",
@@ -38,6 +40,7 @@ __all__ = [
     "ManifestError",
     "NotCommittedError",
     "ReplicationError",
+    "SaveHandle",
     "SaveInfo",
     "TruncatedError",
     "export_checkpoint",

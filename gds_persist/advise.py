@@ -1,0 +1,160 @@
+"""How often to checkpoint: Young's and Daly's optimal interval, and what it costs.
+
+With a checkpoint that stalls training for ``C`` seconds, failures arriving at random with mean
+time ``M`` between them (exponential), and ``R`` seconds to restart after one:
+
+* Young (1974): ``T = sqrt(2 C M)``.
+* Daly (2006, "A higher order estimate of the optimum checkpoint interval for restart dumps"):
+  ``T = sqrt(2 C M) * (1 + sqrt(C / 2M) / 3 + (C / 2M) / 9) - C`` for ``C < 2M``, else ``T = M``.
+* Expected wall time per second of useful work with interval ``T`` (Daly's model):
+  ``M * exp(R / M) * (exp((T + C) / M) - 1) / T``; the *waste* is the fraction of wall time that
+  is not useful work (checkpoint stalls, recomputed work, restarts).
+* Work lost per failure: the expected time since the last completed checkpoint,
+  ``M - L / (exp(L / M) - 1)`` with ``L = T + C`` (about ``L / 2`` when ``L << M``), plus ``R``.
+
+Per-iteration checkpointing (``T`` = one iteration) is the optimum when a checkpoint costs at most
+about ``t**2 / 2M`` of stall (``t`` = iteration time): far below a blocking write, within reach of
+one that overlaps training and stalls only for its exposed part.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from ``90``, ``90s``, ``2.5m``, ``24h``, ``7d``."""
+    if isinstance(text, (int, float)):
+        value = float(text)
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*", text)
+        if not m or m.group(2) not in _UNITS:
+            raise ValueError(f"bad duration {text!r}: use a number of seconds or e.g. 90s, 5m, "
+                             "24h, 7d")
+        value = float(m.group(1)) * _UNITS[m.group(2)]
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"bad duration {text!r}: must be finite and >= 0")
+    return value
+
+
+def young_interval(cost_s: float, mtbf_s: float) -> float:
+    return math.sqrt(2.0 * cost_s * mtbf_s)
+
+
+def daly_interval(cost_s: float, mtbf_s: float) -> float:
+    if cost_s >= 2.0 * mtbf_s:
+        return mtbf_s
+    x = cost_s / (2.0 * mtbf_s)
+    return math.sqrt(2.0 * cost_s * mtbf_s) * (1.0 + math.sqrt(x) / 3.0 + x / 9.0) - cost_s
+
+
+def waste_fraction(interval_s: float, cost_s: float, mtbf_s: float, restart_s: float = 0.0
+                   ) -> float:
+    """Fraction of wall time not spent on useful work, checkpointing every ``interval_s``."""
+    wall_per_work = (mtbf_s * math.exp(restart_s / mtbf_s)
+                     * math.expm1((interval_s + cost_s) / mtbf_s) / interval_s)
+    return 1.0 - 1.0 / wall_per_work
+
+
+def lost_work(interval_s: float, cost_s: float, mtbf_s: float, restart_s: float = 0.0) -> float:
+    """Expected seconds of work redone plus restart time per failure."""
+    span = interval_s + cost_s
+    ratio = span / mtbf_s
+    since_last = span / 2.0 if ratio < 1e-6 else mtbf_s - span / math.expm1(ratio)
+    return since_last + restart_s
+
+
+@dataclass
+class Plan:
+    """Checkpointing every ``interval_s`` with a ``cost_s`` stall each time."""
+
+    interval_s: float
+    cost_s: float
+    waste: float  # fraction of wall time
+    lost_per_failure_s: float
+    interval_iterations: float | None = None
+
+
+@dataclass
+class Advice:
+    mtbf_s: float
+    restart_s: float
+    young_interval_s: float
+    optimal: Plan  # Daly's interval with the given cost
+    iteration_s: float | None = None
+    per_iteration: Plan | None = None  # checkpoint every iteration with the overlapped cost
+    per_iteration_break_even_cost_s: float | None = None  # per-iteration optimal below this cost
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _plan(interval: float, cost: float, mtbf: float, restart: float, iteration: float | None
+          ) -> Plan:
+    return Plan(interval, cost, waste_fraction(interval, cost, mtbf, restart),
+                lost_work(interval, cost, mtbf, restart),
+                interval / iteration if iteration else None)
+
+
+def advise(cost_s: float, mtbf_s: float, *, restart_s: float = 0.0,
+           iteration_s: float | None = None, per_iteration_cost_s: float | None = None) -> Advice:
+    """The optimal interval for checkpoints stalling ``cost_s``, and, given an iteration time,
+    what checkpointing every iteration with a stall of ``per_iteration_cost_s`` would waste."""
+    if mtbf_s <= 0:
+        raise ValueError(f"mtbf={mtbf_s} must be positive")
+    if cost_s < 0 or restart_s < 0:
+        raise ValueError("checkpoint cost and restart time must be >= 0")
+    interval = daly_interval(cost_s, mtbf_s) if cost_s > 0 else 0.0
+    if iteration_s:
+        interval = max(interval, iteration_s)  # no finer than one iteration
+    if interval <= 0:
+        raise ValueError("a checkpoint that costs nothing has no optimal interval; give "
+                         "--iteration-time to checkpoint every iteration")
+    a = Advice(mtbf_s, restart_s, young_interval(cost_s, mtbf_s),
+               _plan(interval, cost_s, mtbf_s, restart_s, iteration_s))
+    if iteration_s:
+        a.iteration_s = iteration_s
+        a.per_iteration_break_even_cost_s = iteration_s**2 / (2.0 * mtbf_s)
+        per_cost = cost_s if per_iteration_cost_s is None else per_iteration_cost_s
+        a.per_iteration = _plan(iteration_s, per_cost, mtbf_s, restart_s, iteration_s)
+    return a
+
+
+def _duration(s: float) -> str:
+    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
+        if s >= size:
+            return f"{s / size:.3g} {unit} ({s:.0f} s)"
+    return f"{s:.3g} s"
+
+
+def describe(a: Advice) -> list[str]:
+    """The advice as lines of text."""
+    o = a.optimal
+    lines = [
+        f"MTBF {_duration(a.mtbf_s)}, restart {_duration(a.restart_s)}, checkpoint stall "
+        f"{_duration(o.cost_s)}",
+        f"Young interval sqrt(2CM):  {_duration(a.young_interval_s)}",
+        f"Daly interval (optimal):   {_duration(o.interval_s)}"
+        + (f" = {o.interval_iterations:.1f} iterations" if o.interval_iterations else ""),
+        f"  expected lost work per failure {_duration(o.lost_per_failure_s)}, "
+        f"waste {100 * o.waste:.3f}% of wall time",
+    ]
+    p = a.per_iteration
+    if p is not None and a.iteration_s is not None and a.per_iteration_break_even_cost_s:
+        lines += [
+            f"Every iteration ({_duration(a.iteration_s)}) with a stall of {_duration(p.cost_s)}:",
+            f"  expected lost work per failure {_duration(p.lost_per_failure_s)}, "
+            f"waste {100 * p.waste:.3f}% of wall time",
+            f"  per-iteration checkpointing is the optimum when a checkpoint stalls training at "
+            f"most {_duration(a.per_iteration_break_even_cost_s)} "
+            f"({100 * a.per_iteration_break_even_cost_s / a.iteration_s:.3g}% of an iteration)",
+        ]
+        better = "pays off" if p.waste <= o.waste else "does not pay off"
+        lines.append(f"  => per-iteration checkpointing {better} here "
+                     f"({100 * p.waste:.3f}% vs {100 * o.waste:.3f}% waste)")
+    return lines

@@ -1,0 +1,621 @@
+"""Checkpointing that overlaps training: :class:`Checkpointer`.
+
+::
+
+    with gds_persist.Checkpointer("ckpt", keep_last=3) as ckpt:
+        ckpt.guard(optimizer)                   # optimizer.step() waits for in-flight writes
+        start = 0
+        if ckpt.latest_step() is not None:
+            state = ckpt.load()
+            model.load_state_dict(state["model"]); optimizer.load_state_dict(state["optim"])
+            start = state["step"]
+        for step in range(start + 1, steps + 1):
+            loss_fn(model(next(batches))).backward()
+            optimizer.step(); optimizer.zero_grad()
+            ckpt.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict(),
+                             "step": step})
+
+``save`` returns at once; the checkpoint of step i is written while step i+1 runs forward and
+backward, and the guard makes step i+1's update wait until the write no longer reads the tensors.
+
+Modes (how long the caller's tensors are borrowed):
+
+* ``fence`` (default): the live tensors are written directly; no copy, no extra memory. They are
+  released when the checkpoint is durable.
+* ``snapshot``: a background thread copies them into a bounded host arena (pinned where CUDA
+  exists) and releases them; the write follows from the copy. For updates that come before a
+  write could finish. The arena never grows: a snapshot waits for memory (counted in
+  :attr:`Checkpointer.stats`) and a state dict larger than the whole arena is written fence-style.
+
+Either way the caller must not change the tensors of a save until its handle is released:
+``guard(optimizer)`` does it for optimizer updates; otherwise call ``handle.wait_released()``.
+
+Threads: one writer thread (plus a snapshot thread in snapshot mode) per Checkpointer. The work
+they do (``copy_``, CRC32C, ``pwrite``, ``fsync``) releases the GIL; docs/TRAINING.md records the
+measured contention with a training loop. Every wait is bounded (``timeout_s``) and watches the
+threads: one that dies fails the save it was doing (it is restarted for the next), never hangs.
+A background error is raised by ``handle.wait()``, else by the next ``save``/``wait``/``close``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import inspect
+import logging
+import operator
+import os
+import queue
+import threading
+import time
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from . import steps as _steps
+from .errors import CheckpointError
+from .flatten import Flattened, flatten
+from .load import load as core_load
+from .save import SaveInfo
+from .save import save as core_save
+from .snapshot import Reservation, SnapshotArena, SnapshotTooLarge, snapshot_nbytes, take_snapshot
+
+log = logging.getLogger("gds_persist")
+
+MODES = ("fence", "snapshot")
+
+
+class CheckpointTimeout(CheckpointError, TimeoutError):
+    """A bounded wait on background checkpoint work ran out."""
+
+
+class WorkerDied(CheckpointError):
+    """A Checkpointer thread stopped in the middle of a save."""
+
+
+@dataclass
+class CheckpointerStats:
+    """Counters of one Checkpointer (a copy: read ``ckpt.stats`` again for fresh values)."""
+
+    saves: int = 0  # save() calls accepted
+    committed: int = 0  # checkpoints committed and published
+    failed: int = 0
+    save_waits: int = 0  # save() calls that waited for a free slot (max_pending)
+    save_wait_s: float = 0.0
+    guard_waits: int = 0  # optimizer steps that waited for a checkpoint to release tensors
+    guard_wait_s: float = 0.0
+    snapshot_blocked: int = 0  # snapshots that waited for arena memory
+    snapshot_blocked_s: float = 0.0
+    fence_fallbacks: int = 0  # snapshot-mode saves too large for the arena, written fence-style
+    snapshot_bytes: int = 0  # arena capacity (0 until the first snapshot)
+    snapshot_peak_bytes: int = 0  # most arena bytes ever reserved at once (<= snapshot_bytes)
+    write_s: float = 0.0  # total seconds spent in gds_persist.save by the writer
+    bytes_written: int = 0
+
+
+class SaveHandle:
+    """One background save. ``done()`` / ``wait()``: committed and published (or failed);
+    ``released()`` / ``wait_released()``: the tensors passed to ``save`` may change again."""
+
+    def __init__(self, owner: Checkpointer, step: int, path: str, mode: str):
+        self.step = step
+        self.path = path
+        self.mode = mode  # "snapshot" or "fence" (also a snapshot too large for the arena)
+        self.info: SaveInfo | None = None
+        self.error: BaseException | None = None
+        self.blocked_s = 0.0  # time the snapshot waited for arena memory
+        self._owner = owner
+        self._released = threading.Event()
+        self._done = threading.Event()
+
+    def __repr__(self) -> str:
+        state = "failed" if self.error else "done" if self.done() else "in flight"
+        return f"<SaveHandle step={self.step} {self.mode} {state} {self.path}>"
+
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def released(self) -> bool:
+        return self._released.is_set()
+
+    def wait(self, timeout: float | None = None) -> SaveInfo:
+        """Block until committed and published; return the SaveInfo or raise the save's error."""
+        self._owner._await(self._done, f"step {self.step} to be written", timeout)
+        self._owner._delivered(self)
+        if self.error is not None:
+            raise self.error
+        assert self.info is not None
+        return self.info
+
+    def wait_released(self, timeout: float | None = None) -> None:
+        """Block until the tensors given to ``save`` are no longer read (copied or written)."""
+        self._owner._await(self._released, f"step {self.step} to release its tensors", timeout)
+
+    def _finish(self, info: SaveInfo | None = None, error: BaseException | None = None) -> bool:
+        if self._done.is_set():
+            return False
+        self.info, self.error = info, error
+        self._released.set()
+        self._done.set()
+        return True
+
+
+@dataclass
+class _Job:
+    handle: SaveHandle
+    state_dict: Any  # the caller's (live) state dict, or its snapshot once taken
+    flat: Flattened | None
+    events: list[tuple[torch.device, Any]]  # (device, CUDA event recorded at save())
+    reservation: Reservation | None = None
+
+
+_STOP = object()
+_live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
+
+
+class Checkpointer:
+    """Per-step checkpoints under ``root`` written in the background, with retention.
+
+    ``keep_last``: committed checkpoints to keep (None keeps all); the newest is only removed
+    once a newer one is committed. ``mode``: ``"fence"`` or ``"snapshot"`` (see the module doc).
+    ``snapshot_bytes``: the snapshot arena's size; default twice the first checkpoint.
+    ``backend``, ``block_bytes``, ``staging_bytes``, ``io_threads``: passed to
+    :func:`gds_persist.save` (None: the settings in force). ``process_group``: passed to
+    ``save``/``load`` for data-parallel writes (use a group of its own: the writer thread runs its
+    collectives). ``timeout_s``: bound on every wait for background work. ``max_pending``: saves
+    in flight before ``save`` waits for the oldest to commit (default 2 in fence mode; unbounded
+    in snapshot mode, where the arena bounds memory).
+    """
+
+    def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
+                 mode: str = "fence", snapshot_bytes: int | None = None,
+                 backend: str | None = None, process_group: Any = None,
+                 timeout_s: float = 1800.0, max_pending: int | None = None,
+                 block_bytes: int | None = None, staging_bytes: int | None = None,
+                 io_threads: int | None = None):
+        if mode not in MODES:
+            raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
+        if max_pending is None:
+            max_pending = 2 if mode == "fence" else 1 << 30  # snapshot: the arena is the bound
+        if max_pending < 1:
+            raise ValueError(f"max_pending={max_pending} must be at least 1")
+        if timeout_s <= 0:
+            raise ValueError(f"timeout_s={timeout_s} must be positive")
+        self.root = os.path.abspath(os.fspath(root))
+        self.keep_last = keep_last
+        self.mode = mode
+        self.timeout_s = float(timeout_s)
+        self.max_pending = max_pending
+        self.process_group = process_group
+        self.loaded_step: int | None = None
+        self._save_kwargs: dict[str, Any] = {"backend": backend, "block_bytes": block_bytes,
+                                             "staging_bytes": staging_bytes,
+                                             "io_threads": io_threads}
+        self._load_kwargs: dict[str, Any] = {"backend": backend}
+        self._publisher = True  # the process that moves `latest` and removes old steps
+        if process_group is not None:
+            self._accept_process_group(process_group)
+        os.makedirs(self.root, exist_ok=True)
+        self._lock = threading.RLock()
+        self._stats = CheckpointerStats()
+        self._pending: deque[SaveHandle] = deque()  # not done, oldest first
+        self._undelivered: deque[SaveHandle] = deque()  # failed, error not yet raised
+        latest = _steps.latest_step(self.root)
+        self._floor = -1 if latest is None else latest  # save(step) needs step >= this
+        self._rollback_to: int | None = None
+        self._snapshot_bytes = snapshot_bytes
+        self._arena: SnapshotArena | None = None
+        self._queues: dict[str, queue.Queue[Any]] = {}
+        self._threads: dict[str, threading.Thread] = {}
+        self._current: dict[str, _Job] = {}
+        self._death: dict[str, str] = {}  # why a thread stopped
+        self._streams: dict[Any, Any] = {}
+        self._closed = False  # no new saves
+        self._stopping = False  # threads told to stop: dead ones are no longer replaced
+        self._before_write: Callable[[int], None] | None = None  # test seam: runs in the writer
+        stages = ["write"] + (["snapshot"] if mode == "snapshot" else [])
+        for stage in stages:
+            self._queues[stage] = queue.Queue()
+            self._start(stage)
+        _live.add(self)
+
+    # ---------------------------------------------------------------- public API
+
+    def save(self, step: int, state_dict: Any, *, blocking: bool = False) -> SaveHandle:
+        """Start saving ``state_dict`` as checkpoint ``step``; return its handle.
+
+        Raises first any error of an earlier background save not yet raised, and TypeError (with
+        the key path) for what a checkpoint cannot hold. With ``blocking=True`` it returns once
+        the checkpoint is committed, raising its error.
+        """
+        step = operator.index(step)
+        if step < 0:
+            raise ValueError(f"step={step} must be >= 0")
+        self._check_open()
+        self._check_workers()
+        self._raise_undelivered()
+        if step < self._floor:
+            raise ValueError(
+                f"step {step} is before step {self._floor}, the newest checkpoint in {self.root} "
+                "(or the one loaded): steps must not go back. To resume from an older step, "
+                "ckpt.load(step=...) it first (newer checkpoints are then replaced as training "
+                "proceeds), or use another root"
+            )
+        flat = flatten(state_dict)  # TypeError naming the key, here rather than in the thread
+        self._wait_for_slot()
+        if self._rollback_to is not None and self._publisher:
+            # Resumed from an older step: publish it again first, so that a crash from now on
+            # resumes on this timeline, not the abandoned newer checkpoints (removed after commit).
+            _steps.write_latest(self.root, self._rollback_to)
+        self._rollback_to = None
+        mode = self.mode
+        handle = SaveHandle(self, step, _steps.step_path(self.root, step), mode)
+        job = _Job(handle, state_dict, flat, _record_events(flat))
+        with self._lock:
+            self._floor = step
+            self._pending.append(handle)
+            self._stats.saves += 1
+        self._queues["snapshot" if mode == "snapshot" else "write"].put(job)
+        if blocking:
+            handle.wait()
+        return handle
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Make ``optimizer.step()`` wait until in-flight saves no longer read the tensors.
+
+        Returns the hook's handle (``.remove()`` undoes it). The wait is bounded by ``timeout_s``
+        and raises :class:`CheckpointTimeout` or :class:`WorkerDied`; a save that failed releases
+        its tensors, and its error is raised by the next ``save``/``wait``, not by the step.
+        """
+        ref = weakref.ref(self)
+
+        def wait_for_checkpoints(opt: Any, args: Any, kwargs: Any) -> None:
+            ckpt = ref()
+            if ckpt is not None:
+                ckpt.wait_released()
+
+        return optimizer.register_step_pre_hook(wait_for_checkpoints)
+
+    def wait_released(self, timeout: float | None = None) -> None:
+        """Block until every save so far has released its tensors (what ``guard`` does)."""
+        t0 = time.perf_counter()
+        waited = False
+        for handle in self._pending_handles():
+            if not handle.released():
+                waited = True
+                handle.wait_released(timeout)
+        if waited:
+            with self._lock:
+                self._stats.guard_waits += 1
+                self._stats.guard_wait_s += time.perf_counter() - t0
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every save so far is committed; raise the first error not yet raised."""
+        for handle in self._pending_handles():
+            self._await(handle._done, f"step {handle.step} to be written", timeout)
+        self._raise_undelivered()
+
+    def latest_step(self) -> int | None:
+        """The newest committed, published step under ``root`` (None if there is none)."""
+        return _steps.latest_step(self.root)
+
+    def steps(self) -> list[int]:
+        """All committed steps under ``root``, ascending."""
+        return _steps.committed_steps(self.root)
+
+    def load(self, step: int | None = None, *, map_location: Any = None,
+             verify: bool = True) -> Any:
+        """Load checkpoint ``step`` (default: the latest committed) after in-flight saves finish.
+
+        Loading a step older than the latest marks a resume from it: the next ``save`` publishes
+        it as ``latest`` again, and the newer checkpoints are removed once that save commits.
+        """
+        if self._pending_handles():
+            self.wait()
+        latest = self.latest_step()
+        if step is None:
+            step = latest
+            if step is None:
+                raise CheckpointError(f"no committed checkpoint in {self.root} to load")
+        path = _steps.step_path(self.root, step)
+        kwargs = dict(self._load_kwargs)
+        if self.process_group is not None:
+            kwargs["process_group"] = self.process_group
+        state = core_load(path, map_location=map_location, verify=verify, **kwargs)
+        with self._lock:
+            self.loaded_step = step
+            self._floor = step
+            self._rollback_to = step if latest is not None and step < latest else None
+        return state
+
+    @property
+    def stats(self) -> CheckpointerStats:
+        with self._lock:
+            s = replace(self._stats)
+        if self._arena is not None:
+            s.snapshot_bytes, s.snapshot_peak_bytes = self._arena.capacity, self._arena.peak_bytes
+        return s
+
+    def close(self, timeout: float | None = None) -> None:
+        """Finish in-flight saves (bounded), stop the threads, raise any error not yet raised.
+        Idempotent. ``load`` and ``latest_step`` still work afterwards."""
+        if self._closed:
+            return
+        self._closed = True
+        _live.discard(self)
+        try:
+            for handle in self._pending_handles():
+                self._await(handle._done, f"step {handle.step} to be written", timeout)
+        finally:
+            self._stop_threads()
+        self._raise_undelivered()
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> None:
+        if exc is None:
+            self.close()
+            return
+        try:  # the body's exception wins; a background error is logged and attached to it
+            self.close()
+        except Exception as bg:  # noqa: BLE001
+            log.error("gds_persist.Checkpointer(%s): %s: %s", self.root, type(bg).__name__, bg)
+            _add_note(exc, f"also, while closing the Checkpointer: {type(bg).__name__}: {bg}")
+
+    # ---------------------------------------------------------------- waiting and errors
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise CheckpointError(f"this Checkpointer of {self.root} is closed; create a new one")
+
+    def _pending_handles(self) -> list[SaveHandle]:
+        with self._lock:
+            while self._pending and self._pending[0].done():
+                self._pending.popleft()
+            return [h for h in self._pending if not h.done()]
+
+    def _wait_for_slot(self) -> None:
+        pending = self._pending_handles()
+        if len(pending) < self.max_pending:
+            return
+        t0 = time.perf_counter()
+        for handle in pending[: len(pending) - self.max_pending + 1]:
+            self._await(handle._done, f"step {handle.step} to be written (max_pending="
+                        f"{self.max_pending} saves in flight)", None)
+        with self._lock:
+            self._stats.save_waits += 1
+            self._stats.save_wait_s += time.perf_counter() - t0
+
+    def _await(self, event: threading.Event, what: str, timeout: float | None) -> None:
+        """Wait for ``event`` in short slices, checking the threads; bounded by ``timeout``."""
+        if event.is_set():
+            return
+        limit = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        while not event.wait(max(0.0, min(0.25, deadline - time.monotonic()))):
+            self._check_workers()
+            if event.is_set():
+                break
+            if time.monotonic() >= deadline:
+                raise CheckpointTimeout(
+                    f"waited {limit:.1f} s for {what} under {self.root}: the write is still "
+                    "running (slow or hung storage?); raise Checkpointer(timeout_s=...) if the "
+                    "drive is just slow"
+                )
+
+    def _delivered(self, handle: SaveHandle) -> None:
+        with self._lock:
+            with contextlib.suppress(ValueError):
+                self._undelivered.remove(handle)
+
+    def _raise_undelivered(self) -> None:
+        with self._lock:
+            failed = list(self._undelivered)
+            self._undelivered.clear()
+        if not failed:
+            return
+        first = failed[0].error
+        assert first is not None
+        if len(failed) > 1:
+            later = ", ".join(f"step {h.step} ({type(h.error).__name__})" for h in failed[1:])
+            _add_note(first, f"later background saves also failed: {later}")
+        raise first
+
+    def _fail(self, job: _Job, error: BaseException) -> None:
+        self._free(job)
+        job.state_dict = job.flat = None
+        h = job.handle
+        _add_note(error, f"(gds_persist.Checkpointer: the checkpoint of step {h.step} to {h.path} "
+                         "failed in the background; earlier checkpoints are untouched)")
+        if h._finish(error=error):
+            with self._lock:
+                self._stats.failed += 1
+                self._undelivered.append(h)
+
+    def _free(self, job: _Job) -> None:
+        if job.reservation is not None and self._arena is not None:
+            self._arena.free(job.reservation)
+        job.reservation = None
+
+    # ---------------------------------------------------------------- threads
+
+    def _start(self, stage: str) -> None:
+        run = self._write if stage == "write" else self._snapshot
+        t = threading.Thread(target=self._loop, args=(stage, self._queues[stage], run),
+                             name=f"gds_persist-{stage}", daemon=True)
+        self._threads[stage] = t
+        t.start()
+
+    def _loop(self, stage: str, q: queue.Queue[Any], run: Callable[[_Job], None]) -> None:
+        while True:
+            job = q.get()
+            if job is _STOP:
+                return
+            with self._lock:
+                self._current[stage] = job
+            try:
+                with self._device_streams(job):
+                    run(job)  # reports an Exception through the job's handle
+            except BaseException as e:  # noqa: BLE001 - SystemExit & co. end this thread
+                self._death[stage] = f"{type(e).__name__}: {e}"
+                log.error("gds_persist %s thread stopped by %s: %s", stage, type(e).__name__, e)
+                return  # the job stays in _current: _check_workers fails it
+            with self._lock:
+                self._current.pop(stage, None)
+
+    def _check_workers(self) -> None:
+        """Fail the save a dead thread was doing, and start a new thread for the next ones."""
+        dead_jobs = []
+        with self._lock:
+            for stage, t in list(self._threads.items()):
+                if not t.is_alive() and not self._stopping:
+                    job = self._current.pop(stage, None)
+                    if job is not None:
+                        dead_jobs.append((stage, job))
+                    self._start(stage)
+        for stage, job in dead_jobs:
+            why = self._death.pop(stage, "see the log for why")
+            self._fail(job, WorkerDied(
+                f"the gds_persist {stage} thread died while saving step {job.handle.step} "
+                f"({why}); that save is lost, later saves use a new thread"))
+
+    def _stop_threads(self) -> None:
+        with self._lock:
+            self._stopping = True
+        for q in self._queues.values():
+            q.put(_STOP)
+        for t in self._threads.values():
+            t.join(timeout=self.timeout_s)
+        if self._arena is not None and not any(t.is_alive() for t in self._threads.values()):
+            self._arena.close()
+
+    @contextlib.contextmanager
+    def _device_streams(self, job: _Job) -> Iterator[None]:
+        """Run the job's copies on a side stream per device, not behind the training kernels."""
+        if not job.events:
+            yield
+            return
+        with contextlib.ExitStack() as stack:
+            for device, _ in job.events:
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = torch.cuda.Stream(device=device)
+                stack.enter_context(torch.cuda.stream(stream))
+            yield
+
+    # ---------------------------------------------------------------- the two stages
+
+    def _snapshot(self, job: _Job) -> None:
+        h = job.handle
+        try:
+            _synchronize(job)
+            assert job.flat is not None
+            need = snapshot_nbytes(job.flat)
+            if self._arena is None:
+                capacity = self._snapshot_bytes if self._snapshot_bytes else 2 * need
+                self._arena = SnapshotArena(capacity, self.timeout_s)
+            try:
+                job.reservation = self._arena.reserve(need)
+            except SnapshotTooLarge as e:
+                log.warning("%s; writing step %d from the live tensors (fence)", e, h.step)
+                h.mode = "fence"
+                with self._lock:
+                    self._stats.fence_fallbacks += 1
+                self._queues["write"].put(job)
+                return
+            h.blocked_s = job.reservation.waited_s
+            if h.blocked_s:
+                with self._lock:
+                    self._stats.snapshot_blocked += 1
+                    self._stats.snapshot_blocked_s += h.blocked_s
+            job.state_dict = take_snapshot(job.flat, self._arena, job.reservation)
+            job.flat, job.events = None, []
+            h._released.set()
+            self._queues["write"].put(job)
+        except Exception as e:  # noqa: BLE001 - reported through the handle
+            self._fail(job, e)
+
+    def _write(self, job: _Job) -> None:
+        h = job.handle
+        try:
+            _synchronize(job)
+            if self._before_write is not None:
+                self._before_write(h.step)
+            kwargs = dict(self._save_kwargs)
+            if self.process_group is not None:
+                kwargs["process_group"] = self.process_group
+            info = core_save(job.state_dict, h.path, **kwargs)
+            job.state_dict = job.flat = None
+            self._free(job)
+            h._released.set()
+            if self._publisher:
+                try:
+                    _steps.write_latest(self.root, h.step)
+                    _steps.apply_retention(self.root, h.step, self.keep_last)
+                except OSError as e:
+                    raise CheckpointError(
+                        f"step {h.step} was committed at {h.path}, but publishing it failed "
+                        f"(updating {self.root}/latest or removing old steps): {e}"
+                    ) from e
+        except Exception as e:  # noqa: BLE001 - reported through the handle
+            self._fail(job, e)
+            return
+        with self._lock:
+            self._stats.committed += 1
+            self._stats.write_s += info.seconds
+            self._stats.bytes_written += info.bytes_written
+        h._finish(info=info)
+
+    # ---------------------------------------------------------------- process groups
+
+    def _accept_process_group(self, group: Any) -> None:
+        for fn in (core_save, core_load):
+            if "process_group" not in inspect.signature(fn).parameters:
+                raise CheckpointError(
+                    f"process_group= needs gds_persist.{fn.__name__}(process_group=...) (the "
+                    "data-parallel scheduler), which this build does not have; pass "
+                    "process_group=None"
+                )
+        import torch.distributed as dist
+
+        self._publisher = dist.get_rank(group) == 0
+
+
+def _record_events(flat: Flattened) -> list[tuple[torch.device, Any]]:
+    """One CUDA event per device, recorded on its current stream: the tensors are final after."""
+    devices = {s.device for s in flat.storage_objects if s.is_cuda}
+    events = []
+    for device in sorted(devices, key=str):
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(device))
+        events.append((device, ev))
+    return events
+
+
+def _synchronize(job: _Job) -> None:
+    """In a worker: wait (this thread only) until the caller's kernels up to save() are done."""
+    for _, ev in job.events:
+        ev.synchronize()
+
+
+def _add_note(exc: BaseException, note: str) -> None:
+    if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
+        exc.add_note(note)
+
+
+@atexit.register
+def _close_at_exit() -> None:
+    """Interpreter exit: let in-flight checkpoints commit (bounded) rather than lose them."""
+    for ckpt in list(_live):
+        try:
+            ckpt.close()
+        except Exception as e:  # noqa: BLE001
+            log.error("gds_persist.Checkpointer(%s) at exit: %s: %s", ckpt.root,
+                      type(e).__name__, e)

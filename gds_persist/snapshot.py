@@ -1,0 +1,177 @@
+"""Bounded host snapshots of a state dict, for the Checkpointer's ``snapshot`` mode.
+
+A snapshot copies every distinct storage of a state dict into one :class:`SnapshotArena` (a single
+page-aligned host buffer, pinned where CUDA exists, of a fixed capacity) and rebuilds the same
+state dict over the copies: same tree, same views, storages still shared where they were (tied
+weights stay tied), each copy remembering the device it came from so that the checkpoint written
+from it is the one ``gds_persist.save`` would have written from the live tensors.
+
+The arena never grows: a snapshot that does not fit yet waits (bounded) until earlier ones are
+written and freed; one that can never fit is refused with :class:`SnapshotTooLarge`, and the
+Checkpointer writes that checkpoint straight from the live tensors instead ("fence" mode).
+
+SAFETY: the tensors of a snapshot alias the arena. They must be dropped before their
+:class:`Reservation` is freed and before the arena is closed.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+import warnings
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .errors import CheckpointError
+from .flatten import Flattened, rebuild_tensor, unflatten
+from .staging import AlignedBuffer
+from .write import byte_view
+
+PAGE = 4096
+_ALIGN = 64  # every copied storage starts 64-byte aligned (any dtype's element size divides it)
+
+# flatten() records this attribute, when a tensor carries it, as the device a storage was saved
+# from (a snapshot's host copy of a CUDA tensor is recorded as the CUDA tensor).
+SAVED_DEVICE_ATTR = "_gds_persist_saved_device"
+
+
+class SnapshotTooLarge(CheckpointError):
+    """A state dict is larger than the whole snapshot arena (``snapshot_bytes``)."""
+
+
+def _align(n: int, a: int) -> int:
+    return -(-n // a) * a
+
+
+def snapshot_nbytes(flat: Flattened) -> int:
+    """Arena bytes a snapshot of ``flat`` takes (each storage 64-byte aligned, page-rounded)."""
+    return _align(sum(_align(s.nbytes, _ALIGN) for s in flat.storages), PAGE)
+
+
+@dataclass
+class Reservation:
+    offset: int
+    nbytes: int
+    waited_s: float  # how long reserve() blocked for memory (0.0 when it did not)
+
+
+class SnapshotArena:
+    """A fixed host buffer handed out as contiguous reservations, freed oldest first.
+
+    Snapshots are written in the order they are taken, so a ring works: new reservations go after
+    the newest live one, wrapping to the start once the oldest ones are freed. The buffer is
+    created on first use (pinning it is expensive) and reused for every later snapshot.
+    """
+
+    def __init__(self, capacity: int, timeout_s: float):
+        if capacity < PAGE:
+            raise ValueError(f"snapshot_bytes={capacity} must be at least {PAGE}")
+        self.capacity = _align(capacity, PAGE)
+        self.timeout_s = timeout_s
+        self.peak_bytes = 0
+        self._buffer: AlignedBuffer | None = None
+        self._live: deque[Reservation] = deque()
+        self._cond = threading.Condition()
+
+    @property
+    def in_use(self) -> int:
+        with self._cond:
+            return sum(r.nbytes for r in self._live)
+
+    def _place(self, n: int) -> int | None:
+        if not self._live:
+            return 0
+        first, last = self._live[0], self._live[-1]
+        end = last.offset + last.nbytes
+        if last.offset >= first.offset:  # live bytes are [first, end): room after, or before
+            if end + n <= self.capacity:
+                return end
+            return 0 if n <= first.offset else None
+        return end if end + n <= first.offset else None  # wrapped: room only in the gap
+
+    def reserve(self, nbytes: int) -> Reservation:
+        """Reserve ``nbytes`` (page-rounded), waiting up to ``timeout_s`` for older ones to go."""
+        n = _align(max(nbytes, 1), PAGE)
+        if n > self.capacity:
+            raise SnapshotTooLarge(
+                f"a snapshot of this state dict needs {n} bytes but snapshot_bytes is "
+                f"{self.capacity}; raise Checkpointer(snapshot_bytes=...) or use mode='fence'"
+            )
+        t0 = time.monotonic()
+        deadline = t0 + self.timeout_s
+        waited = False
+        with self._cond:
+            while (offset := self._place(n)) is None:
+                waited = True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CheckpointError(
+                        f"no {n} bytes of snapshot memory came free within {self.timeout_s:.0f} s "
+                        "(earlier checkpoints are still being written: is the storage hung?); "
+                        "raise Checkpointer(timeout_s=...) if the drive is just slow"
+                    )
+                self._cond.wait(min(left, 0.2))
+            r = Reservation(offset, n, time.monotonic() - t0 if waited else 0.0)
+            self._live.append(r)
+            self.peak_bytes = max(self.peak_bytes, sum(x.nbytes for x in self._live))
+            if self._buffer is None:
+                self._buffer = AlignedBuffer(self.capacity)
+        return r
+
+    def free(self, r: Reservation) -> None:
+        with self._cond:
+            self._live.remove(r)
+            self._cond.notify_all()
+
+    def view(self, r: Reservation, start: int, nbytes: int) -> torch.Tensor:
+        """A uint8 tensor with its own storage over arena bytes ``[r.offset+start, +nbytes)``."""
+        assert self._buffer is not None and start + nbytes <= r.nbytes
+        if nbytes == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return torch.frombuffer(self._buffer.view, dtype=torch.uint8, count=nbytes,
+                                    offset=r.offset + start)
+
+    def close(self) -> None:
+        with self._cond:
+            buffer, self._buffer = self._buffer, None
+            self._live.clear()
+        if buffer is not None:
+            buffer.close()
+
+
+def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Any:
+    """Copy every storage of ``flat`` into ``r`` and return the state dict rebuilt over the copies.
+
+    CUDA storages are copied on a side stream into the (pinned) arena and synchronized before
+    this returns, so the live tensors may change as soon as it has.
+    """
+    copies: list[torch.Tensor] = []
+    cursor = 0
+    cuda_devices = set()
+    for storage in flat.storage_objects:
+        nbytes = storage.nbytes()
+        dst = arena.view(r, cursor, nbytes)
+        if nbytes:
+            src = byte_view(storage)
+            if src.is_cuda:
+                cuda_devices.add(src.device)
+                dst.copy_(src, non_blocking=True)
+            else:
+                dst.copy_(src)
+        copies.append(dst)
+        cursor += _align(nbytes, _ALIGN)
+    for device in cuda_devices:
+        torch.cuda.current_stream(device).synchronize()
+    tensors = []
+    for record in flat.tensors:
+        t = rebuild_tensor(record, copies[record.storage].untyped_storage())
+        saved = flat.storages[record.storage].device
+        if saved != "cpu":
+            setattr(t, SAVED_DEVICE_ATTR, saved)
+        tensors.append(t)
+    return unflatten(flat.tree, tensors)

@@ -1,0 +1,142 @@
+"""The layout of a :class:`~gds_persist.Checkpointer` root: step directories, ``latest``, retention.
+
+::
+
+    root/
+      step-00000041/            a committed checkpoint (a gds_persist.save directory)
+      step-00000042/
+      latest                    "step-00000042\\n": the newest published step, replaced atomically
+      .step-00000043.tmp-<id>/  a save in progress, or one a crash interrupted (never loaded)
+
+Order of a publish: the step directory is committed (core ``save``: fsync + atomic rename), then
+``latest`` is replaced (temp file, fsync, rename, fsync of the root), then old steps are removed.
+A crash anywhere leaves ``latest`` naming a committed step, or missing / naming a step that is
+gone, in which case :func:`latest_step` falls back to the newest committed step directory.
+Removal renames a directory to a hidden ``.step-N.old-<id>`` before deleting it, so a crash in the
+middle of a delete never leaves a half-deleted directory that looks committed.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+
+from .commit import fsync_path
+from .format import MANIFEST_NAME
+
+LATEST = "latest"
+_STEP = re.compile(r"^step-(\d+)$")
+_HIDDEN_STEP = re.compile(r"^\.step-(\d+)\.(?:tmp|old)-")
+_HIDDEN_LATEST = ".latest.tmp-"
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def step_path(root: str, step: int) -> str:
+    return os.path.join(root, step_name(step))
+
+
+def parse_step(name: str) -> int | None:
+    m = _STEP.match(name)
+    return int(m.group(1)) if m else None
+
+
+def committed_steps(root: str) -> list[int]:
+    """Steps whose directory is committed (holds a manifest), ascending."""
+    try:
+        names = os.listdir(root)
+    except FileNotFoundError:
+        return []
+    steps = []
+    for name in names:
+        step = parse_step(name)
+        if step is not None and os.path.isfile(os.path.join(root, name, MANIFEST_NAME)):
+            steps.append(step)
+    return sorted(steps)
+
+
+def read_latest(root: str) -> int | None:
+    """The step ``latest`` names, or None when it is missing or unreadable."""
+    try:
+        with open(os.path.join(root, LATEST), encoding="ascii") as f:
+            text = f.read(64)
+    except (OSError, UnicodeDecodeError):
+        return None
+    return parse_step(text.strip())
+
+
+def latest_step(root: str) -> int | None:
+    """The newest published committed step: what ``latest`` names if that step is committed,
+    else (pointer missing, stale or garbled after a crash or a manual delete) the newest committed
+    step directory; None when there is none."""
+    steps = committed_steps(root)
+    pointed = read_latest(root)
+    if pointed is not None and pointed in steps:
+        return pointed
+    return steps[-1] if steps else None
+
+
+def write_latest(root: str, step: int) -> None:
+    """Point ``latest`` at ``step`` atomically and durably."""
+    for name in os.listdir(root):
+        if name.startswith(_HIDDEN_LATEST):
+            _remove(os.path.join(root, name))
+    tmp = os.path.join(root, f"{_HIDDEN_LATEST}{uuid.uuid4().hex[:12]}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    try:
+        try:
+            os.write(fd, f"{step_name(step)}\n".encode("ascii"))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.rename(tmp, os.path.join(root, LATEST))
+    except BaseException:
+        _remove(tmp)
+        raise
+    fsync_path(root)
+
+
+def remove_step(root: str, step: int) -> None:
+    """Delete a step directory: hide it with one rename (atomic), then remove it."""
+    path = step_path(root, step)
+    hidden = os.path.join(root, f".{step_name(step)}.old-{uuid.uuid4().hex[:12]}")
+    os.rename(path, hidden)
+    shutil.rmtree(hidden)
+
+
+def apply_retention(root: str, newest: int, keep_last: int | None) -> list[int]:
+    """After ``newest`` is committed and ``latest`` names it: remove what is not kept.
+
+    Removes committed steps above ``newest`` (left from a timeline abandoned by resuming from an
+    older step), all but the ``keep_last`` newest steps up to ``newest``, and leftovers of
+    interrupted saves and deletes of steps up to ``newest`` (no save of those is still running).
+    ``newest`` itself is never removed. Returns the removed steps.
+    """
+    steps = committed_steps(root)
+    above = [s for s in steps if s > newest]
+    upto = [s for s in steps if s <= newest]
+    old = upto[:-keep_last] if keep_last is not None else []
+    removed = [s for s in above + old if s != newest]
+    for s in removed:
+        remove_step(root, s)
+    for name in os.listdir(root):
+        m = _HIDDEN_STEP.match(name)
+        if m and int(m.group(1)) <= newest:
+            _remove(os.path.join(root, name))
+    if removed:
+        fsync_path(root)
+    return removed
+
+
+def _remove(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
