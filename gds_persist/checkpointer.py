@@ -48,6 +48,7 @@ import os
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
@@ -429,8 +430,10 @@ class Checkpointer:
         raise first
 
     def _fail(self, job: _Job, error: BaseException) -> None:
-        self._free(job)
         job.state_dict = job.flat = None
+        if error.__traceback__ is not None:  # drop the frames' references to the tensors
+            traceback.clear_frames(error.__traceback__)
+        self._free(job)
         h = job.handle
         _add_note(error, f"(gds_persist.Checkpointer: the checkpoint of step {h.step} to {h.path} "
                          "failed in the background; earlier checkpoints are untouched)")

@@ -16,6 +16,8 @@ SAFETY: the tensors of a snapshot alias the arena. They must be dropped before t
 
 from __future__ import annotations
 
+import logging
+import sys
 import threading
 import time
 import warnings
@@ -29,6 +31,8 @@ from .errors import CheckpointError
 from .flatten import Flattened, rebuild_tensor, unflatten
 from .staging import AlignedBuffer
 from .write import byte_view
+
+log = logging.getLogger("gds_persist")
 
 PAGE = 4096
 _ALIGN = 64  # every copied storage starts 64-byte aligned (any dtype's element size divides it)
@@ -73,6 +77,7 @@ class SnapshotArena:
         self.timeout_s = timeout_s
         self.peak_bytes = 0
         self._buffer: AlignedBuffer | None = None
+        self._idle_refs = 0  # references to the buffer's memoryview when no snapshot uses it
         self._live: deque[Reservation] = deque()
         self._cond = threading.Condition()
 
@@ -119,6 +124,7 @@ class SnapshotArena:
             self.peak_bytes = max(self.peak_bytes, sum(x.nbytes for x in self._live))
             if self._buffer is None:
                 self._buffer = AlignedBuffer(self.capacity)
+                self._idle_refs = sys.getrefcount(self._buffer.view)
         return r
 
     def free(self, r: Reservation) -> None:
@@ -140,8 +146,15 @@ class SnapshotArena:
         with self._cond:
             buffer, self._buffer = self._buffer, None
             self._live.clear()
-        if buffer is not None:
-            buffer.close()
+        if buffer is None:
+            return
+        if sys.getrefcount(buffer.view) > self._idle_refs:
+            # torch.frombuffer tensors hold the memoryview: unmapping now would leave them
+            # pointing at freed memory. The garbage collector unmaps it once they are gone.
+            log.warning("snapshot arena still referenced by tensors at close; left to the "
+                        "garbage collector")
+            return
+        buffer.close()
 
 
 def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Any:

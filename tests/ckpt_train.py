@@ -5,14 +5,20 @@ is the training subprocess the crash test kills::
 
     python tests/ckpt_train.py ROOT TOTAL_STEPS [fence|snapshot]
 
-It resumes from the latest checkpoint under ROOT, prints ``started <step>`` and trains to
+It resumes from the latest checkpoint under ROOT, prints ``started <step> <pid>`` and trains to
 TOTAL_STEPS, saving after every optimizer step. One intra-op thread, so results are bit-exact
 across processes.
+
+``python tests/ckpt_train.py --zygote`` imports torch once, then for every line
+``ROOT TOTAL MODE`` read from stdin forks a training process as above (a fresh process would spend
+seconds importing torch on a loaded 2-core machine) and, when it has exited, prints
+``exit <pid> <wait status>``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -94,7 +100,8 @@ def assert_identical(a: Any, b: Any, where: str = "") -> None:
     """Same structure, same leaves, tensors with the same dtype, shape and bytes."""
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{where}: tensor vs {type(b)}"
-        assert a.dtype == b.dtype and a.shape == b.shape, f"{where}: {a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        assert a.dtype == b.dtype and a.shape == b.shape, \
+            f"{where}: {a.dtype}{list(a.shape)} vs {b.dtype}{list(b.shape)}"
         assert torch.equal(a.detach().reshape(-1).view(torch.uint8),
                            b.detach().reshape(-1).view(torch.uint8)), f"{where}: bytes differ"
     elif isinstance(a, dict):
@@ -103,7 +110,7 @@ def assert_identical(a: Any, b: Any, where: str = "") -> None:
             assert_identical(a[k], b[k], f"{where}[{k!r}]")
     elif isinstance(a, (list, tuple)):
         assert type(a) is type(b) and len(a) == len(b), f"{where}: {a!r:.200} vs {b!r:.200}"
-        for i, (x, y) in enumerate(zip(a, b)):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_identical(x, y, f"{where}[{i}]")
     else:
         assert a == b and type(a) is type(b), f"{where}: {a!r} vs {b!r}"
@@ -116,9 +123,40 @@ def main(root: str, total: int, mode: str = "fence") -> None:
         model, opt = make()
         ckpt.guard(opt)
         start = restore(model, opt, ckpt.load()) if ckpt.latest_step() is not None else 0
-        print(f"started {start}", flush=True)
+        print(f"started {start} {os.getpid()}", flush=True)
         train(model, opt, start, total, ckpt)
 
 
+def zygote() -> None:
+    import gds_persist  # noqa: F401 - imported before forking, like torch
+
+    torch.set_num_threads(1)
+    with one_thread():  # warm the lazy imports of the first optimizer step
+        model, opt = make()
+        train_step(model, opt, 1)
+    assert len(os.listdir("/proc/self/task")) == 1, "fork only from a single-threaded process"
+    print("ready", flush=True)
+    for line in sys.stdin:
+        root, total, mode = line.split()
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                main(root, int(total), mode)
+            except BaseException:  # noqa: BLE001
+                import traceback
+
+                traceback.print_exc()
+                code = 1
+            finally:
+                sys.stdout.flush()
+                os._exit(code)
+        _, status = os.waitpid(pid, 0)
+        print(f"exit {pid} {status}", flush=True)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])
+    if sys.argv[1] == "--zygote":
+        zygote()
+    else:
+        main(sys.argv[1], int(sys.argv[2]), *sys.argv[3:4])

@@ -1,0 +1,333 @@
+"""Training-loop benchmark: what checkpointing every iteration adds to the iteration time.
+
+A small GPT-style transformer (plain PyTorch, tied embedding/LM head, AdamW) trains on random
+tokens; after every optimizer step the full state (model + optimizer + step) is checkpointed with
+each method, interleaved over ``--rounds``:
+
+  none          no checkpoint (the baseline)
+  torch_save    torch.save + fsync every iteration, blocking (keeps the last 2 files)
+  gds_blocking  gds_persist.Checkpointer(...).save(..., blocking=True): fast I/O, no overlap
+  gds_fence     Checkpointer(mode="fence") + guard(optimizer): the write overlaps forward/backward
+  gds_snapshot  Checkpointer(mode="snapshot") + guard: a bounded host copy, written in background
+
+On CPU it runs with one intra-op thread (``--threads``), so the other core stands in for the idle
+host of a GPU machine; the model must be sized so one iteration's compute is longer than one
+checkpoint write (the header says whether it is). Reported per method: median iteration time
+after warm-up (with the 10th-90th percentile spread) and its overhead over ``none`` in percent.
+Every write includes fsync. ``--json FILE`` writes the same numbers (``gds-persist advise
+--from-bench FILE`` reads them).
+
+    python bench/bench_train.py                 # CPU defaults, about two minutes
+    python bench/bench_train.py --device cuda --d-model 1024 --layers 12 --batch 16
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import gds_persist
+from gds_persist.flatten import flatten
+
+MODES = ("none", "torch_save", "gds_blocking", "gds_fence", "gds_snapshot")
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                           v.transpose(1, 2), is_causal=True)
+        x = x + self.proj(a.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab: int, seq: int, d: int, layers: int, heads: int):
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, d), nn.Embedding(seq, d)
+        self.blocks = nn.ModuleList(Block(d, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied, as in GPT-2
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln(x))
+
+
+def build(args: argparse.Namespace) -> tuple[GPT, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = GPT(args.vocab, args.seq, args.d_model, args.layers, args.heads).to(args.device)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-4)
+
+
+def train_step(model: GPT, opt: torch.optim.Optimizer, args: argparse.Namespace) -> None:
+    idx = torch.randint(0, args.vocab, (args.batch, args.seq + 1), device=args.device)
+    logits = model(idx[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), idx[:, 1:].reshape(-1))
+    loss.backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+
+def state(model: GPT, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+
+def sync(args: argparse.Namespace) -> None:
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class TorchSave:
+    """torch.save + fsync of the file and its directory, keeping the last two files."""
+
+    def __init__(self, root: str):
+        self.root = root
+        os.makedirs(root, exist_ok=True)
+        self.files: list[str] = []
+        self.write_s: list[float] = []
+
+    def save(self, step: int, sd: dict[str, Any]) -> None:
+        t0 = time.perf_counter()
+        path = os.path.join(self.root, f"step-{step:08d}.pt")
+        with open(path, "wb") as f:
+            torch.save(sd, f)
+            f.flush()
+            os.fsync(f.fileno())
+        fd = os.open(self.root, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        self.files.append(path)
+        while len(self.files) > 2:
+            os.unlink(self.files.pop(0))
+        self.write_s.append(time.perf_counter() - t0)
+
+    def close(self) -> None:
+        pass
+
+
+def run_segment(mode: str, model: GPT, opt: torch.optim.Optimizer, args: argparse.Namespace,
+                step: int, root: str) -> tuple[list[float], int, dict[str, Any]]:
+    """``warmup + iters`` iterations checkpointed with ``mode``; the timed iterations' seconds."""
+    saver: Any = None
+    hook = None
+    if mode == "torch_save":
+        saver = TorchSave(os.path.join(root, "torch_save"))
+    elif mode.startswith("gds_"):
+        kind = "snapshot" if mode == "gds_snapshot" else "fence"
+        saver = gds_persist.Checkpointer(os.path.join(root, mode), keep_last=2, mode=kind,
+                                         backend=args.backend)
+        hook = saver.guard(opt)
+    times = []
+    try:
+        for i in range(args.warmup + args.iters):
+            step += 1
+            t0 = time.perf_counter()
+            train_step(model, opt, args)
+            if mode == "gds_blocking":
+                saver.save(step, state(model, opt, step), blocking=True)
+            elif saver is not None:
+                saver.save(step, state(model, opt, step))
+            sync(args)
+            if i >= args.warmup:
+                times.append(time.perf_counter() - t0)
+    finally:
+        if hook is not None:
+            hook.remove()
+        if saver is not None:
+            saver.close()  # the last write completes outside the timed iterations
+    extra: dict[str, Any] = {}
+    if isinstance(saver, TorchSave):
+        extra["write_s"] = statistics.median(saver.write_s)
+    elif saver is not None:
+        s = saver.stats
+        extra = {"write_s": s.write_s / max(s.committed, 1), "guard_waits": s.guard_waits,
+                 "guard_wait_s": s.guard_wait_s, "snapshot_blocked": s.snapshot_blocked,
+                 "snapshot_blocked_s": s.snapshot_blocked_s, "snapshot_bytes": s.snapshot_bytes,
+                 "fence_fallbacks": s.fence_fallbacks}
+    return times, step, extra
+
+
+def _fs_type(path: str) -> str:
+    real, best, kind = os.path.realpath(path), "", "unknown"
+    try:
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                point = left.split()[4]
+                if (real == point or real.startswith(point.rstrip("/") + "/")) and \
+                        len(point) >= len(best):
+                    best, kind = point, right.split()[0]
+    except OSError:
+        pass
+    return f"{kind} at {best or '?'}"
+
+
+def header(args: argparse.Namespace, model: GPT, ckpt_bytes: int, root: str) -> list[str]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            names = [ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")]
+        cpu = names[0] if names else cpu
+    except OSError:
+        pass
+    if args.device.startswith("cuda"):
+        dev = f"GPU {torch.cuda.get_device_name()} (CUDA {torch.version.cuda})"
+    else:
+        dev = "no GPU (CPU training)"
+    params = sum(p.numel() for p in model.parameters())
+    return [
+        f"machine: {cpu}, {os.cpu_count()} cores, torch {torch.__version__} "
+        f"({torch.get_num_threads()} intra-op threads), {dev}",
+        f"checkpoints in {root}: {_fs_type(root)}; backend {args.backend or 'auto'}",
+        f"model: GPT d={args.d_model} layers={args.layers} heads={args.heads} vocab={args.vocab} "
+        f"seq={args.seq} batch={args.batch}: {params / 1e6:.2f} M parameters; checkpoint "
+        f"(model + AdamW + step) {ckpt_bytes / 1e6:.1f} MB",
+        f"timing: median of {args.iters} iterations x {args.rounds} rounds per method after "
+        f"{args.warmup} warm-up iterations; methods interleaved; every write includes fsync",
+    ]
+
+
+def summarize(samples: dict[str, list[float]], extras: dict[str, dict[str, Any]]
+              ) -> dict[str, dict[str, Any]]:
+    base = statistics.median(samples["none"]) if samples.get("none") else None
+    out = {}
+    for mode, xs in samples.items():
+        xs = sorted(xs)
+        med = statistics.median(xs)
+        q = statistics.quantiles(xs, n=10) if len(xs) >= 2 else [xs[0]] * 9
+        row = {"median_s": med, "p10_s": q[0], "p90_s": q[-1], "samples": len(xs),
+               **extras.get(mode, {})}
+        if base:
+            row["overhead_s"] = med - base
+            row["overhead_pct"] = 100.0 * (med / base - 1.0)
+        out[mode] = row
+    return out
+
+
+def table(results: dict[str, dict[str, Any]]) -> list[str]:
+    lines = [f"{'method':<14} {'iter ms':>9} {'p10-p90 ms':>17} {'overhead':>9} "
+             f"{'write ms':>9}  notes"]
+    for mode, r in results.items():
+        spread = f"{1e3 * r['p10_s']:.1f}-{1e3 * r['p90_s']:.1f}"
+        over = f"{r['overhead_pct']:+.1f}%" if "overhead_pct" in r else "-"
+        write = f"{1e3 * r['write_s']:.1f}" if "write_s" in r else "-"
+        notes = []
+        if r.get("guard_waits"):
+            notes.append(f"guard waited {r['guard_waits']}x {1e3 * r['guard_wait_s']:.0f} ms")
+        if r.get("snapshot_blocked"):
+            notes.append(f"snapshot blocked {r['snapshot_blocked']}x "
+                         f"{1e3 * r['snapshot_blocked_s']:.0f} ms")
+        if r.get("fence_fallbacks"):
+            notes.append(f"{r['fence_fallbacks']} fence fallbacks")
+        lines.append(f"{mode:<14} {1e3 * r['median_s']:>9.1f} {spread:>17} {over:>9} "
+                     f"{write:>9}  {'; '.join(notes)}")
+    return lines
+
+
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--threads", type=int, default=None,
+                   help="intra-op threads (default 1 on CPU, torch's default on GPU)")
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--vocab", type=int, default=8192)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=4)
+    p.add_argument("--iters", type=int, default=6, help="timed iterations per method and round")
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--modes", default=",".join(MODES))
+    p.add_argument("--backend", default=None, help="gds_persist backend (default auto)")
+    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir in .)")
+    p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
+    p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
+    args = p.parse_args(argv)
+    if args.tiny:
+        args.d_model, args.layers, args.heads = 32, 1, 2
+        args.vocab, args.seq, args.batch = 128, 16, 2
+        args.iters, args.warmup, args.rounds = 2, 1, 1
+    modes = args.modes.split(",")
+    unknown = set(modes) - set(MODES)
+    if unknown:
+        p.error(f"unknown modes {sorted(unknown)}; valid: {', '.join(MODES)}")
+    if "none" not in modes:
+        modes.insert(0, "none")
+    args.modes = modes
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse(argv)
+    threads_before = torch.get_num_threads()
+    torch.set_num_threads(args.threads or (1 if args.device == "cpu" else threads_before))
+    root = tempfile.mkdtemp(prefix="bench_train-", dir=args.dir or ".")
+    try:
+        model, opt = build(args)
+        train_step(model, opt, args)  # optimizer state exists from here on
+        ckpt_bytes = sum(s.nbytes for s in flatten(state(model, opt, 0)).storages)
+        for line in header(args, model, ckpt_bytes, root):
+            print(line)
+        samples: dict[str, list[float]] = {m: [] for m in args.modes}
+        extras: dict[str, dict[str, Any]] = {}
+        step = 1
+        for _ in range(args.rounds):
+            for mode in args.modes:
+                times, step, extra = run_segment(mode, model, opt, args, step, root)
+                samples[mode] += times
+                extras[mode] = extra
+        results = summarize(samples, extras)
+        compute = results["none"]["median_s"]
+        write = next((results[m]["write_s"] for m in ("gds_blocking", "gds_fence")
+                      if m in results), None)
+        print()
+        print("\n".join(table(results)))
+        if write is not None:
+            ok = "yes" if compute > write else "NO: enlarge the model (--d-model/--layers/--batch)"
+            print(f"\ncompute per iteration {1e3 * compute:.1f} ms > one gds_persist checkpoint "
+                  f"write {1e3 * write:.1f} ms: {ok}")
+        for mode in ("gds_fence", "gds_snapshot"):
+            if mode in results and "overhead_pct" in results[mode]:
+                pct = results[mode]["overhead_pct"]
+                print(f"{mode}: {pct:+.1f}% per-iteration overhead "
+                      f"({'meets' if pct <= 5.0 else 'MISSES'} the <= 5% target)")
+        report = {"config": {k: v for k, v in vars(args).items()},
+                  "header": header(args, model, ckpt_bytes, root), "checkpoint_bytes": ckpt_bytes,
+                  "compute_s": compute, "write_s": write, "results": results}
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump(report, f, indent=1)
+        return report
+    finally:
+        torch.set_num_threads(threads_before)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
