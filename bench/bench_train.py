@@ -131,8 +131,13 @@ class TorchSave:
 
 
 def run_segment(mode: str, model: GPT, opt: torch.optim.Optimizer, args: argparse.Namespace,
-                step: int, root: str) -> tuple[list[float], int, dict[str, Any]]:
-    """``warmup + iters`` iterations checkpointed with ``mode``; the timed iterations' seconds."""
+                step: int, root: str, acc: dict[str, Any]) -> tuple[list[float], int]:
+    """``warmup + iters`` iterations checkpointed with ``mode``: the timed iterations' seconds.
+
+    Adds to ``acc`` over the timed iterations: ``blocked_s`` (wall - on CPU - waiting for a core:
+    the training thread sleeping, i.e. in the guard's wait or waiting for the GIL), the guard's
+    and the snapshot arena's waits, and per-checkpoint write times.
+    """
     saver: Any = None
     hook = None
     if mode == "torch_save":
@@ -145,7 +150,10 @@ def run_segment(mode: str, model: GPT, opt: torch.optim.Optimizer, args: argpars
     times = []
     try:
         for i in range(args.warmup + args.iters):
+            if i == args.warmup and isinstance(saver, gds_persist.Checkpointer):
+                before = saver.stats
             step += 1
+            sched0 = _schedstat()
             t0 = time.perf_counter()
             train_step(model, opt, args)
             if mode == "gds_blocking":
@@ -155,21 +163,37 @@ def run_segment(mode: str, model: GPT, opt: torch.optim.Optimizer, args: argpars
             sync(args)
             if i >= args.warmup:
                 times.append(time.perf_counter() - t0)
+                sched1 = _schedstat()
+                if sched0 and sched1:
+                    acc["blocked_s"] = acc.get("blocked_s", 0.0) + max(
+                        0.0, times[-1] - (sched1[0] - sched0[0]) - (sched1[1] - sched0[1]))
+        if isinstance(saver, gds_persist.Checkpointer):
+            after = saver.stats
+            for name in ("guard_waits", "guard_wait_s", "snapshot_blocked", "snapshot_blocked_s",
+                         "fence_fallbacks"):
+                acc[name] = acc.get(name, 0) + getattr(after, name) - getattr(before, name)
+            acc["snapshot_bytes"] = after.snapshot_bytes
     finally:
         if hook is not None:
             hook.remove()
         if saver is not None:
             saver.close()  # the last write completes outside the timed iterations
-    extra: dict[str, Any] = {}
     if isinstance(saver, TorchSave):
-        extra["write_s"] = statistics.median(saver.write_s)
+        acc.setdefault("writes_s", []).extend(saver.write_s)
     elif saver is not None:
         s = saver.stats
-        extra = {"write_s": s.write_s / max(s.committed, 1), "guard_waits": s.guard_waits,
-                 "guard_wait_s": s.guard_wait_s, "snapshot_blocked": s.snapshot_blocked,
-                 "snapshot_blocked_s": s.snapshot_blocked_s, "snapshot_bytes": s.snapshot_bytes,
-                 "fence_fallbacks": s.fence_fallbacks}
-    return times, step, extra
+        acc.setdefault("writes_s", []).append(s.write_s / max(s.committed, 1))
+    return times, step
+
+
+def _schedstat() -> tuple[float, float] | None:
+    """(seconds on CPU, seconds waiting for a core) of this thread; None where not Linux."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            on_cpu, runq, _ = f.read().split()
+    except OSError:
+        return None
+    return int(on_cpu) / 1e9, int(runq) / 1e9
 
 
 def _fs_type(path: str) -> str:
@@ -220,8 +244,14 @@ def summarize(samples: dict[str, list[float]], extras: dict[str, dict[str, Any]]
         xs = sorted(xs)
         med = statistics.median(xs)
         q = statistics.quantiles(xs, n=10) if len(xs) >= 2 else [xs[0]] * 9
-        row = {"median_s": med, "p10_s": q[0], "p90_s": q[-1], "samples": len(xs),
-               **extras.get(mode, {})}
+        acc = dict(extras.get(mode, {}))
+        row = {"median_s": med, "p10_s": q[0], "p90_s": q[-1], "samples": len(xs)}
+        writes = acc.pop("writes_s", None)
+        if writes:
+            row["write_s"] = statistics.median(writes)
+        row["blocked_s_per_iter"] = acc.pop("blocked_s", 0.0) / len(xs)
+        row["guard_wait_s_per_iter"] = acc.get("guard_wait_s", 0.0) / len(xs)
+        row.update(acc)
         if base:
             row["overhead_s"] = med - base
             row["overhead_pct"] = 100.0 * (med / base - 1.0)
@@ -231,21 +261,28 @@ def summarize(samples: dict[str, list[float]], extras: dict[str, dict[str, Any]]
 
 def table(results: dict[str, dict[str, Any]]) -> list[str]:
     lines = [f"{'method':<14} {'iter ms':>9} {'p10-p90 ms':>17} {'overhead':>9} "
-             f"{'write ms':>9}  notes"]
+             f"{'write ms':>9} {'guard ms':>9} {'GIL ms':>7}  notes"]
     for mode, r in results.items():
         spread = f"{1e3 * r['p10_s']:.1f}-{1e3 * r['p90_s']:.1f}"
         over = f"{r['overhead_pct']:+.1f}%" if "overhead_pct" in r else "-"
         write = f"{1e3 * r['write_s']:.1f}" if "write_s" in r else "-"
         notes = []
         if r.get("guard_waits"):
-            notes.append(f"guard waited {r['guard_waits']}x {1e3 * r['guard_wait_s']:.0f} ms")
+            notes.append(f"guard waited in {r['guard_waits']} of {r['samples']} iterations")
         if r.get("snapshot_blocked"):
             notes.append(f"snapshot blocked {r['snapshot_blocked']}x "
                          f"{1e3 * r['snapshot_blocked_s']:.0f} ms")
         if r.get("fence_fallbacks"):
             notes.append(f"{r['fence_fallbacks']} fence fallbacks")
+        guard = 1e3 * r["guard_wait_s_per_iter"]
+        gil = "-"  # the blocking methods sleep in their own I/O
+        if mode not in ("torch_save", "gds_blocking"):
+            gil = f"{1e3 * max(0.0, r['blocked_s_per_iter'] - r['guard_wait_s_per_iter']):.2f}"
         lines.append(f"{mode:<14} {1e3 * r['median_s']:>9.1f} {spread:>17} {over:>9} "
-                     f"{write:>9}  {'; '.join(notes)}")
+                     f"{write:>9} {guard:>9.1f} {gil:>7}  {'; '.join(notes)}")
+    lines.append("(write: one checkpoint, durable; guard: mean wait per iteration in "
+                 "optimizer.step for the write; GIL: mean other time the training thread slept, "
+                 "i.e. waiting for the GIL)")
     return lines
 
 
@@ -295,13 +332,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for line in header(args, model, ckpt_bytes, root):
             print(line)
         samples: dict[str, list[float]] = {m: [] for m in args.modes}
-        extras: dict[str, dict[str, Any]] = {}
+        extras: dict[str, dict[str, Any]] = {m: {} for m in args.modes}
         step = 1
         for _ in range(args.rounds):
             for mode in args.modes:
-                times, step, extra = run_segment(mode, model, opt, args, step, root)
+                times, step = run_segment(mode, model, opt, args, step, root, extras[mode])
                 samples[mode] += times
-                extras[mode] = extra
         results = summarize(samples, extras)
         compute = results["none"]["median_s"]
         write = next((results[m]["write_s"] for m in ("gds_blocking", "gds_fence")

@@ -13,13 +13,16 @@ other processes hits all three alike):
   GIL. ``thread - process`` is what the GIL costs; ``process - none`` is contention for cores,
   memory bandwidth and the disk, which moving the writer to a helper process would not remove.
 
-Also per condition: the writer's throughput, and how late a probe thread that sleeps 1 ms wakes
-up (it needs the GIL to return: a direct view of how long others hold it).
+Also per condition, from the training thread's ``/proc/thread-self/schedstat``: its time waiting
+for a core (``runq``) and its time *blocked* (wall - on CPU - runq): the training loop does no
+I/O, so blocked time is time spent waiting for the GIL, measured directly and unaffected by how
+loaded the machine is. And the writer's throughput, and how late a probe thread that sleeps 1 ms
+wakes up (it needs the GIL to return).
 
 Workloads: ``compute`` (bench_train's default GPT: large ops, little Python) and ``python`` (a
 tiny deep GPT: many small ops, the loop mostly in the interpreter).
 
-    python bench/gil_contention.py [--cycles 8] [--json FILE]
+    python bench/gil_contention.py [--cycles 8] [--json FILE]   (Linux: needs schedstat)
 """
 
 from __future__ import annotations
@@ -77,6 +80,13 @@ def _process_writer(shapes: list[tuple[int, ...]], directory: str, ready: Any, *
     _writer(state, directory, *events)
 
 
+def _schedstat() -> tuple[float, float]:
+    stat = bench_train._schedstat()
+    if stat is None:
+        raise SystemExit("gil_contention needs Linux /proc/thread-self/schedstat")
+    return stat
+
+
 class Probe:
     """Sleeps 1 ms in a loop and records how late it wakes, under the current condition."""
 
@@ -111,13 +121,15 @@ def measure(workload: str, cycles: int, directory: str) -> dict[str, dict[str, f
                                                     *gates["thread"][:2], stop,
                                                     gates["thread"][2]))
     ready = ctx.Event()
-    proc = ctx.Process(target=_process_writer, args=(shapes, directory, ready, *gates["process"][:2],
-                                                     stop, gates["process"][2]))
+    proc = ctx.Process(target=_process_writer,
+                       args=(shapes, directory, ready, *gates["process"][:2], stop,
+                             gates["process"][2]))
     thread.start()
     proc.start()
     ready.wait(300)
     probe = Probe()
     times: dict[str, list[float]] = {c: [] for c in CONDITIONS}
+    waits = {c: [0.0, 0.0] for c in CONDITIONS}  # runq, blocked (GIL) seconds
     written = {c: 0 for c in CONDITIONS}
     elapsed = {c: 0.0 for c in CONDITIONS}
     try:
@@ -126,7 +138,7 @@ def measure(workload: str, cycles: int, directory: str) -> dict[str, dict[str, f
         for cycle in range(cycles):
             order = CONDITIONS[cycle % 3:] + CONDITIONS[: cycle % 3]
             for condition in order:
-                for name, (active, idle, _) in gates.items():
+                for name, (active, _, _) in gates.items():
                     if name != condition:
                         active.clear()
                 for name, (_, idle, _) in gates.items():
@@ -139,9 +151,14 @@ def measure(workload: str, cycles: int, directory: str) -> dict[str, dict[str, f
                 bytes0 = counter.value if condition in gates else 0
                 t_start = time.perf_counter()
                 for _ in range(per_window):
+                    cpu0, runq0 = _schedstat()
                     t0 = time.perf_counter()
                     bench_train.train_step(model, opt, targs)
-                    times[condition].append(time.perf_counter() - t0)
+                    wall = time.perf_counter() - t0
+                    cpu1, runq1 = _schedstat()
+                    times[condition].append(wall)
+                    waits[condition][0] += runq1 - runq0
+                    waits[condition][1] += max(0.0, wall - (cpu1 - cpu0) - (runq1 - runq0))
                 elapsed[condition] += time.perf_counter() - t_start
                 if condition in gates:
                     written[condition] += counter.value - bytes0
@@ -155,7 +172,10 @@ def measure(workload: str, cycles: int, directory: str) -> dict[str, dict[str, f
     rows = {}
     for c in CONDITIONS:
         late = sorted(probe.late[c]) or [0.0]
-        rows[c] = {"iter_s": statistics.median(times[c]), "iterations": len(times[c]),
+        n = len(times[c])
+        rows[c] = {"iter_s": statistics.median(times[c]), "iterations": n,
+                   "runq_ms_per_iter": 1e3 * waits[c][0] / n,
+                   "gil_wait_ms_per_iter": 1e3 * waits[c][1] / n,
                    "writer_gbps": written[c] / elapsed[c] / 1e9 if elapsed[c] else 0.0,
                    "probe_late_p50_ms": 1e3 * late[len(late) // 2],
                    "probe_late_p99_ms": 1e3 * late[int(len(late) * 0.99)]}
@@ -180,18 +200,21 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"training on 1 intra-op thread, {os.cpu_count()} cores, load average "
               f"{os.getloadavg()[0]:.1f}; writer: gds_persist.save back to back into "
               f"{directory}; {args.cycles} interleaved windows per condition")
-        print(f"{'workload':<9} {'writer':<8} {'iter ms':>8} {'slowdown':>9} {'writer GB/s':>12} "
-              f"{'probe late p50/p99 ms':>22}")
+        print(f"{'workload':<9} {'writer':<8} {'iter ms':>8} {'slowdown':>9} {'GIL wait':>9} "
+              f"{'runq':>7} {'writer GB/s':>12} {'probe late p50/p99 ms':>22}")
         for name in args.workloads.split(","):
             rows = measure(name, args.cycles, directory)
             for where, r in rows.items():
                 print(f"{name:<9} {where:<8} {1e3 * r['iter_s']:>8.2f} "
-                      f"{r['slowdown_pct']:>+8.1f}% {r['writer_gbps']:>12.2f} "
+                      f"{r['slowdown_pct']:>+8.1f}% {r['gil_wait_ms_per_iter']:>9.2f} "
+                      f"{r['runq_ms_per_iter']:>7.2f} {r['writer_gbps']:>12.2f} "
                       f"{r['probe_late_p50_ms']:>10.2f}/{r['probe_late_p99_ms']:.2f}")
             gil = rows["thread"]["slowdown_pct"] - rows["process"]["slowdown_pct"]
-            print(f"{name:<9} GIL cost of a writer thread (thread - process slowdown): "
-                  f"{gil:+.1f} points")
-            out[name] = {"rows": rows, "gil_cost_points": gil}
+            wait = rows["thread"]["gil_wait_ms_per_iter"] - rows["none"]["gil_wait_ms_per_iter"]
+            print(f"{name:<9} writer thread: GIL wait {wait:+.2f} ms per iteration "
+                  f"({100 * wait / 1e3 / rows['none']['iter_s']:+.1f}% of an iteration); "
+                  f"thread - process slowdown {gil:+.1f} points (noisy when loaded)")
+            out[name] = {"rows": rows, "gil_cost_points": gil, "gil_wait_ms_per_iter": wait}
         if args.json:
             with open(args.json, "w") as f:
                 json.dump(out, f, indent=1)

@@ -613,7 +613,6 @@ def _add_note(exc: BaseException, note: str) -> None:
         exc.add_note(note)
 
 
-@atexit.register
 def _close_at_exit() -> None:
     """Interpreter exit: let in-flight checkpoints commit (bounded) rather than lose them."""
     for ckpt in list(_live):
@@ -622,3 +621,12 @@ def _close_at_exit() -> None:
         except Exception as e:  # noqa: BLE001
             log.error("gds_persist.Checkpointer(%s) at exit: %s: %s", ckpt.root,
                       type(e).__name__, e)
+
+
+# Run before concurrent.futures refuses new work at shutdown (a save uses a thread pool):
+# threading's exit hooks run last-registered first, and .save imported concurrent.futures above.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_close_at_exit)
+else:  # pragma: no cover - Python without threading._register_atexit
+    atexit.register(_close_at_exit)

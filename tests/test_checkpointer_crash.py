@@ -98,3 +98,24 @@ def test_sigkill_at_random_instants(tmp_path, zygote, mode):
     # the kills landed in the middle of training, not only before or after it
     assert any(code == -signal.SIGKILL and latest not in (None, TOTAL)
                for _, latest, code in outcomes), outcomes
+
+
+EXIT_WITHOUT_CLOSE = """
+import sys, time, torch, gds_persist
+for mode in ("fence", "snapshot"):
+    ckpt = gds_persist.Checkpointer(f"{sys.argv[1]}/{mode}", mode=mode)
+    ckpt._before_write = lambda step: time.sleep(0.3)  # still writing when the script ends
+    ckpt.save(1, {"w": torch.arange(1000.0), "step": 1})
+"""
+
+
+@pytest.mark.slow
+def test_unclosed_checkpointer_finishes_its_saves_at_exit(tmp_path):
+    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    r = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tmp_path)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and not r.stderr, r.stderr
+    for mode in ("fence", "snapshot"):
+        root = str(tmp_path / mode)
+        assert read_latest(root) == 1
+        assert gds_persist.load(os.path.join(root, step_name(1)))["step"] == 1
