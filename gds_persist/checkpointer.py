@@ -297,9 +297,9 @@ class Checkpointer:
                 self._stats.guard_wait_s += time.perf_counter() - t0
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save so far is committed; raise the first error not yet raised."""
-        for handle in self._pending_handles():
-            self._await(handle._done, f"step {handle.step} to be written", timeout)
+        """Block until every save so far is committed; raise the first error not yet raised.
+        ``timeout`` (default ``timeout_s``) bounds the whole wait."""
+        self._await_all(timeout)
         self._raise_undelivered()
 
     def latest_step(self) -> int | None:
@@ -351,10 +351,11 @@ class Checkpointer:
         self._closed = True
         _live.discard(self)
         try:
-            for handle in self._pending_handles():
-                self._await(handle._done, f"step {handle.step} to be written", timeout)
-        finally:
-            self._stop_threads()
+            self._await_all(timeout)
+        except BaseException:
+            self._stop_threads(join_s=0.5)  # a hung write: do not wait for it a second time
+            raise
+        self._stop_threads(join_s=self.timeout_s)
         self._raise_undelivered()
 
     def __enter__(self) -> Checkpointer:
@@ -381,6 +382,20 @@ class Checkpointer:
             while self._pending and self._pending[0].done():
                 self._pending.popleft()
             return [h for h in self._pending if not h.done()]
+
+    def _await_all(self, timeout: float | None) -> None:
+        limit = self.timeout_s if timeout is None else timeout
+        deadline = time.monotonic() + limit
+        for handle in self._pending_handles():
+            try:
+                self._await(handle._done, "", max(0.0, deadline - time.monotonic()))
+            except CheckpointTimeout:
+                steps = ", ".join(str(h.step) for h in self._pending_handles())
+                raise CheckpointTimeout(
+                    f"waited {limit:.1f} s for the saves of steps {steps} under {self.root}: "
+                    "still running (slow or hung storage?); raise Checkpointer(timeout_s=...) "
+                    "if the drive is just slow"
+                ) from None
 
     def _wait_for_slot(self) -> None:
         pending = self._pending_handles()
@@ -489,13 +504,14 @@ class Checkpointer:
                 f"the gds_persist {stage} thread died while saving step {job.handle.step} "
                 f"({why}); that save is lost, later saves use a new thread"))
 
-    def _stop_threads(self) -> None:
+    def _stop_threads(self, join_s: float) -> None:
         with self._lock:
             self._stopping = True
         for q in self._queues.values():
             q.put(_STOP)
+        deadline = time.monotonic() + join_s
         for t in self._threads.values():
-            t.join(timeout=self.timeout_s)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
         if self._arena is not None and not any(t.is_alive() for t in self._threads.values()):
             self._arena.close()
 

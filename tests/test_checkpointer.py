@@ -180,6 +180,19 @@ def test_close_waits_is_idempotent_and_refuses_saves(tmp_path):
     assert not any(t.is_alive() for t in ckpt._threads.values())
 
 
+def test_close_with_a_hung_write_is_bounded(tmp_path):
+    ckpt = Checkpointer(tmp_path, timeout_s=0.5)
+    gate = hold_writer(ckpt)
+    ckpt.save(1, small(1))
+    t0 = time.monotonic()
+    with pytest.raises(CheckpointTimeout, match=r"waited 0\.5 s for the saves of steps 1 .*hung"):
+        ckpt.close()
+    assert time.monotonic() - t0 < 5
+    gate.set()  # the write completes after all; the thread then stops
+    ckpt._threads["write"].join(10)
+    assert ckpt.latest_step() == 1 and not ckpt._threads["write"].is_alive()
+
+
 def test_context_manager_does_not_mask_the_body_exception(tmp_path):
     (tmp_path / step_name(1)).mkdir()
     (tmp_path / step_name(1) / "not-a-checkpoint").write_text("x")
