@@ -6,8 +6,8 @@ is the training subprocess the crash test kills::
     python tests/ckpt_train.py ROOT TOTAL_STEPS [fence|snapshot]
 
 It resumes from the latest checkpoint under ROOT, prints ``started <step> <pid>`` and trains to
-TOTAL_STEPS, saving after every optimizer step. One intra-op thread, so results are bit-exact
-across processes.
+TOTAL_STEPS, saving after every optimizer step (and printing ``step <k>`` after each save call).
+One intra-op thread, so results are bit-exact across processes.
 
 ``python tests/ckpt_train.py --zygote`` imports torch once, then for every line
 ``ROOT TOTAL MODE`` read from stdin forks a training process as above (a fresh process would spend
@@ -116,6 +116,11 @@ def assert_identical(a: Any, b: Any, where: str = "") -> None:
         assert a == b and type(a) is type(b), f"{where}: {a!r} vs {b!r}"
 
 
+def say(line: str) -> None:
+    """One write(2) per line: a process killed mid-print must not leave half a line."""
+    os.write(1, f"{line}\n".encode())
+
+
 def main(root: str, total: int, mode: str = "fence") -> None:
     from gds_persist import Checkpointer
 
@@ -123,8 +128,8 @@ def main(root: str, total: int, mode: str = "fence") -> None:
         model, opt = make()
         ckpt.guard(opt)
         start = restore(model, opt, ckpt.load()) if ckpt.latest_step() is not None else 0
-        print(f"started {start} {os.getpid()}", flush=True)
-        train(model, opt, start, total, ckpt)
+        say(f"started {start} {os.getpid()}")
+        train(model, opt, start, total, ckpt, on_step=lambda s: say(f"step {s}"))
 
 
 def zygote() -> None:
@@ -135,7 +140,7 @@ def zygote() -> None:
         model, opt = make()
         train_step(model, opt, 1)
     assert len(os.listdir("/proc/self/task")) == 1, "fork only from a single-threaded process"
-    print("ready", flush=True)
+    say("ready")
     for line in sys.stdin:
         root, total, mode = line.split()
         pid = os.fork()
@@ -152,7 +157,7 @@ def zygote() -> None:
                 sys.stdout.flush()
                 os._exit(code)
         _, status = os.waitpid(pid, 0)
-        print(f"exit {pid} {status}", flush=True)
+        say(f"exit {pid} {status}")
 
 
 if __name__ == "__main__":

@@ -11,19 +11,20 @@ from __future__ import annotations
 
 import contextlib
 import os
+import queue
 import random
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
 
 import gds_persist
-from gds_persist import Checkpointer
 from gds_persist.format import MANIFEST_NAME
-from gds_persist.steps import parse_step, read_latest, step_name
+from gds_persist.steps import latest_step, parse_step, read_latest, step_name
 from tests.ckpt_train import assert_identical, make, one_thread, reference, restore, state, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -37,7 +38,7 @@ def check_after_kill(root: str, ref: list) -> int | None:
         if parse_step(name) is not None:
             assert os.path.isfile(os.path.join(root, name, MANIFEST_NAME)), name
     pointed = read_latest(root)
-    latest = Checkpointer(root).latest_step()
+    latest = latest_step(root)
     if pointed is not None:
         assert latest == pointed  # `latest` names a committed step
     if latest is None:
@@ -55,21 +56,56 @@ def check_after_kill(root: str, ref: list) -> int | None:
     return latest
 
 
+class Zygote:
+    """A process that has imported torch and forks training processes on request; its output is
+    read by a thread, so that no read here can hang (a stuck trial fails with a transcript)."""
+
+    def __init__(self) -> None:
+        env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        self.proc = subprocess.Popen([sys.executable, SCRIPT, "--zygote"], env=env, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.lines: queue.Queue[list[str]] = queue.Queue()
+        self.transcript: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        assert self.next(300) == ["ready"]
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self.lines.put(line.split())
+        self.lines.put(["eof"])
+
+    def next(self, timeout: float = 60.0) -> list[str]:
+        try:
+            words = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            raise AssertionError(f"no output from the training process in {timeout} s; "
+                                 f"transcript: {self.transcript[-20:]}") from None
+        self.transcript.append(" ".join(words))
+        assert words and words[0] != "eof", f"zygote ended; transcript: {self.transcript[-20:]}"
+        return words
+
+    def run(self, root: str, mode: str) -> None:
+        self.transcript.append(f"> run {root} {TOTAL} {mode}")
+        self.proc.stdin.write(f"{root} {TOTAL} {mode}\n")
+        self.proc.stdin.flush()
+
+    def close(self) -> None:
+        self.proc.kill()  # it holds no state worth an orderly exit
+        self.proc.wait(timeout=60)
+        self._reader.join(10)
+        self.proc.stdin.close()
+        self.proc.stdout.close()
+
+
 @pytest.fixture(scope="module")
 def zygote():
-    """A process that has imported torch and forks training processes on request."""
-    env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "OMP_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-    proc = subprocess.Popen([sys.executable, SCRIPT, "--zygote"], env=env, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    z = Zygote()
     try:
-        assert proc.stdout.readline().strip() == "ready"
-        yield proc
+        yield z
     finally:
-        proc.kill()  # it holds no state worth an orderly exit
-        proc.wait(timeout=60)
-        proc.stdin.close()
-        proc.stdout.close()
+        z.close()
 
 
 @pytest.mark.slow
@@ -81,19 +117,34 @@ def test_sigkill_at_random_instants(tmp_path, zygote, mode):
     trials = max(1, TRIALS // 2) if mode == "snapshot" else TRIALS  # snapshot: half as many
     outcomes = []
     for _ in range(trials):
-        if Checkpointer(root).latest_step() == TOTAL:
-            shutil.rmtree(root)  # the previous trial finished: start over
-        zygote.stdin.write(f"{root} {TOTAL} {mode}\n")
-        zygote.stdin.flush()
-        line = zygote.stdout.readline().split()  # "started <step> <pid>": training begins
-        assert line[0] == "started", line
-        time.sleep(rng.uniform(0.0, 0.8))
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(int(line[2]), signal.SIGKILL)
-        end = zygote.stdout.readline().split()  # "exit <pid> <status>"
-        assert end[:2] == ["exit", line[2]], end
+        previous = latest_step(root)
+        if previous is not None and previous >= TOTAL - 3:
+            shutil.rmtree(root)  # near the end: start over, so kills land all along the run
+        zygote.run(root, mode)
+        words = zygote.next()  # "started <step> <pid>": training begins
+        assert words[0] == "started", zygote.transcript[-20:]
+        start, pid = int(words[1]), int(words[2])
+        # Kill at a random instant within a random step: after save(k) returned, somewhere in
+        # k's write / commit / publish / retention, or in step k+1's compute.
+        target = rng.randint(start + 1, TOTAL)
+        t_prev, step_s = time.monotonic(), 0.01
+        while True:
+            words = zygote.next()
+            if words[0] != "step":  # the child ended before the target: its "exit" line
+                break
+            now = time.monotonic()
+            step_s, t_prev = now - t_prev, now
+            if int(words[1]) >= target:
+                break
+        if words[0] == "step":
+            time.sleep(rng.uniform(0.0, 2.0 * step_s + 0.02))
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            while words[0] != "exit":  # skip the steps printed before the kill
+                words = zygote.next()
+        assert words[:2] == ["exit", str(pid)], zygote.transcript[-20:]
         latest = check_after_kill(root, ref)
-        outcomes.append((int(line[1]), latest, os.waitstatus_to_exitcode(int(end[2]))))
+        outcomes.append((start, latest, os.waitstatus_to_exitcode(int(words[2]))))
     print(f"{mode}: (resumed from, latest after the kill, exit code) per trial: {outcomes}")
     # the kills landed in the middle of training, not only before or after it
     assert any(code == -signal.SIGKILL and latest not in (None, TOTAL)
