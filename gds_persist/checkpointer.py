@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import inspect
 import logging
 import operator
 import os
@@ -57,7 +56,9 @@ from typing import Any
 
 import torch
 
+from . import settings
 from . import steps as _steps
+from .distributed import make_comm
 from .errors import CheckpointError
 from .flatten import Flattened, flatten
 from .load import load as core_load
@@ -167,9 +168,10 @@ class Checkpointer:
     ``backend``, ``block_bytes``, ``staging_bytes``, ``io_threads``: passed to
     :func:`gds_persist.save` (None: the settings in force). ``process_group``: passed to
     ``save``/``load`` for data-parallel writes (use a group of its own: the writer thread runs its
-    collectives). ``timeout_s``: bound on every wait for background work. ``max_pending``: saves
-    in flight before ``save`` waits for the oldest to commit (default 2 in fence mode; unbounded
-    in snapshot mode, where the arena bounds memory).
+    collectives); rank 0 publishes ``latest`` and applies retention, and a handle is done on every
+    rank only once that is done. ``timeout_s``: bound on every wait for background work.
+    ``max_pending``: saves in flight before ``save`` waits for the oldest to commit (default 2 in
+    fence mode; unbounded in snapshot mode, where the arena bounds memory).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -199,9 +201,9 @@ class Checkpointer:
                                              "staging_bytes": staging_bytes,
                                              "io_threads": io_threads}
         self._load_kwargs: dict[str, Any] = {"backend": backend}
-        self._publisher = True  # the process that moves `latest` and removes old steps
-        if process_group is not None:
-            self._accept_process_group(process_group)
+        # Ranks agree on publishing each step and on the step a load reads (SoloComm: no group).
+        self._comm = make_comm(process_group, settings.current().collective_timeout_s)
+        self._publisher = self._comm.rank == 0  # moves `latest` and removes old steps
         os.makedirs(self.root, exist_ok=True)
         self._lock = threading.RLock()
         self._stats = CheckpointerStats()
@@ -320,10 +322,10 @@ class Checkpointer:
         if self._pending_handles():
             self.wait()
         latest = self.latest_step()
+        # with a process group, every rank loads the step rank 0 chose
+        step = self._comm.broadcast_json(latest if step is None else step, 0, "checkpoint step")
         if step is None:
-            step = latest
-            if step is None:
-                raise CheckpointError(f"no committed checkpoint in {self.root} to load")
+            raise CheckpointError(f"no committed checkpoint in {self.root} to load")
         path = _steps.step_path(self.root, step)
         kwargs = dict(self._load_kwargs)
         if self.process_group is not None:
@@ -574,15 +576,10 @@ class Checkpointer:
             job.state_dict = job.flat = None
             self._free(job)
             h._released.set()
-            if self._publisher:
-                try:
-                    _steps.write_latest(self.root, h.step)
-                    _steps.apply_retention(self.root, h.step, self.keep_last)
-                except OSError as e:
-                    raise CheckpointError(
-                        f"step {h.step} was committed at {h.path}, but publishing it failed "
-                        f"(updating {self.root}/latest or removing old steps): {e}"
-                    ) from e
+            # Every rank's save has returned; rank 0 publishes and every rank learns the outcome,
+            # so no rank's handle is done before `latest` names the step.
+            self._comm.agree("publish", lambda: self._publish(h),
+                             f"publishing step {h.step} under {self.root}")
         except Exception as e:  # noqa: BLE001 - reported through the handle
             self._fail(job, e)
             return
@@ -592,19 +589,17 @@ class Checkpointer:
             self._stats.bytes_written += info.bytes_written
         h._finish(info=info)
 
-    # ---------------------------------------------------------------- process groups
-
-    def _accept_process_group(self, group: Any) -> None:
-        for fn in (core_save, core_load):
-            if "process_group" not in inspect.signature(fn).parameters:
-                raise CheckpointError(
-                    f"process_group= needs gds_persist.{fn.__name__}(process_group=...) (the "
-                    "data-parallel scheduler), which this build does not have; pass "
-                    "process_group=None"
-                )
-        import torch.distributed as dist
-
-        self._publisher = dist.get_rank(group) == 0
+    def _publish(self, h: SaveHandle) -> None:
+        if not self._publisher:
+            return
+        try:
+            _steps.write_latest(self.root, h.step)
+            _steps.apply_retention(self.root, h.step, self.keep_last)
+        except OSError as e:
+            raise CheckpointError(
+                f"step {h.step} was committed at {h.path}, but publishing it failed "
+                f"(updating {self.root}/latest or removing old steps): {e}"
+            ) from e
 
 
 def _record_events(flat: Flattened) -> list[tuple[torch.device, Any]]:

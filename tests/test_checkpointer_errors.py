@@ -8,7 +8,6 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
-from collections.abc import Iterator
 
 import pytest
 import torch
@@ -24,20 +23,10 @@ def _mount(target: str, *options: str) -> str | None:
 
 
 @pytest.fixture
-def small_fs(tmp_path) -> Iterator[str]:
-    """A 2 MiB tmpfs mounted for the test."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root (this test runs the real ENOSPC/EROFS "
-                    "paths; chmod does not stop root)")
-    mnt = str(tmp_path / "fs")
-    os.mkdir(mnt)
-    why = _mount(mnt, "-t", "tmpfs", "-o", "size=2m", "tmpfs")
-    if why:
-        pytest.skip(f"cannot mount a tmpfs here: {why}")
-    try:
-        yield mnt
-    finally:
-        subprocess.run(["umount", "-l", mnt], capture_output=True)
+def small_fs(small_tmpfs) -> str:
+    """conftest's 8 MiB tmpfs (root only; skipped with the reason otherwise): chmod does not stop
+    root, a full or read-only filesystem does."""
+    return str(small_tmpfs)
 
 
 def sd(step: int, nbytes: int) -> dict:
@@ -46,9 +35,9 @@ def sd(step: int, nbytes: int) -> dict:
 
 def test_disk_full_surfaces_on_wait_and_earlier_checkpoints_stay(small_fs):
     with Checkpointer(small_fs, keep_last=2) as ckpt:
-        ckpt.save(1, sd(1, 256 << 10)).wait()
-        ckpt.save(2, sd(2, 256 << 10))
-        h = ckpt.save(3, sd(3, 4 << 20))  # larger than the filesystem
+        ckpt.save(1, sd(1, 1 << 20)).wait()
+        ckpt.save(2, sd(2, 1 << 20))
+        h = ckpt.save(3, sd(3, 16 << 20))  # larger than the 8 MiB filesystem
         with pytest.raises(DiskFullError, match=r"no space left.*step-00000003") as info:
             ckpt.wait()
         assert info.value.errno == errno.ENOSPC
@@ -58,14 +47,14 @@ def test_disk_full_surfaces_on_wait_and_earlier_checkpoints_stay(small_fs):
         for s in (1, 2):
             assert gds_persist.verify(os.path.join(small_fs, step_name(s))).ok
             assert ckpt.load(step=s)["step"] == s
-        ckpt.save(3, sd(3, 256 << 10)).wait()  # room again for a normal size: it goes on
+        ckpt.save(3, sd(3, 1 << 20)).wait()  # room again for a normal size: it goes on
         assert ckpt.steps() == [2, 3]
 
 
 def test_disk_full_surfaces_on_next_save(small_fs):
     with Checkpointer(small_fs, keep_last=1, mode="snapshot") as ckpt:
-        ckpt.save(1, sd(1, 256 << 10)).wait()
-        h = ckpt.save(2, sd(2, 4 << 20))
+        ckpt.save(1, sd(1, 1 << 20)).wait()
+        h = ckpt.save(2, sd(2, 16 << 20))
         h.wait_released(timeout=60)
         h._done.wait(60)
         with pytest.raises(DiskFullError, match="no space left"):
