@@ -108,8 +108,10 @@ class Probe:
         self._thread.join()
 
 
-def measure(workload: str, cycles: int, directory: str) -> dict[str, dict[str, float]]:
+def measure(workload: str, cycles: int, directory: str, window: int | None = None
+            ) -> dict[str, dict[str, float]]:
     argv, per_window = WORKLOADS[workload]
+    per_window = window or per_window
     targs = bench_train.parse(argv)
     model, opt = bench_train.build(targs)
     bench_train.train_step(model, opt, targs)
@@ -126,7 +128,11 @@ def measure(workload: str, cycles: int, directory: str) -> dict[str, dict[str, f
                              gates["process"][2]))
     thread.start()
     proc.start()
-    ready.wait(300)
+    while not ready.wait(0.5):
+        if not proc.is_alive():
+            stop.set()
+            thread.join(120)
+            raise SystemExit(f"the writer process died at start (exit code {proc.exitcode})")
     probe = Probe()
     times: dict[str, list[float]] = {c: [] for c in CONDITIONS}
     waits = {c: [0.0, 0.0] for c in CONDITIONS}  # runq, blocked (GIL) seconds
@@ -142,8 +148,10 @@ def measure(workload: str, cycles: int, directory: str) -> dict[str, dict[str, f
                     if name != condition:
                         active.clear()
                 for name, (_, idle, _) in gates.items():
-                    if name != condition:
-                        idle.wait(120)  # the other writer has finished its save
+                    if name != condition and not idle.wait(120):
+                        raise SystemExit(f"the {name} writer did not finish a save in 120 s")
+                if not proc.is_alive():
+                    raise SystemExit(f"the writer process died (exit code {proc.exitcode})")
                 if condition in gates:
                     gates[condition][0].set()
                     counter = gates[condition][2]
@@ -190,8 +198,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--cycles", type=int, default=8, help="windows per condition")
     p.add_argument("--workloads", default=",".join(WORKLOADS))
     p.add_argument("--dir", default=".")
+    p.add_argument("--window", type=int, default=None, help="iterations per window")
     p.add_argument("--json", default=None)
+    p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
     args = p.parse_args(argv)
+    if args.tiny:
+        args.workloads, args.cycles, args.window = "python", 1, 2
     threads_before = torch.get_num_threads()
     torch.set_num_threads(1)
     directory = tempfile.mkdtemp(prefix="gil_contention-", dir=args.dir)
@@ -203,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{'workload':<9} {'writer':<8} {'iter ms':>8} {'slowdown':>9} {'GIL wait':>9} "
               f"{'runq':>7} {'writer GB/s':>12} {'probe late p50/p99 ms':>22}")
         for name in args.workloads.split(","):
-            rows = measure(name, args.cycles, directory)
+            rows = measure(name, args.cycles, directory, args.window)
             for where, r in rows.items():
                 print(f"{name:<9} {where:<8} {1e3 * r['iter_s']:>8.2f} "
                       f"{r['slowdown_pct']:>+8.1f}% {r['gil_wait_ms_per_iter']:>9.2f} "

@@ -1,19 +1,21 @@
-"""Smoke run of the training-loop benchmark at a tiny size so it cannot rot (no timing asserted)."""
+"""Smoke runs of the training-loop and GIL benchmarks at a tiny size so they cannot rot (no
+timing asserted)."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import os
+import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _bench_module():
-    spec = importlib.util.spec_from_file_location(
-        "bench_train", os.path.join(REPO, "bench", "bench_train.py"))
+def _bench_module(name: str = "bench_train"):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "bench", f"{name}.py"))
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # a spawned writer process unpickles its functions by module name
     spec.loader.exec_module(module)
     return module
 
@@ -30,3 +32,15 @@ def test_bench_train_tiny(tmp_path, capsys):
     assert "machine:" in text and "checkpoint (model + AdamW + step)" in text
     assert json.loads(out.read_text())["results"].keys() == report["results"].keys()
     assert os.listdir(tmp_path) == ["bench.json"]  # its checkpoints are removed
+
+
+def test_gil_contention_tiny(tmp_path, capsys):
+    bench = _bench_module("gil_contention")
+    out = tmp_path / "gil.json"
+    report = bench.main(["--tiny", "--dir", str(tmp_path), "--json", str(out)])
+    text = capsys.readouterr().out
+    rows = report["python"]["rows"]
+    assert set(rows) == {"none", "thread", "process"} and "GIL wait" in text
+    assert all(r["iterations"] == 2 and r["gil_wait_ms_per_iter"] >= 0 for r in rows.values())
+    assert json.loads(out.read_text())["python"]["rows"].keys() == rows.keys()
+    assert os.listdir(tmp_path) == ["gil.json"]
