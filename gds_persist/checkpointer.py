@@ -30,10 +30,13 @@ Modes (how long the caller's tensors are borrowed):
 Either way the caller must not change the tensors of a save until its handle is released:
 ``guard(optimizer)`` does it for optimizer updates; otherwise call ``handle.wait_released()``.
 
-Threads: one writer thread (plus a snapshot thread in snapshot mode) per Checkpointer. The work
-they do (``copy_``, CRC32C, ``pwrite``, ``fsync``) releases the GIL; docs/TRAINING.md records the
-measured contention with a training loop. Every wait is bounded (``timeout_s``) and watches the
-threads: one that dies fails the save it was doing (it is restarted for the next), never hangs.
+Threads: one writer thread (plus a snapshot thread in snapshot mode) per Checkpointer. Their bulk
+work (``copy_``, CRC32C, ``pwrite``, ``fsync``) releases the GIL, but core ``save``'s Python
+around it does not: a training loop that is itself mostly Python waits for it (measured in
+docs/TRAINING.md). ``writer="process"`` (snapshot mode) moves the write to a helper process
+(:mod:`gds_persist.helper`); the training process then only copies into the shared arena. Every
+wait is bounded (``timeout_s``) and watches the threads and the helper: one that dies fails the
+save it was doing (a new one takes the next), never hangs.
 A background error is raised by ``handle.wait()``, else by the next ``save``/``wait``/``close``.
 """
 
@@ -61,22 +64,27 @@ from . import steps as _steps
 from .distributed import make_comm
 from .errors import CheckpointError
 from .flatten import Flattened, flatten
+from .helper import HelperProcess, WorkerDied
 from .load import load as core_load
 from .save import SaveInfo
 from .save import save as core_save
-from .snapshot import Reservation, SnapshotArena, SnapshotTooLarge, snapshot_nbytes, take_snapshot
+from .snapshot import (
+    Reservation,
+    SnapshotArena,
+    SnapshotTooLarge,
+    copy_storages,
+    snapshot_nbytes,
+    take_snapshot,
+)
 
 log = logging.getLogger("gds_persist")
 
 MODES = ("fence", "snapshot")
+WRITERS = ("thread", "process")
 
 
 class CheckpointTimeout(CheckpointError, TimeoutError):
     """A bounded wait on background checkpoint work ran out."""
-
-
-class WorkerDied(CheckpointError):
-    """A Checkpointer thread stopped in the middle of a save."""
 
 
 @dataclass
@@ -153,6 +161,7 @@ class _Job:
     flat: Flattened | None
     events: list[tuple[torch.device, Any]]  # (device, CUDA event recorded at save())
     reservation: Reservation | None = None
+    remote: dict[str, Any] | None = None  # writer="process": the snapshot, described for the helper
 
 
 _STOP = object()
@@ -171,7 +180,9 @@ class Checkpointer:
     collectives); rank 0 publishes ``latest`` and applies retention, and a handle is done on every
     rank only once that is done. ``timeout_s``: bound on every wait for background work.
     ``max_pending``: saves in flight before ``save`` waits for the oldest to commit (default 2 in
-    fence mode; unbounded in snapshot mode, where the arena bounds memory).
+    fence mode; unbounded in snapshot mode, where the arena bounds memory). ``writer``:
+    ``"thread"`` (default) or ``"process"`` (snapshot mode only: a helper process writes the
+    snapshots, so core ``save``'s Python takes no GIL from training).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -179,9 +190,17 @@ class Checkpointer:
                  backend: str | None = None, process_group: Any = None,
                  timeout_s: float = 1800.0, max_pending: int | None = None,
                  block_bytes: int | None = None, staging_bytes: int | None = None,
-                 io_threads: int | None = None):
+                 io_threads: int | None = None, writer: str = "thread"):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
+        if writer not in WRITERS:
+            raise ValueError(f"writer={writer!r}: valid writers are {', '.join(WRITERS)}")
+        if writer == "process" and (mode != "snapshot" or process_group is not None):
+            raise ValueError(
+                "writer='process' writes snapshots from a helper process: it needs "
+                "mode='snapshot' (fence mode writes the live tensors, which only this process "
+                "can read) and no process_group (collectives belong to this process)"
+            )
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
         if max_pending is None:
@@ -193,6 +212,7 @@ class Checkpointer:
         self.root = os.path.abspath(os.fspath(root))
         self.keep_last = keep_last
         self.mode = mode
+        self.writer = writer
         self.timeout_s = float(timeout_s)
         self.max_pending = max_pending
         self.process_group = process_group
@@ -222,6 +242,10 @@ class Checkpointer:
         self._closed = False  # no new saves
         self._stopping = False  # threads told to stop: dead ones are no longer replaced
         self._before_write: Callable[[int], None] | None = None  # test seam: runs in the writer
+        self._helper_job_extra: dict[str, Any] = {}  # test seam: e.g. {"test_sleep_s": 5}
+        self._helper = HelperProcess() if writer == "process" else None
+        if self._helper is not None:
+            self._helper.start()  # it imports torch while training starts
         stages = ["write"] + (["snapshot"] if mode == "snapshot" else [])
         for stage in stages:
             self._queues[stage] = queue.Queue()
@@ -460,6 +484,7 @@ class Checkpointer:
                 self._undelivered.append(h)
 
     def _free(self, job: _Job) -> None:
+        job.remote = None
         if job.reservation is not None and self._arena is not None:
             self._arena.free(job.reservation)
         job.reservation = None
@@ -514,6 +539,8 @@ class Checkpointer:
         deadline = time.monotonic() + join_s
         for t in self._threads.values():
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._helper is not None and not self._threads["write"].is_alive():
+            self._helper.stop(max(0.0, deadline - time.monotonic()))
         if self._arena is not None and not any(t.is_alive() for t in self._threads.values()):
             self._arena.close()
 
@@ -541,7 +568,8 @@ class Checkpointer:
             need = snapshot_nbytes(job.flat)
             if self._arena is None:
                 capacity = self._snapshot_bytes if self._snapshot_bytes else 2 * need
-                self._arena = SnapshotArena(capacity, self.timeout_s)
+                self._arena = SnapshotArena(capacity, self.timeout_s,
+                                            shared=self._helper is not None)
             try:
                 job.reservation = self._arena.reserve(need)
             except SnapshotTooLarge as e:
@@ -556,7 +584,14 @@ class Checkpointer:
                 with self._lock:
                     self._stats.snapshot_blocked += 1
                     self._stats.snapshot_blocked_s += h.blocked_s
-            job.state_dict = take_snapshot(job.flat, self._arena, job.reservation)
+            if self._helper is not None:  # copy only; the helper rebuilds and writes
+                f = job.flat
+                offsets = copy_storages(f, self._arena, job.reservation)
+                job.remote = {"tree": f.tree, "tensors": f.tensors, "storages": f.storages,
+                              "offsets": offsets, "arena": self._arena.shared}
+                job.state_dict = None
+            else:
+                job.state_dict = take_snapshot(job.flat, self._arena, job.reservation)
             job.flat, job.events = None, []
             h._released.set()
             self._queues["write"].put(job)
@@ -572,7 +607,18 @@ class Checkpointer:
             kwargs = dict(self._save_kwargs)
             if self.process_group is not None:
                 kwargs["process_group"] = self.process_group
-            info = core_save(job.state_dict, h.path, **kwargs)
+            if job.remote is not None:
+                assert self._helper is not None
+                try:
+                    info = self._helper.write(
+                        {**job.remote, **self._helper_job_extra, "path": h.path,
+                         "kwargs": kwargs}, self.timeout_s, f"writing step {h.step}")
+                except TimeoutError as e:
+                    raise CheckpointTimeout(f"{e} (under {self.root}); raise "
+                                            "Checkpointer(timeout_s=...) if the drive is slow"
+                                            ) from None
+            else:
+                info = core_save(job.state_dict, h.path, **kwargs)
             job.state_dict = job.flat = None
             self._free(job)
             h._released.set()

@@ -17,6 +17,8 @@ SAFETY: the tensors of a snapshot alias the arena. They must be dropped before t
 from __future__ import annotations
 
 import logging
+import mmap
+import os
 import sys
 import threading
 import time
@@ -28,7 +30,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError
-from .flatten import Flattened, rebuild_tensor, unflatten
+from .flatten import Flattened, StorageRecord, TensorRecord, rebuild_tensor, unflatten
 from .staging import AlignedBuffer
 from .write import byte_view
 
@@ -70,16 +72,25 @@ class SnapshotArena:
     created on first use (pinning it is expensive) and reused for every later snapshot.
     """
 
-    def __init__(self, capacity: int, timeout_s: float):
+    def __init__(self, capacity: int, timeout_s: float, shared: bool = False):
         if capacity < PAGE:
             raise ValueError(f"snapshot_bytes={capacity} must be at least {PAGE}")
         self.capacity = _align(capacity, PAGE)
         self.timeout_s = timeout_s
         self.peak_bytes = 0
-        self._buffer: AlignedBuffer | None = None
+        self._buffer: AlignedBuffer | SharedBuffer | None = None
         self._idle_refs = 0  # references to the buffer's memoryview when no snapshot uses it
         self._live: deque[Reservation] = deque()
         self._cond = threading.Condition()
+        if shared:  # another process maps it from the start: create it now
+            self._buffer = SharedBuffer(self.capacity)
+            self._idle_refs = sys.getrefcount(self._buffer.view)
+
+    @property
+    def shared(self) -> tuple[int, int, int] | None:
+        """(pid, fd, size) through which another process maps a shared arena, else None."""
+        b = self._buffer
+        return (os.getpid(), b.fd, b.nbytes) if isinstance(b, SharedBuffer) else None
 
     @property
     def in_use(self) -> int:
@@ -132,6 +143,11 @@ class SnapshotArena:
             self._live.remove(r)
             self._cond.notify_all()
 
+    def bytes_at(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A uint8 view (of the whole arena's storage) of bytes ``[offset, offset + nbytes)``."""
+        assert self._buffer is not None
+        return self._buffer.tensor[offset : offset + nbytes]
+
     def view(self, r: Reservation, start: int, nbytes: int) -> torch.Tensor:
         """A uint8 tensor with its own storage over arena bytes ``[r.offset+start, +nbytes)``."""
         assert self._buffer is not None and start + nbytes <= r.nbytes
@@ -157,34 +173,98 @@ class SnapshotArena:
         buffer.close()
 
 
-def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Any:
-    """Copy every storage of ``flat`` into ``r`` and return the state dict rebuilt over the copies.
+def copy_storages(flat: Flattened, arena: SnapshotArena, r: Reservation) -> list[int]:
+    """Copy every storage of ``flat`` into reservation ``r``; return each one's arena offset.
 
-    CUDA storages are copied on a side stream into the (pinned) arena and synchronized before
-    this returns, so the live tensors may change as soon as it has.
+    CUDA storages are copied on the current (side) stream into the (pinned) arena and
+    synchronized before this returns, so the live tensors may change as soon as it has. One
+    ``_foreach_copy_`` per device keeps the Python per storage (and so the GIL) small.
     """
-    copies: list[torch.Tensor] = []
-    cursor = 0
-    cuda_devices = set()
+    offsets: list[int] = []
+    groups: dict[torch.device, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    cursor = r.offset
     for storage in flat.storage_objects:
         nbytes = storage.nbytes()
-        dst = arena.view(r, cursor, nbytes)
+        offsets.append(cursor)
         if nbytes:
-            src = byte_view(storage)
-            if src.is_cuda:
-                cuda_devices.add(src.device)
-                dst.copy_(src, non_blocking=True)
-            else:
-                dst.copy_(src)
-        copies.append(dst)
+            dsts, srcs = groups.setdefault(storage.device, ([], []))
+            dsts.append(arena.bytes_at(cursor, nbytes))
+            srcs.append(byte_view(storage))
         cursor += _align(nbytes, _ALIGN)
-    for device in cuda_devices:
-        torch.cuda.current_stream(device).synchronize()
-    tensors = []
-    for record in flat.tensors:
-        t = rebuild_tensor(record, copies[record.storage].untyped_storage())
-        saved = flat.storages[record.storage].device
+    assert cursor <= r.offset + r.nbytes
+    for device, (dsts, srcs) in groups.items():
+        if hasattr(torch, "_foreach_copy_"):
+            torch._foreach_copy_(dsts, srcs, non_blocking=device.type == "cuda")
+        else:  # pragma: no cover - older torch
+            for d, s in zip(dsts, srcs, strict=True):
+                d.copy_(s, non_blocking=device.type == "cuda")
+        if device.type == "cuda":
+            torch.cuda.current_stream(device).synchronize()
+    return offsets
+
+
+def rebuild(tree: Any, tensors: list[TensorRecord], storages: list[StorageRecord],
+            views: list[torch.Tensor]) -> Any:
+    """The state dict over snapshot copies: ``views[i]`` holds storage ``i`` (its own storage);
+    each tensor records the device its storage was saved from."""
+    out = []
+    for record in tensors:
+        t = rebuild_tensor(record, views[record.storage].untyped_storage())
+        saved = storages[record.storage].device
         if saved != "cpu":
             setattr(t, SAVED_DEVICE_ATTR, saved)
-        tensors.append(t)
-    return unflatten(flat.tree, tensors)
+        out.append(t)
+    return unflatten(tree, out)
+
+
+def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Any:
+    """Copy ``flat``'s storages into ``r``; return the state dict rebuilt over the copies."""
+    offsets = copy_storages(flat, arena, r)
+    views = [arena.view(r, off - r.offset, s.nbytes)
+             for off, s in zip(offsets, flat.storages, strict=True)]
+    return rebuild(flat.tree, flat.tensors, flat.storages, views)
+
+
+class SharedBuffer:
+    """``nbytes`` of page-aligned host memory another process can map: a memfd (Linux), mapped
+    here and, by the helper process, through ``/proc/<pid>/fd/<fd>``. Registered with CUDA as
+    pinned memory where CUDA is usable. Freed once every mapping and descriptor is gone, so a
+    crash leaks nothing (unlike a file in /dev/shm)."""
+
+    def __init__(self, nbytes: int):
+        if not hasattr(os, "memfd_create"):
+            raise CheckpointError("writer='process' needs Linux memfd_create; use writer='thread'")
+        self.nbytes = nbytes
+        self.fd = os.memfd_create("gds_persist-snapshot-arena", os.MFD_CLOEXEC)
+        try:
+            os.ftruncate(self.fd, nbytes)
+            self._mmap = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self.view = memoryview(self._mmap)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.pinned = False
+        if torch.cuda.is_available():
+            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
+            self.pinned = int(rc) == 0
+
+    def close(self) -> None:
+        if self.pinned:
+            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
+            self.pinned = False
+        del self.tensor
+        self.view.release()
+        self._mmap.close()
+        os.close(self.fd)
+
+
+def map_shared(pid: int, fd: int, nbytes: int) -> mmap.mmap:
+    """In the helper process: map the arena ``SharedBuffer`` of process ``pid``."""
+    own = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        return mmap.mmap(own, nbytes, flags=mmap.MAP_SHARED)
+    finally:
+        os.close(own)

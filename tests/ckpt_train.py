@@ -3,7 +3,7 @@
 Imported by the Checkpointer tests (the uninterrupted reference run, resumes); run as a script it
 is the training subprocess the crash test kills::
 
-    python tests/ckpt_train.py ROOT TOTAL_STEPS [fence|snapshot]
+    python tests/ckpt_train.py ROOT TOTAL_STEPS [fence|snapshot|snapshot+process]
 
 It resumes from the latest checkpoint under ROOT, prints ``started <step> <pid>`` and trains to
 TOTAL_STEPS, saving after every optimizer step (and printing ``step <k>`` after each save call).
@@ -124,7 +124,9 @@ def say(line: str) -> None:
 def main(root: str, total: int, mode: str = "fence") -> None:
     from gds_persist import Checkpointer
 
-    with one_thread(), Checkpointer(root, keep_last=2, mode=mode) as ckpt:
+    mode, _, writer = mode.partition("+")  # e.g. "snapshot+process"
+    writer = writer or "thread"
+    with one_thread(), Checkpointer(root, keep_last=2, mode=mode, writer=writer) as ckpt:
         model, opt = make()
         ckpt.guard(opt)
         start = restore(model, opt, ckpt.load()) if ckpt.latest_step() is not None else 0

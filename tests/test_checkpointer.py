@@ -4,6 +4,7 @@ snapshot memory bound, handle semantics, background errors, close."""
 from __future__ import annotations
 
 import os
+import signal
 import threading
 import time
 
@@ -64,13 +65,14 @@ def test_save_load_latest_and_layout(tmp_path):
     assert gds_persist.verify(tmp_path / step_name(1)).ok
 
 
-@pytest.mark.parametrize("mode", ["fence", "snapshot"])
-def test_exact_resume_is_bit_identical(tmp_path, ref, mode):
+@pytest.mark.parametrize("mode,writer", [("fence", "thread"), ("snapshot", "thread"),
+                                         ("snapshot", "process")])
+def test_exact_resume_is_bit_identical(tmp_path, ref, mode, writer):
     """Checkpoint every step; resuming from step i and training to S gives the uninterrupted
     run's parameters and optimizer state, bit for bit."""
     with one_thread():
         model, opt = make()
-        with Checkpointer(tmp_path, keep_last=None, mode=mode) as ckpt:
+        with Checkpointer(tmp_path, keep_last=None, mode=mode, writer=writer) as ckpt:
             ckpt.guard(opt)
             train(model, opt, 0, S, ckpt)
         assert_identical(state(model, opt, S), ref[S], "uninterrupted")
@@ -211,8 +213,9 @@ def test_no_file_descriptor_outlives_the_checkpointer(tmp_path):
     with Checkpointer(tmp_path / "warm", mode="snapshot") as ckpt:  # warm caches (staging ring)
         ckpt.save(1, small(1))
     before = fds()
-    for mode in ("fence", "snapshot"):
-        with Checkpointer(tmp_path / mode, keep_last=1, mode=mode) as ckpt:
+    for mode, writer in (("fence", "thread"), ("snapshot", "thread"), ("snapshot", "process")):
+        with Checkpointer(tmp_path / f"{mode}-{writer}", keep_last=1, mode=mode,
+                          writer=writer) as ckpt:
             for s in range(1, 5):
                 ckpt.save(s, small(s))
         ckpt.load()
@@ -368,3 +371,43 @@ def test_snapshot_copy_records_the_device_it_came_from():
     setattr(t, SAVED_DEVICE_ATTR, "cuda:0")
     assert flatten({"t": t, "u": torch.ones(2)}).storages[0].device == "cuda:0"
     assert flatten({"u": torch.ones(2)}).storages[0].device == "cpu"
+
+
+# ---------------------------------------------------------------- writer="process"
+
+
+def test_process_writer_needs_snapshot_mode_and_no_group(tmp_path):
+    with pytest.raises(ValueError, match="writer='process'.*needs mode='snapshot'"):
+        Checkpointer(tmp_path, writer="process")
+    with pytest.raises(ValueError, match="valid writers are thread, process"):
+        Checkpointer(tmp_path, writer="fork")
+
+
+def test_process_writer_error_comes_back_with_its_type(tmp_path):
+    with Checkpointer(tmp_path, mode="snapshot", writer="process") as ckpt:
+        ckpt.save(1, small(1)).wait()
+        _make_unreplaceable(tmp_path, 2)
+        with pytest.raises(CheckpointError, match="step-00000002 exists and is not") as info:
+            ckpt.save(2, small(2)).wait()
+        notes = "".join(getattr(info.value, "__notes__", ["helper process"]))
+        assert "helper process" in notes
+        ckpt.save(3, small(3)).wait()
+        assert ckpt.latest_step() == 3
+
+
+def test_dead_helper_process_is_detected_and_replaced(tmp_path):
+    with Checkpointer(tmp_path, mode="snapshot", writer="process", timeout_s=60) as ckpt:
+        ckpt.save(1, small(1)).wait()
+        ckpt._helper_job_extra = {"test_sleep_s": 30}
+        h = ckpt.save(2, small(2))
+        h.wait_released(timeout=30)
+        time.sleep(0.5)  # the job has reached the helper, which sleeps in it
+        os.kill(ckpt._helper.pid, signal.SIGKILL)  # our own child
+        t0 = time.monotonic()
+        with pytest.raises(WorkerDied, match=r"helper process died \(exit code -9\) while "
+                                             r"writing step 2"):
+            h.wait()
+        assert time.monotonic() - t0 < 10
+        ckpt._helper_job_extra = {}
+        ckpt.save(3, small(3)).wait()  # a new helper
+        assert ckpt.steps() == [1, 3] and ckpt.latest_step() == 3
