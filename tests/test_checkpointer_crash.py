@@ -158,8 +158,8 @@ def test_sigkill_at_random_instants(tmp_path, zygote, mode, share):
 
 EXIT_WITHOUT_CLOSE = """
 import sys, time, torch, gds_persist
-for mode in ("fence", "snapshot"):
-    ckpt = gds_persist.Checkpointer(f"{sys.argv[1]}/{mode}", mode=mode)
+for mode, writer in (("fence", "thread"), ("snapshot", "thread"), ("snapshot", "process")):
+    ckpt = gds_persist.Checkpointer(f"{sys.argv[1]}/{mode}-{writer}", mode=mode, writer=writer)
     ckpt._before_write = lambda step: time.sleep(0.3)  # still writing when the script ends
     ckpt.save(1, {"w": torch.arange(1000.0), "step": 1})
 """
@@ -171,7 +171,7 @@ def test_unclosed_checkpointer_finishes_its_saves_at_exit(tmp_path):
     r = subprocess.run([sys.executable, "-c", EXIT_WITHOUT_CLOSE, str(tmp_path)], env=env,
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and not r.stderr, r.stderr
-    for mode in ("fence", "snapshot"):
+    for mode in ("fence-thread", "snapshot-thread", "snapshot-process"):
         root = str(tmp_path / mode)
         assert read_latest(root) == 1
         assert gds_persist.load(os.path.join(root, step_name(1)))["step"] == 1
