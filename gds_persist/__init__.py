@@ -25,9 +25,9 @@ from .errors import (  # noqa: E402
     ReplicationError,
     TruncatedError,
 )
+from .interop import export_checkpoint, import_checkpoint  # noqa: E402
 from .load import load, read_manifest, verify  # noqa: E402
 from .save import SaveInfo, save  # noqa: E402
-from .interop import export_checkpoint, import_checkpoint  # noqa: E402
 
 __all__ = [
     "BackendError",

@@ -6,17 +6,19 @@ buffers, so checksumming overlaps I/O threads). ``crc32c(b, crc32c(a)) == crc32c
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import crc32c as _crc32c_impl
 
 if TYPE_CHECKING:
     import torch
 
+Buffer = Any  # anything with the buffer protocol: bytes, memoryview, mmap, numpy array
+
 HARDWARE_ACCELERATED: bool = bool(_crc32c_impl.hardware_based)
 
 
-def crc32c(data: bytes | bytearray | memoryview, value: int = 0) -> int:
+def crc32c(data: Buffer, value: int = 0) -> int:
     """CRC32C of ``data``, continuing from ``value`` (the CRC of the bytes before it)."""
     return _crc32c_impl.crc32c(data, value)
 

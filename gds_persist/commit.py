@@ -69,11 +69,13 @@ def remove_stale_temporaries(parent: str, name: str) -> None:
 
 def write_manifest(directory: str, data: bytes) -> None:
     """Write and fsync the manifest: the last file of a save, the seal over the data files."""
-    fd = os.open(os.path.join(directory, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(
+        os.path.join(directory, MANIFEST_NAME), os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644
+    )
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)

@@ -85,11 +85,11 @@ def _check_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> None:
             "save .int_repr() and its scale/zero_point, or .dequantize()",
         )
     if t.device.type not in _SUPPORTED_DEVICES:
-        raise _reject(
-            path, f"a tensor on device {t.device}", "move it to 'cpu' or 'cuda' first"
-        )
+        raise _reject(path, f"a tensor on device {t.device}", "move it to 'cpu' or 'cuda' first")
     if t.is_conj() or t.is_neg():
-        raise _reject(path, "a tensor with a lazy conj/neg bit", "call .resolve_conj().resolve_neg()")
+        raise _reject(
+            path, "a tensor with a lazy conj/neg bit", "call .resolve_conj().resolve_neg()"
+        )
 
 
 class _Flattener:
@@ -122,7 +122,7 @@ class _Flattener:
             dtype=str(t.dtype).removeprefix("torch."),
             shape=tuple(t.shape),
             stride=tuple(t.stride()),
-            storage_offset=t.storage_offset(),
+            storage_offset=int(t.storage_offset()),
             requires_grad=t.requires_grad,
             parameter=isinstance(t, torch.nn.Parameter),
         )
@@ -131,8 +131,11 @@ class _Flattener:
 
     def node(self, obj: Any, path: tuple[Any, ...]) -> Any:
         if len(path) > MAX_DEPTH:
-            raise _reject(path, f"a value nested more than {MAX_DEPTH} levels deep",
-                          "flatten the structure (loading must not exhaust the stack)")
+            raise _reject(
+                path,
+                f"a value nested more than {MAX_DEPTH} levels deep",
+                "flatten the structure (loading must not exhaust the stack)",
+            )
         if isinstance(obj, torch.Tensor):
             return self.tensor(obj, path)
         if isinstance(obj, bool) or isinstance(obj, _JSON_SCALARS):
@@ -202,7 +205,7 @@ def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
         items = [unflatten(v, tensors) for v in tree["v"]]
         return items if kind == "list" else tuple(items)
     cls = OrderedDict if kind == "odict" else dict
-    out = cls((k, unflatten(v, tensors)) for k, v in zip(tree["k"], tree["v"]))
+    out = cls((k, unflatten(v, tensors)) for k, v in zip(tree["k"], tree["v"], strict=True))
     if "meta" in tree:
         out._metadata = unflatten(tree["meta"], tensors)  # type: ignore[attr-defined]
     return out
@@ -222,7 +225,7 @@ def tensor_paths(tree: Any) -> dict[int, str]:
             for i, v in enumerate(node["v"]):
                 walk(v, (*path, i))
         elif kind in ("dict", "odict"):
-            for k, v in zip(node["k"], node["v"]):
+            for k, v in zip(node["k"], node["v"], strict=True):
                 walk(v, (*path, k))
 
     walk(tree, ())

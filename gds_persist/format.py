@@ -70,7 +70,7 @@ class Section:
 
 @dataclass(frozen=True)
 class Extent:
-    """Bytes ``[start, start+length)`` of storage ``storage`` live at ``offset`` of file ``file``."""
+    """Bytes ``[start, start+length)`` of storage ``storage``, at ``offset`` of file ``file``."""
 
     storage: int
     start: int
@@ -145,8 +145,9 @@ def dump_manifest(m: Manifest) -> bytes:
         "alignment": m.alignment,
         "checksum": CHECKSUM_ALGORITHM,
         "byteorder": "little",
-        "files": [_fields(f) if version >= 2 else {"name": f.name, "size": f.size}
-                  for f in m.files],
+        "files": [
+            _fields(f) if version >= 2 else {"name": f.name, "size": f.size} for f in m.files
+        ],
         "storages": [_fields(s) for s in m.storages],
         "tensors": [_fields(t) for t in m.tensors],
         "extents": [_fields(e) for e in m.extents],
@@ -180,16 +181,25 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
         doc = json.loads(raw, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as e:  # also UnicodeDecodeError, huge ints, deep nesting
         raise ManifestError(f"{where}: not valid JSON ({e}); the manifest is corrupted") from e
-    _require(isinstance(doc, dict) and doc.get("format") == FORMAT_NAME, where,
-             f"not a {FORMAT_NAME} manifest")
+    _require(
+        isinstance(doc, dict) and doc.get("format") == FORMAT_NAME,
+        where,
+        f"not a {FORMAT_NAME} manifest",
+    )
     version = doc.get("version")
-    _require(type(version) is int and version in READABLE_VERSIONS, where,
-             f"format version {version!r} is not supported by this gds_persist (reads versions "
-             f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade gds_persist to read it")
+    _require(
+        type(version) is int and version in READABLE_VERSIONS,
+        where,
+        f"format version {version!r} is not supported by this gds_persist (reads versions "
+        f"{', '.join(map(str, READABLE_VERSIONS))}); upgrade gds_persist to read it",
+    )
     body = doc.get("body")
     _require(isinstance(body, dict), where, "has no body")
-    _require(crc32c(_canonical(body)) == doc.get("body_crc32c"), where,
-             "body checksum mismatch; the manifest was corrupted or edited")
+    _require(
+        crc32c(_canonical(body)) == doc.get("body_crc32c"),
+        where,
+        "body checksum mismatch; the manifest was corrupted or edited",
+    )
     return _ManifestValidator(body, where, version).build()
 
 
@@ -230,20 +240,30 @@ class _ManifestValidator:
     def build(self) -> Manifest:
         b = self.body
         if b.get("alignment") != ALIGNMENT or b.get("checksum") != CHECKSUM_ALGORITHM:
-            raise self.fail(f"unsupported alignment/checksum {b.get('alignment')}/{b.get('checksum')}")
+            raise self.fail(
+                f"unsupported alignment/checksum {b.get('alignment')}/{b.get('checksum')}"
+            )
         if b.get("byteorder") != "little":
             raise self.fail("only little-endian checkpoints are supported")
         dirs = self.dirs() if self.version >= 2 else []
         file_fields = {"name": 0, "size": 0, **({"dir": 0} if self.version >= 2 else {})}
-        files = [self.file(i, f, len(dirs)) for i, f in enumerate(self.records("files", file_fields))]
-        storages = [self.storage(i, s) for i, s in enumerate(
-            self.records("storages", {"nbytes": 0, "device": 0}))]
+        files = [
+            self.file(i, f, len(dirs)) for i, f in enumerate(self.records("files", file_fields))
+        ]
+        storages = [
+            self.storage(i, s)
+            for i, s in enumerate(self.records("storages", {"nbytes": 0, "device": 0}))
+        ]
         tensor_fields = {k: 0 for k in TensorRecord.__dataclass_fields__}
-        tensors = [self.tensor(i, t, storages) for i, t in enumerate(
-            self.records("tensors", tensor_fields))]
+        tensors = [
+            self.tensor(i, t, storages)
+            for i, t in enumerate(self.records("tensors", tensor_fields))
+        ]
         extent_fields = {k: 0 for k in Extent.__dataclass_fields__}
-        extents = [self.extent(i, e, files, storages) for i, e in enumerate(
-            self.records("extents", extent_fields))]
+        extents = [
+            self.extent(i, e, files, storages)
+            for i, e in enumerate(self.records("extents", extent_fields))
+        ]
         self.coverage(extents, storages)
         self.tree(b.get("tree"), len(tensors), depth=0, main=True)
         sections = self.sections(len(tensors)) if self.version >= 2 else []
@@ -252,31 +272,45 @@ class _ManifestValidator:
             raise self.fail("'writer' must be an object")
         if len({(f.dir, f.name) for f in files}) != len(files):
             raise self.fail("two files have the same name in the same directory")
-        return Manifest(files, storages, tensors, extents, b["tree"], writer, ALIGNMENT, dirs,
-                        sections)
+        return Manifest(
+            files, storages, tensors, extents, b["tree"], writer, ALIGNMENT, dirs, sections
+        )
 
     def file(self, i: int, f: dict[str, Any], n_dirs: int = 0) -> DataFile:
         name = f["name"]
         if not isinstance(name, str) or not _SAFE_FILE_NAME.match(name) or name == "manifest.json":
-            raise self.fail(f"files[{i}] name {name!r} is not a plain file name inside the checkpoint")
+            raise self.fail(
+                f"files[{i}] name {name!r} is not a plain file name inside the checkpoint"
+            )
         if not _is_int(f["size"]) or f["size"] % ALIGNMENT:
-            raise self.fail(f"files[{i}] size {f['size']!r} is not a non-negative multiple of {ALIGNMENT}")
+            raise self.fail(
+                f"files[{i}] size {f['size']!r} is not a non-negative multiple of {ALIGNMENT}"
+            )
         directory = f.get("dir", 0)
         if not _is_int(directory, 0, n_dirs):
-            raise self.fail(f"files[{i}] dir {directory!r} is not 0 (the checkpoint directory) or "
-                            f"one of the {n_dirs} data directories")
+            raise self.fail(
+                f"files[{i}] dir {directory!r} is not 0 (the checkpoint directory) or "
+                f"one of the {n_dirs} data directories"
+            )
         return DataFile(name, f["size"], directory)
 
     def dirs(self) -> list[DataDir]:
         out = []
         for i, d in enumerate(self.records("dirs", {"root": 0, "name": 0})):
             root, name = d["root"], d["name"]
-            if (not isinstance(root, str) or not root.startswith("/") or "\x00" in root
-                    or posixpath.normpath(root) != root or len(root) > 4096):
+            if (
+                not isinstance(root, str)
+                or not root.startswith("/")
+                or "\x00" in root
+                or posixpath.normpath(root) != root
+                or len(root) > 4096
+            ):
                 raise self.fail(f"dirs[{i}] root {root!r} is not an absolute, normalised path")
             if not isinstance(name, str) or not _STRIPE_DIR_NAME.match(name):
-                raise self.fail(f"dirs[{i}] name {name!r} is not a plain data directory name "
-                                f"(NAME{STRIPE_MARK}<save id>)")
+                raise self.fail(
+                    f"dirs[{i}] name {name!r} is not a plain data directory name "
+                    f"(NAME{STRIPE_MARK}<save id>)"
+                )
             out.append(DataDir(root, name))
         if len(set(out)) != len(out):
             raise self.fail("'dirs' lists a directory twice")
@@ -288,10 +322,17 @@ class _ManifestValidator:
             tree = sec["tree"]
             if not _is_int(sec["rank"], 0, 1 << 24):
                 raise self.fail(f"sections[{i}] rank {sec['rank']!r} is not a rank")
-            if not (isinstance(tree, dict) and tree.get("t") == "list" and set(tree) == {"t", "v"}
-                    and isinstance(tree["v"], list) and len(tree["v"]) == self.n_local):
-                raise self.fail(f"sections[{i}] tree must be a list of {self.n_local} subtrees, "
-                                "one per rank-local placeholder")
+            if not (
+                isinstance(tree, dict)
+                and tree.get("t") == "list"
+                and set(tree) == {"t", "v"}
+                and isinstance(tree["v"], list)
+                and len(tree["v"]) == self.n_local
+            ):
+                raise self.fail(
+                    f"sections[{i}] tree must be a list of {self.n_local} subtrees, "
+                    "one per rank-local placeholder"
+                )
             self.tree(tree, n_tensors, depth=0)
             out.append(Section(sec["rank"], tree))
         if len({s.rank for s in out}) != len(out):
@@ -307,27 +348,43 @@ class _ManifestValidator:
         ok = (
             _is_int(t["storage"], 0, len(storages) - 1)
             and t["dtype"] in DTYPES
-            and isinstance(t["shape"], list) and all(_is_int(d, 0, 1 << 48) for d in t["shape"])
-            and isinstance(t["stride"], list) and len(t["stride"]) == len(t["shape"])
+            and isinstance(t["shape"], list)
+            and all(_is_int(d, 0, 1 << 48) for d in t["shape"])
+            and isinstance(t["stride"], list)
+            and len(t["stride"]) == len(t["shape"])
             and all(_is_int(s, 0, 1 << 48) for s in t["stride"])
             and _is_int(t["storage_offset"])
-            and isinstance(t["requires_grad"], bool) and isinstance(t["parameter"], bool)
+            and isinstance(t["requires_grad"], bool)
+            and isinstance(t["parameter"], bool)
         )
         if not ok:
             raise self.fail(f"tensors[{i}] is malformed: {t}")
-        record = TensorRecord(t["storage"], t["dtype"], tuple(t["shape"]), tuple(t["stride"]),
-                              t["storage_offset"], t["requires_grad"], t["parameter"])
+        record = TensorRecord(
+            t["storage"],
+            t["dtype"],
+            tuple(t["shape"]),
+            tuple(t["stride"]),
+            t["storage_offset"],
+            t["requires_grad"],
+            t["parameter"],
+        )
         if math.prod(record.shape) > _MAX_SIZE:
             raise self.fail(f"tensors[{i}] has more elements than any tensor can: {t['shape']}")
         if math.prod(record.shape):
-            last = record.storage_offset + sum((d - 1) * s for d, s in zip(record.shape, record.stride))
+            last = record.storage_offset + sum(
+                (d - 1) * s for d, s in zip(record.shape, record.stride, strict=True)
+            )
             needed = (last + 1) * DTYPES[record.dtype].itemsize
             if needed > storages[record.storage].nbytes:
-                raise self.fail(f"tensors[{i}] reaches byte {needed} of a {storages[record.storage].nbytes}-byte storage")
+                raise self.fail(
+                    f"tensors[{i}] reaches byte {needed} of a "
+                    f"{storages[record.storage].nbytes}-byte storage"
+                )
         return record
 
-    def extent(self, i: int, e: dict[str, Any], files: list[DataFile],
-               storages: list[StorageRecord]) -> Extent:
+    def extent(
+        self, i: int, e: dict[str, Any], files: list[DataFile], storages: list[StorageRecord]
+    ) -> Extent:
         if not all(_is_int(e[k]) for k in ("storage", "start", "length", "file", "offset")):
             raise self.fail(f"extents[{i}] has a negative, non-integer or overflowing field: {e}")
         if e["storage"] >= len(storages) or e["file"] >= len(files):
@@ -335,10 +392,14 @@ class _ManifestValidator:
         if e["offset"] % ALIGNMENT:
             raise self.fail(f"extents[{i}] offset {e['offset']} is not {ALIGNMENT}-aligned")
         if e["offset"] + e["length"] > files[e["file"]].size:
-            raise self.fail(f"extents[{i}] ends at {e['offset'] + e['length']}, beyond "
-                            f"{files[e['file']].name} ({files[e['file']].size} bytes)")
+            raise self.fail(
+                f"extents[{i}] ends at {e['offset'] + e['length']}, beyond "
+                f"{files[e['file']].name} ({files[e['file']].size} bytes)"
+            )
         if e["start"] + e["length"] > storages[e["storage"]].nbytes:
-            raise self.fail(f"extents[{i}] ends beyond its storage's {storages[e['storage']].nbytes} bytes")
+            raise self.fail(
+                f"extents[{i}] ends beyond its storage's {storages[e['storage']].nbytes} bytes"
+            )
         if not _is_int(e["crc32c"], 0, 0xFFFFFFFF):
             raise self.fail(f"extents[{i}] crc32c {e['crc32c']!r} is not a 32-bit value")
         return Extent(**e)
@@ -355,7 +416,9 @@ class _ManifestValidator:
                     raise self.fail(f"storage {index} has a gap or overlap at byte {covered}")
                 covered += e.length
             if covered != storage.nbytes:
-                raise self.fail(f"storage {index} is {storage.nbytes} bytes but extents cover {covered}")
+                raise self.fail(
+                    f"storage {index} is {storage.nbytes} bytes but extents cover {covered}"
+                )
 
     def tree(self, node: Any, n_tensors: int, depth: int, main: bool = False) -> None:
         if depth > MAX_DEPTH:
@@ -373,8 +436,13 @@ class _ManifestValidator:
             return
         if kind == "float" and set(node) == {"t", "v"} and node["v"] in ("inf", "-inf", "nan"):
             return
-        if (kind == "local" and main and self.version >= 2 and set(node) == {"t", "i"}
-                and node["i"] == self.n_local):  # placeholders are numbered in tree order
+        if (
+            kind == "local"
+            and main
+            and self.version >= 2
+            and set(node) == {"t", "i"}
+            and node["i"] == self.n_local
+        ):  # placeholders are numbered in tree order
             self.n_local += 1
             return
         if kind in ("list", "tuple") and set(node) == {"t", "v"} and isinstance(node["v"], list):
@@ -383,16 +451,21 @@ class _ManifestValidator:
             return
         if kind in ("dict", "odict") and {"t", "k", "v"} <= set(node) <= {"t", "k", "v", "meta"}:
             keys, values = node["k"], node["v"]
-            if (isinstance(keys, list) and isinstance(values, list) and len(keys) == len(values)
-                    and all(isinstance(k, str) or type(k) is int for k in keys)):
+            if (
+                isinstance(keys, list)
+                and isinstance(values, list)
+                and len(keys) == len(values)
+                and all(isinstance(k, str) or type(k) is int for k in keys)
+            ):
                 for v in values + ([node["meta"]] if "meta" in node else []):
                     self.tree(v, n_tensors, depth + 1, main)
                 return
         raise self.fail(f"tree node {str(node)[:80]!r} is not valid")
 
 
-def data_file_path(checkpoint: str, m: Manifest, index: int,
-                   roots: dict[str, str] | None = None) -> str:
+def data_file_path(
+    checkpoint: str, m: Manifest, index: int, roots: dict[str, str] | None = None
+) -> str:
     """Where data file ``index`` of ``m`` lives, for the checkpoint directory ``checkpoint``.
 
     ``roots`` maps recorded external roots to where they are now (``load(data_dirs=...)``).
@@ -407,8 +480,10 @@ def data_file_path(checkpoint: str, m: Manifest, index: int,
     full = os.path.join(base, f.name)
     real_base, real = os.path.realpath(base), os.path.realpath(full)
     if os.path.commonpath([real_base, real]) != real_base:
-        raise ManifestError(f"data file {full} resolves to {real}, outside its directory "
-                            f"{real_base}; refusing to read it")
+        raise ManifestError(
+            f"data file {full} resolves to {real}, outside its directory "
+            f"{real_base}; refusing to read it"
+        )
     return full
 
 
@@ -419,10 +494,16 @@ def sections_tree(m: Manifest, ranks: Any = None) -> Any:
     section (all ranks' parts); an int: by that rank's subtree (ManifestError if it has none).
     """
     by_rank = {s.rank: s.tree["v"] for s in sorted(m.sections, key=lambda s: s.rank)}
-    if isinstance(ranks, int) and not isinstance(ranks, bool) and _has_local(m.tree) \
-            and ranks not in by_rank:
-        raise ManifestError(f"the checkpoint has no rank-local state for rank {ranks} (it holds "
-                            f"ranks {sorted(by_rank)})")
+    if (
+        isinstance(ranks, int)
+        and not isinstance(ranks, bool)
+        and _has_local(m.tree)
+        and ranks not in by_rank
+    ):
+        raise ManifestError(
+            f"the checkpoint has no rank-local state for rank {ranks} (it holds "
+            f"ranks {sorted(by_rank)})"
+        )
 
     def walk(node: Any) -> Any:
         if not isinstance(node, dict):

@@ -9,7 +9,7 @@ import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -23,7 +23,7 @@ from .progress import ByteCounter, ProgressCallback
 from .read import FileReader, check_file
 from .staging import borrow_ring
 
-MapLocation = Union[None, str, torch.device, dict[str, str], Callable[..., Any]]
+MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
 
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -77,19 +77,28 @@ def _target_device(saved: str, map_location: MapLocation) -> torch.device:
     return device
 
 
-def _read_all(path: str, m: Manifest, dests: list[torch.Tensor] | None, verify: bool,
-              backend: str | None, errors: list[ChecksumError] | None = None,
-              progress: ProgressCallback | None = None,
-              roots: dict[str, str] | None = None) -> str:
+def _read_all(
+    path: str,
+    m: Manifest,
+    dests: list[torch.Tensor] | None,
+    verify: bool,
+    backend: str | None,
+    errors: list[ChecksumError] | None = None,
+    progress: ProgressCallback | None = None,
+    roots: dict[str, str] | None = None,
+) -> str:
     cfg = settings.current(backend=backend)
     wants_device = dests is not None and any(d.is_cuda for d in dests)
     be, reason = choose_backend(cfg.backend, path, wants_device, cfg.io_threads, cfg.block_bytes)
     describe = storage_descriptions(m)
     counter = ByteCounter(progress, m.total_bytes)
-    with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
-            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
-        reader = FileReader(be, ring, pool, cfg.io_timeout_s, verify, describe, errors,
-                            counter.hook)
+    with (
+        borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring,
+        ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool,
+    ):
+        reader = FileReader(
+            be, ring, pool, cfg.io_timeout_s, verify, describe, errors, counter.hook
+        )
         for index, f in enumerate(m.files):
             extents = [e for e in m.extents if e.file == index]
             full = data_file_path(path, m, index, roots)
@@ -98,10 +107,18 @@ def _read_all(path: str, m: Manifest, dests: list[torch.Tensor] | None, verify: 
     return f"{be.name} ({reason})"
 
 
-def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, verify: bool = True,
-         backend: str | None = None, progress: ProgressCallback | None = None,
-         process_group: Any = None, strategy: str | None = None, rank_local: Any = None,
-         data_dirs: Any = None) -> Any:
+def load(
+    path: str | os.PathLike[str],
+    *,
+    map_location: MapLocation = None,
+    verify: bool = True,
+    backend: str | None = None,
+    progress: ProgressCallback | None = None,
+    process_group: Any = None,
+    strategy: str | None = None,
+    rank_local: Any = None,
+    data_dirs: Any = None,
+) -> Any:
     """Load the checkpoint at ``path``; every extent's CRC32C is checked unless ``verify=False``.
 
     ``map_location`` works as in ``torch.load``: ``None`` restores each tensor to the device it was
@@ -125,25 +142,47 @@ def load(path: str | os.PathLike[str], *, map_location: MapLocation = None, veri
     if process_group is not None:
         from .parallel_load import load_parallel
 
-        return load_parallel(path, None, map_location=map_location, verify=verify,
-                             backend=backend, process_group=process_group, strategy=strategy,
-                             rank_local=rank_local, data_dirs=data_dirs, progress=progress)
+        return load_parallel(
+            path,
+            None,
+            map_location=map_location,
+            verify=verify,
+            backend=backend,
+            process_group=process_group,
+            strategy=strategy,
+            rank_local=rank_local,
+            data_dirs=data_dirs,
+            progress=progress,
+        )
     m = read_manifest(path)
     if m.version >= 2 or rank_local is not None or data_dirs is not None:
         from .parallel_load import load_parallel
 
-        return load_parallel(path, m, map_location=map_location, verify=verify, backend=backend,
-                             strategy=strategy, rank_local=rank_local, data_dirs=data_dirs,
-                             progress=progress)
+        return load_parallel(
+            path,
+            m,
+            map_location=map_location,
+            verify=verify,
+            backend=backend,
+            strategy=strategy,
+            rank_local=rank_local,
+            data_dirs=data_dirs,
+            progress=progress,
+        )
     for f in m.files:  # a missing or short file fails before any memory is allocated for it
         check_file(path, f)
     devices = [_target_device(s.device, map_location) for s in m.storages]
-    dests = [torch.empty(s.nbytes, dtype=torch.uint8, device=d) for s, d in zip(m.storages, devices)]
+    dests = [
+        torch.empty(s.nbytes, dtype=torch.uint8, device=d)
+        for s, d in zip(m.storages, devices, strict=True)
+    ]
     _read_all(path, m, dests, verify, backend, progress=progress)
     storages = [d.untyped_storage() for d in dests]
     if callable(map_location) and not isinstance(map_location, dict):
-        storages = [_apply_callable(map_location, s, rec.device)
-                    for s, rec in zip(storages, m.storages)]
+        storages = [
+            _apply_callable(map_location, s, rec.device)
+            for s, rec in zip(storages, m.storages, strict=True)
+        ]
     tensors = [rebuild_tensor(t, storages[t.storage]) for t in m.tensors]
     return unflatten(m.tree, tensors)
 
@@ -168,8 +207,13 @@ class VerifyReport:
         return not self.errors
 
 
-def verify(path: str | os.PathLike[str], *, backend: str | None = None,
-           progress: ProgressCallback | None = None, data_dirs: Any = None) -> VerifyReport:
+def verify(
+    path: str | os.PathLike[str],
+    *,
+    backend: str | None = None,
+    progress: ProgressCallback | None = None,
+    data_dirs: Any = None,
+) -> VerifyReport:
     """Re-read every extent and check its CRC32C without keeping the data; reports all mismatches.
 
     Raises for problems that stop the check (bad manifest, missing or truncated file).
@@ -184,4 +228,6 @@ def verify(path: str | os.PathLike[str], *, backend: str | None = None,
 
         roots = root_map(m, data_dirs)
     _read_all(path, m, None, True, backend, errors, progress, roots)
-    return VerifyReport(path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors)
+    return VerifyReport(
+        path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors
+    )

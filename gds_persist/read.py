@@ -19,7 +19,7 @@ import torch
 from .backends.base import Backend
 from .checksum import crc32c, device_crc32c_many
 from .cuda_copy import StreamCopier, copier_for
-from .errors import ChecksumError, CheckpointError, TruncatedError
+from .errors import CheckpointError, ChecksumError, TruncatedError
 from .format import DataFile, Extent, align_up
 from .staging import AlignedBuffer, StagingRing
 from .write import block_pieces, drain_quietly, next_first
@@ -59,10 +59,17 @@ def blocks_to_read(extents: Sequence[Extent], block_bytes: int) -> list[tuple[in
 
 
 class FileReader:
-    def __init__(self, backend: Backend, ring: StagingRing | None, pool: ThreadPoolExecutor,
-                 timeout_s: float, verify: bool, describe: Describe,
-                 errors: list[ChecksumError] | None = None,
-                 progress: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        ring: StagingRing | None,
+        pool: ThreadPoolExecutor,
+        timeout_s: float,
+        verify: bool,
+        describe: Describe,
+        errors: list[ChecksumError] | None = None,
+        progress: Callable[[int], None] | None = None,
+    ):
         self.backend = backend
         self.ring = ring
         self.pool = pool
@@ -72,14 +79,18 @@ class FileReader:
         self.errors = errors  # collect mismatches here instead of raising the first one
         self.progress = progress  # called with the bytes of each block consumed
 
-    def read(self, path: str, extents: Sequence[Extent],
-             dests: Sequence[torch.Tensor] | None) -> None:
+    def read(
+        self, path: str, extents: Sequence[Extent], dests: Sequence[torch.Tensor] | None
+    ) -> None:
         """Read ``extents`` of ``path`` into ``dests`` (per storage); ``None``: checksum only."""
         extents = sorted(extents, key=lambda e: e.offset)
         handle = self.backend.open(path, write=False)
         try:
-            if (dests is not None and self.backend.accepts_device
-                    and all(dests[e.storage].is_cuda for e in extents)):
+            if (
+                dests is not None
+                and self.backend.accepts_device
+                and all(dests[e.storage].is_cuda for e in extents)
+            ):
                 self._read_to_device(handle, path, extents, dests)
             else:
                 self._read_staged(handle, path, extents, dests)
@@ -97,14 +108,17 @@ class FileReader:
                 raise error
             self.errors.append(error)
 
-    def _read_to_device(self, handle: object, path: str, extents: Sequence[Extent],
-                        dests: Sequence[torch.Tensor]) -> None:
+    def _read_to_device(
+        self, handle: object, path: str, extents: Sequence[Extent], dests: Sequence[torch.Tensor]
+    ) -> None:
         pieces = []
         for e in extents:
             piece = dests[e.storage][e.start : e.start + e.length]
             got = self.backend.pread(handle, piece, e.offset)
             if got != e.length:
-                raise TruncatedError(f"{path}: short read at offset {e.offset} ({got} of {e.length} bytes)")
+                raise TruncatedError(
+                    f"{path}: short read at offset {e.offset} ({got} of {e.length} bytes)"
+                )
             pieces.append(piece)
             if self.progress is not None:
                 self.progress(e.length)
@@ -112,8 +126,13 @@ class FileReader:
             for e, crc in zip(extents, device_crc32c_many(pieces), strict=True):
                 self._check(path, e, crc)
 
-    def _read_staged(self, handle: object, path: str, extents: Sequence[Extent],
-                     dests: Sequence[torch.Tensor] | None) -> None:
+    def _read_staged(
+        self,
+        handle: object,
+        path: str,
+        extents: Sequence[Extent],
+        dests: Sequence[torch.Tensor] | None,
+    ) -> None:
         assert self.ring is not None
         blocks = blocks_to_read(extents, self.ring.block_bytes)
         crcs = [0] * len(extents)
@@ -132,7 +151,9 @@ class FileReader:
                 try:
                     got = self._result(fut, path)
                     if got != hi - lo:
-                        raise TruncatedError(f"{path}: short read at offset {lo} ({got} of {hi - lo} bytes)")
+                        raise TruncatedError(
+                            f"{path}: short read at offset {lo} ({got} of {hi - lo} bytes)"
+                        )
                     self._consume(path, buf, lo, hi, extents, first, dests, crcs, copier)
                     if self.progress is not None:
                         self.progress(hi - lo)
@@ -153,9 +174,18 @@ class FileReader:
                 f"reading {path} did not finish within {self.timeout_s:.0f} s (hung storage?)"
             ) from None
 
-    def _consume(self, path: str, buf: AlignedBuffer, lo: int, hi: int,
-                 extents: Sequence[Extent], first: int, dests: Sequence[torch.Tensor] | None,
-                 crcs: list[int], copier: StreamCopier | None = None) -> None:
+    def _consume(
+        self,
+        path: str,
+        buf: AlignedBuffer,
+        lo: int,
+        hi: int,
+        extents: Sequence[Extent],
+        first: int,
+        dests: Sequence[torch.Tensor] | None,
+        crcs: list[int],
+        copier: StreamCopier | None = None,
+    ) -> None:
         try:
             for k, start, end in block_pieces(extents, first, lo, hi):
                 e = extents[k]

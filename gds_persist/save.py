@@ -44,11 +44,21 @@ class SaveInfo:
         return self.bytes_written / self.seconds / 1e9 if self.seconds else float("inf")
 
 
-def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None = None,
-         block_bytes: int | None = None, staging_bytes: int | None = None,
-         io_threads: int | None = None, progress: ProgressCallback | None = None,
-         process_group: Any = None, rank_local: Any = None, writers_per_node: int | None = None,
-         data_dirs: Any = None, check_replicas: str = "structure") -> SaveInfo:
+def save(
+    state_dict: Any,
+    path: str | os.PathLike[str],
+    *,
+    backend: str | None = None,
+    block_bytes: int | None = None,
+    staging_bytes: int | None = None,
+    io_threads: int | None = None,
+    progress: ProgressCallback | None = None,
+    process_group: Any = None,
+    rank_local: Any = None,
+    writers_per_node: int | None = None,
+    data_dirs: Any = None,
+    check_replicas: str = "structure",
+) -> SaveInfo:
     """Write ``state_dict`` to the checkpoint directory ``path``, durably and atomically.
 
     ``backend`` is ``"auto"`` (default, or ``$GDS_PERSIST_BACKEND``), ``"direct"``,
@@ -76,30 +86,62 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
     if process_group is not None or rank_local is not None or data_dirs is not None:
         from .parallel_save import save_parallel
 
-        return save_parallel(state_dict, path, process_group=process_group, rank_local=rank_local,
-                             writers_per_node=writers_per_node, data_dirs=data_dirs,
-                             check_replicas=check_replicas, backend=backend,
-                             block_bytes=block_bytes, staging_bytes=staging_bytes,
-                             io_threads=io_threads, progress=progress)
+        return save_parallel(
+            state_dict,
+            path,
+            process_group=process_group,
+            rank_local=rank_local,
+            writers_per_node=writers_per_node,
+            data_dirs=data_dirs,
+            check_replicas=check_replicas,
+            backend=backend,
+            block_bytes=block_bytes,
+            staging_bytes=staging_bytes,
+            io_threads=io_threads,
+            progress=progress,
+        )
     t0 = time.perf_counter()
     path = os.fspath(path)
-    cfg = settings.current(backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
-                           io_threads=io_threads)
+    cfg = settings.current(
+        backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes, io_threads=io_threads
+    )
     flat = flatten(state_dict)
     plan = plan_single_writer([s.nbytes for s in flat.storages])
     check_replaceable(path)
     tmp = make_temporary(path)
     try:
-        be, reason = choose_backend(cfg.backend, tmp, any(s.is_cuda for s in flat.storage_objects),
-                                    cfg.io_threads, cfg.block_bytes)
+        be, reason = choose_backend(
+            cfg.backend,
+            tmp,
+            any(s.is_cuda for s in flat.storage_objects),
+            cfg.io_threads,
+            cfg.block_bytes,
+        )
         counter = ByteCounter(progress, plan.total_bytes)
         extents = write_plan(be, tmp, plan, flat, cfg, counter.hook)
         if getattr(be, "fallback_reason", None):  # kvikio switched to POSIX I/O mid-save
             reason = f"{reason}; {be.fallback_reason}"  # type: ignore[attr-defined]
-        writer = {"backend": be.name, "reason": reason, "gds_persist": __version__,
-                  "torch": torch.__version__, "host": socket.gethostname(), "world_size": 1}
-        write_manifest(tmp, dump_manifest(Manifest([f.data_file for f in plan.files], flat.storages,
-                                     flat.tensors, extents, flat.tree, writer)))
+        writer = {
+            "backend": be.name,
+            "reason": reason,
+            "gds_persist": __version__,
+            "torch": torch.__version__,
+            "host": socket.gethostname(),
+            "world_size": 1,
+        }
+        write_manifest(
+            tmp,
+            dump_manifest(
+                Manifest(
+                    [f.data_file for f in plan.files],
+                    flat.storages,
+                    flat.tensors,
+                    extents,
+                    flat.tree,
+                    writer,
+                )
+            ),
+        )
         commit(tmp, path)
         counter.finish()
     except OSError as e:
@@ -116,22 +158,38 @@ def save(state_dict: Any, path: str | os.PathLike[str], *, backend: str | None =
         abort(tmp)
         raise
     payload = sum(s.nbytes for s in flat.storages)
-    return SaveInfo(path, be.name, reason, plan.total_bytes, payload, time.perf_counter() - t0,
-                    len(flat.tensors), len(flat.storages), [f.name for f in plan.files])
+    return SaveInfo(
+        path,
+        be.name,
+        reason,
+        plan.total_bytes,
+        payload,
+        time.perf_counter() - t0,
+        len(flat.tensors),
+        len(flat.storages),
+        [f.name for f in plan.files],
+    )
 
 
-def write_plan(backend: Backend, directory: str, plan: SavePlan, flat: Flattened,
-               cfg: settings.Settings,
-               progress: Callable[[int], None] | None = None) -> list[Extent]:
+def write_plan(
+    backend: Backend,
+    directory: str,
+    plan: SavePlan,
+    flat: Flattened,
+    cfg: settings.Settings,
+    progress: Callable[[int], None] | None = None,
+) -> list[Extent]:
     """Write every file of ``plan`` into ``directory``; return the sealed extents (with CRCs)."""
     sources = [byte_view(s) for s in flat.storage_objects]
     sealed: list[Extent] = []
-    with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
-            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
+    with (
+        borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring,
+        ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool,
+    ):
         writer = FileWriter(backend, ring, pool, cfg.io_timeout_s, progress)
         for f in plan.files:
             crcs = writer.write(os.path.join(directory, f.name), f, sources)
-            sealed += [_with_crc(e, c) for e, c in zip(f.extents, crcs)]
+            sealed += [_with_crc(e, c) for e, c in zip(f.extents, crcs, strict=True)]
     return sealed
 
 

@@ -120,7 +120,9 @@ def borrow_ring(count: int, block_bytes: int, timeout_s: float) -> Iterator[Stag
     small checkpoint's write. At most one idle ring is kept; :func:`release_cached` frees it.
     """
     with _idle_lock:
-        ring = next((r for r in _idle_rings if r.count == count and r.block_bytes == block_bytes), None)
+        ring = next(
+            (r for r in _idle_rings if r.count == count and r.block_bytes == block_bytes), None
+        )
         if ring is not None:
             _idle_rings.remove(ring)
     if ring is None:

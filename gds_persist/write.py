@@ -15,6 +15,7 @@ from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
 
 import torch
 
@@ -52,7 +53,7 @@ def next_first(extents: Sequence[Extent], first: int, hi: int) -> int:
     return first
 
 
-def wait_all(futures: "deque[Future[None]]", timeout_s: float, what: str) -> None:
+def wait_all(futures: deque[Future[None]], timeout_s: float, what: str) -> None:
     while futures:
         fut = futures.popleft()
         try:
@@ -64,7 +65,7 @@ def wait_all(futures: "deque[Future[None]]", timeout_s: float, what: str) -> Non
             ) from None
 
 
-def drain_quietly(futures: "deque[Future[None]]", timeout_s: float) -> None:
+def drain_quietly(futures: deque[Future[Any]], timeout_s: float) -> None:
     """After an error: let in-flight I/O finish before its buffers and descriptor go away."""
     for fut in futures:
         try:
@@ -76,8 +77,14 @@ def drain_quietly(futures: "deque[Future[None]]", timeout_s: float) -> None:
 class FileWriter:
     """Writes one planned data file with ``backend``; returns the CRC32C of every extent."""
 
-    def __init__(self, backend: Backend, ring: StagingRing | None, pool: ThreadPoolExecutor,
-                 timeout_s: float, progress: Callable[[int], None] | None = None):
+    def __init__(
+        self,
+        backend: Backend,
+        ring: StagingRing | None,
+        pool: ThreadPoolExecutor,
+        timeout_s: float,
+        progress: Callable[[int], None] | None = None,
+    ):
         self.backend = backend
         self.ring = ring
         self.pool = pool
@@ -98,8 +105,9 @@ class FileWriter:
         finally:
             self.backend.close(handle)
 
-    def _write_from_device(self, handle: object, plan: FilePlan,
-                           sources: Sequence[torch.Tensor]) -> list[int]:
+    def _write_from_device(
+        self, handle: object, plan: FilePlan, sources: Sequence[torch.Tensor]
+    ) -> list[int]:
         pieces = [sources[e.storage][e.start : e.start + e.length] for e in plan.extents]
         crcs = device_crc32c_many(pieces)  # on the device, no host copy; one stream sync
         for e, piece in zip(plan.extents, pieces, strict=True):
@@ -108,8 +116,9 @@ class FileWriter:
                 self.progress(e.length)
         return crcs
 
-    def _write_staged(self, handle: object, plan: FilePlan,
-                      sources: Sequence[torch.Tensor]) -> list[int]:
+    def _write_staged(
+        self, handle: object, plan: FilePlan, sources: Sequence[torch.Tensor]
+    ) -> list[int]:
         assert self.ring is not None
         crcs = [0] * len(plan.extents)
         in_flight: deque[Future[None]] = deque()
@@ -135,9 +144,16 @@ class FileWriter:
         return crcs
 
     @staticmethod
-    def _fill(buf: AlignedBuffer, lo: int, hi: int, extents: Sequence[Extent], first: int,
-              sources: Sequence[torch.Tensor], crcs: list[int],
-              copier: StreamCopier | None = None) -> None:
+    def _fill(
+        buf: AlignedBuffer,
+        lo: int,
+        hi: int,
+        extents: Sequence[Extent],
+        first: int,
+        sources: Sequence[torch.Tensor],
+        crcs: list[int],
+        copier: StreamCopier | None = None,
+    ) -> None:
         cursor = lo
         pieces = list(block_pieces(extents, first, lo, hi))
         for k, start, end in pieces:

@@ -24,18 +24,27 @@ def _kvikio(directory: str, io_threads: int, block_bytes: int, why: str) -> tupl
         return be, f"{why}; {probe}"
     direct, o_direct_why = supports_o_direct(directory)
     fallback: Backend = DirectBackend() if direct else BufferedBackend()
-    return fallback, (f"{why}, but kvikio cannot work here ({probe}); fell back to "
-                      f"{fallback.name} ({o_direct_why})")  # e.g. no CUDA driver (docs/GPU.md)
+    return fallback, (
+        f"{why}, but kvikio cannot work here ({probe}); fell back to "
+        f"{fallback.name} ({o_direct_why})"
+    )  # e.g. no CUDA driver (docs/GPU.md)
 
 
-def choose_backend(requested: str, directory: str, wants_device: bool, io_threads: int = 4,
-                   block_bytes: int = 16 << 20) -> tuple[Backend, str]:
+def choose_backend(
+    requested: str,
+    directory: str,
+    wants_device: bool,
+    io_threads: int = 4,
+    block_bytes: int = 16 << 20,
+) -> tuple[Backend, str]:
     """Resolve a backend name for files in ``directory``; returns the backend and why."""
     from ..errors import BackendError
     from .kvikio_backend import kvikio_status
 
     if requested not in BACKEND_NAMES:
-        raise BackendError(f"unknown backend {requested!r}; valid backends: {', '.join(BACKEND_NAMES)}")
+        raise BackendError(
+            f"unknown backend {requested!r}; valid backends: {', '.join(BACKEND_NAMES)}"
+        )
     if requested == "kvikio":
         return _kvikio(directory, io_threads, block_bytes, "requested explicitly")
     if requested == "direct":
@@ -47,8 +56,9 @@ def choose_backend(requested: str, directory: str, wants_device: bool, io_thread
     if wants_device:
         usable, why = kvikio_status()
         if usable:
-            return _kvikio(directory, io_threads, block_bytes,
-                           "auto: CUDA tensors and kvikio usable")
+            return _kvikio(
+                directory, io_threads, block_bytes, "auto: CUDA tensors and kvikio usable"
+            )
         reasons.append(f"kvikio not used ({why})")
     else:
         reasons.append("kvikio not used (no CUDA tensors)")
@@ -58,5 +68,11 @@ def choose_backend(requested: str, directory: str, wants_device: bool, io_thread
     return BufferedBackend(), f"auto: {why}; " + "; ".join(reasons)
 
 
-__all__ = ["Backend", "BACKEND_NAMES", "BufferedBackend", "DirectBackend", "choose_backend",
-           "supports_o_direct"]
+__all__ = [
+    "Backend",
+    "BACKEND_NAMES",
+    "BufferedBackend",
+    "DirectBackend",
+    "choose_backend",
+    "supports_o_direct",
+]

@@ -26,10 +26,14 @@ def run(args: argparse.Namespace) -> int:
         return 0
     w = m.writer
     print(f"checkpoint {args.path}")
-    print(f"  written by gds_persist {w.get('gds_persist')} on {w.get('host')}, backend "
-          f"{w.get('backend')} ({w.get('reason')}), world size {w.get('world_size')}")
-    print(f"  {len(m.tensors)} tensors in {len(m.storages)} storages, {len(m.files)} data files, "
-          f"{m.total_bytes} bytes on disk")
+    print(
+        f"  written by gds_persist {w.get('gds_persist')} on {w.get('host')}, backend "
+        f"{w.get('backend')} ({w.get('reason')}), world size {w.get('world_size')}"
+    )
+    print(
+        f"  {len(m.tensors)} tensors in {len(m.storages)} storages, {len(m.files)} data files, "
+        f"{m.total_bytes} bytes on disk"
+    )
     if m.sections:
         print(f"  rank-local state of ranks {[s.rank for s in m.sections]}")
     for f in m.files:
@@ -39,13 +43,19 @@ def run(args: argparse.Namespace) -> int:
     for e in m.extents:
         extents_of.setdefault(e.storage, []).append(e)
     paths = tensor_paths(sections_tree(m) if m.sections else m.tree)
-    print(f"  {'key':<48} {'dtype':<14} {'shape':<20} {'bytes':>12}  extents (file@offset+len crc32c)")
+    print(
+        f"  {'key':<48} {'dtype':<14} {'shape':<20} {'bytes':>12}  extents (file@offset+len crc32c)"
+    )
     for i, t in enumerate(m.tensors):
         nbytes = DTYPES[t.dtype].itemsize * _numel(t.shape)
-        where = ", ".join(f"{m.files[e.file].name}@{e.offset}+{e.length} {e.crc32c:08x}"
-                          for e in extents_of.get(t.storage, []))
-        print(f"  {paths.get(i, '?'):<48} {t.dtype:<14} {str(list(t.shape)):<20} {nbytes:>12}  "
-              f"storage {t.storage}: {where or '(empty)'}")
+        where = ", ".join(
+            f"{m.files[e.file].name}@{e.offset}+{e.length} {e.crc32c:08x}"
+            for e in extents_of.get(t.storage, [])
+        )
+        print(
+            f"  {paths.get(i, '?'):<48} {t.dtype:<14} {str(list(t.shape)):<20} {nbytes:>12}  "
+            f"storage {t.storage}: {where or '(empty)'}"
+        )
     return 0
 
 
