@@ -211,16 +211,16 @@ def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
     return out
 
 
-def tensor_paths(tree: Any) -> dict[int, str]:
-    """Map each tensor index in ``tree`` to its key path, e.g. ``['model']['wte.weight']``."""
-    out: dict[int, str] = {}
+def tensor_key_paths(tree: Any) -> dict[int, tuple[Any, ...]]:
+    """Map each tensor index in ``tree`` to its key path as a tuple, e.g. ``("model", "wte")``."""
+    out: dict[int, tuple[Any, ...]] = {}
 
     def walk(node: Any, path: tuple[Any, ...]) -> None:
         if not isinstance(node, dict):
             return
         kind = node.get("t")
         if kind == "tensor":
-            out[node["i"]] = _path_str(path)
+            out[node["i"]] = path
         elif kind in ("list", "tuple"):
             for i, v in enumerate(node["v"]):
                 walk(v, (*path, i))
@@ -230,3 +230,8 @@ def tensor_paths(tree: Any) -> dict[int, str]:
 
     walk(tree, ())
     return out
+
+
+def tensor_paths(tree: Any) -> dict[int, str]:
+    """Map each tensor index in ``tree`` to its printable key path, e.g. ``['model']['wte']``."""
+    return {i: _path_str(p) for i, p in tensor_key_paths(tree).items()}

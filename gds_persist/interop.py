@@ -69,7 +69,7 @@ from . import settings
 from .backends import choose_backend
 from .checksum import crc32c
 from .errors import CheckpointError, ChecksumError
-from .flatten import DTYPES, TensorRecord, flatten, rebuild_tensor, unflatten
+from .flatten import DTYPES, TensorRecord, flatten, rebuild_tensor, tensor_key_paths, unflatten
 from .format import Manifest, align_up, data_file_path, sections_tree
 from .load import load, read_manifest
 from .progress import ByteCounter, ProgressCallback
@@ -293,31 +293,11 @@ class _StEntry:
     begin: int = 0  # data offset in the safetensors buffer
 
 
-def _tree_paths(tree: Any) -> dict[int, tuple[Any, ...]]:
-    out: dict[int, tuple[Any, ...]] = {}
-
-    def walk(node: Any, path: tuple[Any, ...]) -> None:
-        if not isinstance(node, dict):
-            return
-        kind = node.get("t")
-        if kind == "tensor":
-            out[node["i"]] = path
-        elif kind in ("list", "tuple"):
-            for i, v in enumerate(node["v"]):
-                walk(v, (*path, i))
-        elif kind in ("dict", "odict"):
-            for k, v in zip(node["k"], node["v"], strict=False):
-                walk(v, (*path, k))
-
-    walk(tree, ())
-    return out
-
-
 def _plan_safetensors(
     tree: Any, tensors: list[TensorRecord], sep: str
 ) -> tuple[list[_StEntry], dict[str, str]]:
     """Names, order and offsets of the tensors, and the metadata that restores the rest."""
-    paths = _tree_paths(tree)
+    paths = tensor_key_paths(tree)
     entries: list[_StEntry] = []
     seen: dict[str, tuple[Any, ...]] = {}
     for i, rec in enumerate(tensors):
@@ -414,7 +394,7 @@ class _SafetensorsExport:
         self.header = _st_header(self.entries, self.metadata)
         self.cfg = settings.current(backend=backend)
         self.counter = ByteCounter(progress, sum(e.nbytes for e in self.entries))
-        self.paths = _tree_paths(tree)
+        self.paths = tensor_key_paths(tree)
 
     def describe(self, storage: int) -> str:
         names = [_pstr(self.paths[e.index]) for e in self.entries if e.record.storage == storage]
