@@ -67,8 +67,10 @@ import torch
 
 from . import settings
 from .backends import choose_backend
+from .backends.posix import pwrite_all
 from .checksum import crc32c
-from .errors import CheckpointError, ChecksumError
+from .commit import fsync_path
+from .errors import CheckpointError, ChecksumError, TruncatedError
 from .flatten import DTYPES, TensorRecord, flatten, rebuild_tensor, tensor_key_paths, unflatten
 from .format import Manifest, align_up, data_file_path, sections_tree
 from .load import load, read_manifest
@@ -144,11 +146,7 @@ class _AtomicFile:
         os.close(self.fd)
         self.fd = -1
         os.rename(self.tmp, self.path)
-        dfd = os.open(os.path.dirname(self.path), os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
+        fsync_path(os.path.dirname(self.path))
 
     def abort(self) -> None:
         if self.fd >= 0:
@@ -158,13 +156,6 @@ class _AtomicFile:
             os.unlink(self.tmp)
         except FileNotFoundError:
             pass
-
-
-def _pwrite_all(fd: int, data: Any, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    while view.nbytes:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
 
 
 class _CountingFile(io.RawIOBase):
@@ -184,7 +175,9 @@ class _CountingFile(io.RawIOBase):
 
 
 def _is_dcp(m: Manifest) -> bool:
-    return m.writer.get("writer") == "gds_persist.dcp"
+    from .dcp.writer import WRITER_TAG  # imported here: it pulls in torch.distributed.checkpoint
+
+    return m.writer.get("writer") == WRITER_TAG
 
 
 def _consolidate_dcp(path: str, backend: str | None) -> Any:
@@ -419,7 +412,7 @@ class _SafetensorsExport:
             except OSError as err:
                 if err.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                     raise
-            _pwrite_all(self.fd, self.header, 0)
+            pwrite_all(self.fd, self.header, 0)
             by_storage: dict[int, list[_StEntry]] = {}
             for e in self.entries:
                 by_storage.setdefault(e.record.storage, []).append(e)
@@ -466,6 +459,7 @@ class _SafetensorsExport:
                                self.m.files[e.file]), write=False
                 )
             h = handles[e.file]
+            file_path = data_file_path(self.path, self.m, e.file)
             crc = 0
             end = e.offset + e.length
             for lo in range(e.offset, end, block):
@@ -473,14 +467,14 @@ class _SafetensorsExport:
                 got = self.be.pread(h, self.buf.view[: hi - lo], lo)
                 n = min(hi, end) - lo
                 if got < n:
-                    raise CheckpointError(f"{self.m.files[e.file].name}: short read at offset {lo}")
+                    raise TruncatedError(f"{file_path}: short read at offset {lo}")
                 with self.buf.view[:n] as piece:
                     crc = crc32c(piece, crc)
                     yield e.start + (lo - e.offset), piece
             if crc != e.crc32c:
                 raise ChecksumError(
                     f"checksum mismatch in {self.describe(storage)}: file "
-                    f"{os.path.join(self.path, self.m.files[e.file].name)}, offset {e.offset}, "
+                    f"{file_path}, offset {e.offset}, "
                     f"{e.length} bytes: recorded crc32c {e.crc32c:08x}, read {crc:08x}; the data "
                     "file is corrupted - nothing was exported"
                 )
@@ -498,7 +492,7 @@ class _SafetensorsExport:
             for lo, hi, out_off in ranges:
                 a, b = max(lo, start), min(hi, stop)
                 if a < b:
-                    _pwrite_all(self.fd, piece[a - start : b - start], out_off + a - lo)
+                    pwrite_all(self.fd, piece[a - start : b - start], out_off + a - lo)
                     self.counter.add(b - a)
 
     def _copy_storage(self, storage: int, entries: list[_StEntry], handles: dict[int, Any]) -> None:
@@ -509,7 +503,7 @@ class _SafetensorsExport:
         for e in entries:
             t = rebuild_tensor(e.record, untyped).detach().contiguous()
             raw = t.reshape(-1).view(torch.uint8).numpy() if e.nbytes else b""
-            _pwrite_all(self.fd, raw, self.data_start + e.begin)
+            pwrite_all(self.fd, raw, self.data_start + e.begin)
             self.counter.add(e.nbytes)
 
 
@@ -521,11 +515,11 @@ def _export_safetensors_from_memory(
     header = _st_header(entries, metadata)
     f = _AtomicFile(out)
     try:
-        _pwrite_all(f.fd, header, 0)
+        pwrite_all(f.fd, header, 0)
         for e in entries:
             t = rebuild_tensor(e.record, flat.storage_objects[e.record.storage]).detach()
             if e.nbytes:
-                _pwrite_all(
+                pwrite_all(
                     f.fd,
                     t.contiguous().reshape(-1).view(torch.uint8).numpy(),
                     len(header) + e.begin,

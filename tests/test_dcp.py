@@ -113,7 +113,7 @@ def test_failed_save_keeps_previous_checkpoint(saved):
     for r in reports:
         assert r["interrupted_raised"] and r["interrupted_kept_previous"]
     leftovers = reports[0]["interrupted_leftovers"]
-    assert all(".tmp-" in n for n in leftovers)
+    assert leftovers and all(".tmp-" in n for n in leftovers)
     for n in leftovers:  # what the failed save left is never loadable
         with pytest.raises(NotCommittedError):
             GdsPersistReader(os.path.join(root, n)).read_metadata()

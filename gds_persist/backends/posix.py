@@ -11,6 +11,7 @@ import contextlib
 import errno
 import os
 import uuid
+from typing import Any
 
 from ..errors import BackendError, DiskFullError
 from .base import Backend
@@ -34,7 +35,7 @@ class PosixBackend(Backend):
         return fd
 
     def pwrite(self, handle: int, buf: memoryview, offset: int) -> None:
-        pwrite_all(handle, memoryview(buf).cast("B"), offset)
+        pwrite_all(handle, buf, offset)
 
     def pread(self, handle: int, buf: memoryview, offset: int) -> int:
         return pread_all(handle, memoryview(buf).cast("B"), offset)
@@ -59,8 +60,9 @@ class BufferedBackend(PosixBackend):
     name = "buffered"
 
 
-def pwrite_all(fd: int, view: memoryview, offset: int) -> None:
-    """Write all of ``view`` at ``offset``, resuming after short writes."""
+def pwrite_all(fd: int, data: Any, offset: int) -> None:
+    """Write all of ``data`` (any buffer) at ``offset``, resuming after short writes."""
+    view = memoryview(data).cast("B")
     while view.nbytes:
         try:
             n = os.pwrite(fd, view, offset)

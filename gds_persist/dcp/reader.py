@@ -36,7 +36,7 @@ from .. import settings
 from ..backends import choose_backend
 from ..errors import CheckpointError, ManifestError
 from ..flatten import DTYPES
-from ..format import Extent, Manifest
+from ..format import MANIFEST_NAME, Extent, Manifest
 from ..load import read_manifest
 from ..progress import ByteCounter, ProgressCallback
 from ..read import FileReader, check_file
@@ -147,7 +147,7 @@ class GdsPersistReader(StorageReader):
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
         try:
-            return os.path.isfile(os.path.join(os.fspath(checkpoint_id), "manifest.json"))
+            return os.path.isfile(os.path.join(os.fspath(checkpoint_id), MANIFEST_NAME))
         except TypeError:
             return False
 

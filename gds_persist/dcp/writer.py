@@ -212,6 +212,11 @@ class GdsPersistWriter(StorageWriter):
         order: list[MetadataIndex] = []
         for rank, plan in enumerate(plans):
             for it in plan.items:
+                if it.index in owner:  # planners dedupe replicated items; refuse one that did not
+                    raise CheckpointError(
+                        f"DCP item {it.index.fqn!r} is planned by ranks {owner[it.index]} and "
+                        f"{rank}: use a planner that deduplicates (DefaultSavePlanner does)"
+                    )
                 owner[it.index] = rank
                 item_of[it.index] = it
                 order.append(it.index)
@@ -408,12 +413,10 @@ def build_manifest(
         pieces = sorted(by_index[index], key=lambda w: w.start)
         first = pieces[0]
         covered = 0
+        shape_of_first = (first.kind, first.dtype, first.shape, first.nbytes)
+        same_item = all((w.kind, w.dtype, w.shape, w.nbytes) == shape_of_first for w in pieces)
         for w in pieces:
-            if w.start != covered or any(
-                (w.kind, w.dtype, w.shape, w.nbytes)
-                != (first.kind, first.dtype, first.shape, first.nbytes)
-                for w in pieces
-            ):
+            if w.start != covered or not same_item:
                 raise CheckpointError(
                     f"DCP item {index.fqn!r}: ranks wrote overlapping or mismatched ranges"
                 )
