@@ -106,9 +106,13 @@ def commit(tmp: str, path: str) -> None:
         shutil.rmtree(tmp)  # now holds the previous checkpoint
         return
     if os.path.lexists(path):  # no exchange available: two renames, old kept until the new is in
-        old = tmp.replace(_TMP_MARK, _OLD_MARK)
+        old = os.path.join(parent, os.path.basename(tmp).replace(_TMP_MARK, _OLD_MARK, 1))
         os.rename(path, old)
-        os.rename(tmp, path)
+        try:
+            os.rename(tmp, path)
+        except BaseException:
+            os.rename(old, path)  # put the previous checkpoint back before reporting
+            raise
         fsync_path(parent)
         shutil.rmtree(old)
         return

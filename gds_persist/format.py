@@ -99,9 +99,8 @@ class Manifest:
     @property
     def version(self) -> int:
         """The format version this manifest needs: 2 only if it uses a version-2 field."""
-        if self.dirs or self.sections or any(f.dir for f in self.files) or _has_local(self.tree):
-            return 2
-        return 1
+        uses_v2 = self.dirs or self.sections or any(f.dir for f in self.files)
+        return 2 if uses_v2 or has_rank_local(self.tree) else 1
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
@@ -130,13 +129,13 @@ def stripe_dir_name(prefix: str, save_id: str) -> str:
     return name
 
 
-def _has_local(node: Any) -> bool:
+def has_rank_local(node: Any) -> bool:
     if not isinstance(node, dict):
         return False
     if node.get("t") == "local":
         return True
     children: list[Any] = node["v"] if isinstance(node.get("v"), list) else []
-    return any(_has_local(c) for c in children + ([node["meta"]] if "meta" in node else []))
+    return any(has_rank_local(c) for c in children + ([node["meta"]] if "meta" in node else []))
 
 
 def dump_manifest(m: Manifest) -> bytes:
@@ -497,7 +496,7 @@ def sections_tree(m: Manifest, ranks: Any = None) -> Any:
     if (
         isinstance(ranks, int)
         and not isinstance(ranks, bool)
-        and _has_local(m.tree)
+        and has_rank_local(m.tree)
         and ranks not in by_rank
     ):
         raise ManifestError(

@@ -99,6 +99,8 @@ class HelperProcess:
                     self.stop(0.0)
                     raise TimeoutError(f"the helper process took more than {timeout_s:.0f} s "
                                        f"{what}; it was stopped")
+        except TimeoutError:  # an OSError subclass, but the helper was stopped on purpose
+            raise
         except (EOFError, OSError) as e:
             if isinstance(e, OSError) and self._proc.poll() is None:
                 raise

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,7 +20,7 @@ from .flatten import rebuild_tensor, tensor_paths, unflatten
 from .format import MANIFEST_NAME, Manifest, data_file_path, parse_manifest, sections_tree
 from .progress import ByteCounter, ProgressCallback
 from .read import FileReader, check_file
-from .staging import borrow_ring
+from .staging import io_session
 
 MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
 
@@ -92,10 +91,9 @@ def _read_all(
     be, reason = choose_backend(cfg.backend, path, wants_device, cfg.io_threads, cfg.block_bytes)
     describe = storage_descriptions(m)
     counter = ByteCounter(progress, m.total_bytes)
-    with (
-        borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring,
-        ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool,
-    ):
+    with io_session(
+        cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
+    ) as (ring, pool):
         reader = FileReader(
             be, ring, pool, cfg.io_timeout_s, verify, describe, errors, counter.hook
         )

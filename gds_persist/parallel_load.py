@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -31,7 +30,7 @@ from .format import Extent, Manifest, align_up, data_file_path, sections_tree
 from .progress import ByteCounter, ProgressCallback
 from .read import FileReader, check_file
 from .schedule import plan_reads
-from .staging import borrow_ring
+from .staging import io_session
 
 Piece = tuple[int, int, int]  # (storage, start, length)
 
@@ -96,8 +95,9 @@ def read_extents(path: str, m: Manifest, roots: dict[str, str], extents: Sequenc
         return
     wants_device = any(d is not None and d.is_cuda for d in dests)
     chosen: dict[str, Any] = {}
-    with borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring, \
-            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool:
+    with io_session(
+        cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
+    ) as (ring, pool):
         for index in sorted(by_file):
             full = data_file_path(path, m, index, roots)
             directory = os.path.dirname(full)
@@ -181,7 +181,8 @@ def load_parallel(path: str, m: Manifest | None, *, map_location: Any = None, ve
                          hook=counter.hook)
             counter.finish()
             return []
-        own = [e for e in manifest.extents if e.storage in set(needed) - set(replicated)]
+        own_storages = set(needed) - set(replicated)
+        own = [e for e in manifest.extents if e.storage in own_storages]
         sub = by_rank[comm.rank]
         counter = ByteCounter(progress, sum(align_up(e.length) for e in sub + own))
         sink: dict[tuple[int, int], int] | None = {} if verify else None

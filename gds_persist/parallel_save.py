@@ -48,6 +48,7 @@ from .format import (
     Manifest,
     Section,
     dump_manifest,
+    has_rank_local,
     parse_manifest,
     stripe_dir_name,
 )
@@ -113,7 +114,7 @@ def _replace_at(obj: Any, path: KeyPath, value: Any, full: KeyPath) -> tuple[Any
             raise KeyError(f"rank_local path {full!r}: key {key!r} is not in the state dict")
         new_child, old = (value, obj[key]) if not rest else _replace_at(obj[key], rest, value, full)
         copy = OrderedDict(obj) if isinstance(obj, OrderedDict) else dict(obj)
-        if hasattr(obj, "_metadata"):
+        if isinstance(copy, OrderedDict) and hasattr(obj, "_metadata"):  # a dict cannot carry it
             copy._metadata = obj._metadata  # type: ignore[attr-defined]
         copy[key] = new_child
         return copy, old
@@ -462,7 +463,7 @@ def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, An
     storages = list(prep.replicated.storages)
     tensors = list(prep.replicated.tensors)
     sections = []
-    has_local = any(True for _ in _placeholders(prep.replicated.tree))
+    has_local = has_rank_local(prep.replicated.tree)
     for rank, result in enumerate(results):
         local = result["local"]
         assert len(storages) == plan.local_storage_base[rank]
@@ -485,14 +486,6 @@ def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, An
     }
     return Manifest(files, storages, tensors, extents, prep.replicated.tree, writer,
                     dirs=dirs, sections=sections)
-
-
-def _placeholders(node: Any) -> Iterable[int]:
-    if isinstance(node, dict):
-        if node.get("t") == "local":
-            yield node["i"]
-        for v in node.get("v", []) if isinstance(node.get("v"), list) else []:
-            yield from _placeholders(v)
 
 
 def _cleanup(state: dict[str, Any], is_root: bool) -> None:

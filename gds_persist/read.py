@@ -161,9 +161,9 @@ class FileReader:
                     self.ring.release(buf)
                 first = next_first(extents, first, hi)
         except BaseException:
-            drain_quietly(deque(f for *_, f in in_flight), self.timeout_s)
-            for buf, *_ in in_flight:
-                self.ring.release(buf)
+            if drain_quietly(deque(f for *_, f in in_flight), self.timeout_s):
+                for buf, *_ in in_flight:  # stuck reads keep theirs: the ring is then dropped
+                    self.ring.release(buf)
             raise
 
     def _result(self, fut: Future[int], path: str) -> int:

@@ -7,7 +7,6 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,7 +20,7 @@ from .flatten import Flattened, flatten
 from .format import Extent, Manifest, dump_manifest
 from .plan import SavePlan, plan_single_writer
 from .progress import ByteCounter, ProgressCallback
-from .staging import borrow_ring
+from .staging import io_session
 from .write import FileWriter, byte_view
 
 
@@ -182,10 +181,9 @@ def write_plan(
     """Write every file of ``plan`` into ``directory``; return the sealed extents (with CRCs)."""
     sources = [byte_view(s) for s in flat.storage_objects]
     sealed: list[Extent] = []
-    with (
-        borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring,
-        ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool,
-    ):
+    with io_session(
+        cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
+    ) as (ring, pool):
         writer = FileWriter(backend, ring, pool, cfg.io_timeout_s, progress)
         for f in plan.files:
             crcs = writer.write(os.path.join(directory, f.name), f, sources)

@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .format import ALIGNMENT, align_up, local_file_name, rank_data_file_name
-from .plan import FilePlan, SavePlan, layout_file
+from .plan import FilePlan, layout_file
 
 Piece = tuple[int, int, int]  # (item index, start byte within the item, length)
 
@@ -65,10 +65,6 @@ class DistributedPlan:
     def files_of(self, rank: int) -> list[int]:
         return [i for i, f in enumerate(self.files) if f.rank == rank]
 
-    def for_rank(self, rank: int) -> SavePlan:
-        """The files ``rank`` writes, as a core :class:`SavePlan` (global file indices kept)."""
-        return SavePlan(tuple(self.files[i].plan for i in self.files_of(rank)))
-
     @property
     def bytes_per_rank(self) -> tuple[int, ...]:
         out = [0] * self.world_size
@@ -83,7 +79,8 @@ class DistributedPlan:
     @property
     def writer_balance(self) -> float:
         """max/mean of the bytes each writer writes (1.0 is perfect)."""
-        return _balance([self.bytes_per_rank[r] for r in self.writers])
+        per_rank = self.bytes_per_rank
+        return _balance([per_rank[r] for r in self.writers])
 
     @property
     def bytes_per_node(self) -> tuple[int, ...]:

@@ -10,6 +10,7 @@ previous values, like ``kvikio.defaults.set``::
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections.abc import Iterator
@@ -74,10 +75,10 @@ def _validate(s: Settings) -> Settings:
         )
     if s.io_threads < 1:
         raise ValueError(f"setting io_threads={s.io_threads} must be at least 1")
-    if not s.io_timeout_s > 0:  # also refuses nan
-        raise ValueError(f"setting io_timeout_s={s.io_timeout_s} must be positive")
-    if s.collective_timeout_s <= 0:
-        raise ValueError(f"setting collective_timeout_s={s.collective_timeout_s} must be positive")
+    for name in ("io_timeout_s", "collective_timeout_s"):
+        value = getattr(s, name)
+        if not (math.isfinite(value) and value > 0):  # inf overflows queue/future waits
+            raise ValueError(f"setting {name}={value} must be positive and finite (seconds)")
     if s.load_strategy not in LOAD_STRATEGIES:
         raise ValueError(f"setting load_strategy={s.load_strategy!r} must be one of "
                          f"{', '.join(LOAD_STRATEGIES)}")

@@ -31,6 +31,7 @@ import torch
 
 from .errors import CheckpointError
 from .flatten import Flattened, StorageRecord, TensorRecord, rebuild_tensor, unflatten
+from .format import align_up
 from .staging import AlignedBuffer
 from .write import byte_view
 
@@ -48,13 +49,9 @@ class SnapshotTooLarge(CheckpointError):
     """A state dict is larger than the whole snapshot arena (``snapshot_bytes``)."""
 
 
-def _align(n: int, a: int) -> int:
-    return -(-n // a) * a
-
-
 def snapshot_nbytes(flat: Flattened) -> int:
     """Arena bytes a snapshot of ``flat`` takes (each storage 64-byte aligned, page-rounded)."""
-    return _align(sum(_align(s.nbytes, _ALIGN) for s in flat.storages), PAGE)
+    return align_up(sum(align_up(s.nbytes, _ALIGN) for s in flat.storages), PAGE)
 
 
 @dataclass
@@ -75,7 +72,7 @@ class SnapshotArena:
     def __init__(self, capacity: int, timeout_s: float, shared: bool = False):
         if capacity < PAGE:
             raise ValueError(f"snapshot_bytes={capacity} must be at least {PAGE}")
-        self.capacity = _align(capacity, PAGE)
+        self.capacity = align_up(capacity, PAGE)
         self.timeout_s = timeout_s
         self.peak_bytes = 0
         self._buffer: AlignedBuffer | SharedBuffer | None = None
@@ -92,11 +89,6 @@ class SnapshotArena:
         b = self._buffer
         return (os.getpid(), b.fd, b.nbytes) if isinstance(b, SharedBuffer) else None
 
-    @property
-    def in_use(self) -> int:
-        with self._cond:
-            return sum(r.nbytes for r in self._live)
-
     def _place(self, n: int) -> int | None:
         if not self._live:
             return 0
@@ -110,7 +102,7 @@ class SnapshotArena:
 
     def reserve(self, nbytes: int) -> Reservation:
         """Reserve ``nbytes`` (page-rounded), waiting up to ``timeout_s`` for older ones to go."""
-        n = _align(max(nbytes, 1), PAGE)
+        n = align_up(max(nbytes, 1), PAGE)
         if n > self.capacity:
             raise SnapshotTooLarge(
                 f"a snapshot of this state dict needs {n} bytes but snapshot_bytes is "
@@ -190,7 +182,7 @@ def copy_storages(flat: Flattened, arena: SnapshotArena, r: Reservation) -> list
             dsts, srcs = groups.setdefault(storage.device, ([], []))
             dsts.append(arena.bytes_at(cursor, nbytes))
             srcs.append(byte_view(storage))
-        cursor += _align(nbytes, _ALIGN)
+        cursor += align_up(nbytes, _ALIGN)
     assert cursor <= r.offset + r.nbytes
     for device, (dsts, srcs) in groups.items():
         if hasattr(torch, "_foreach_copy_"):

@@ -13,6 +13,7 @@ import queue
 import threading
 import warnings
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
 import torch
@@ -42,8 +43,13 @@ class AlignedBuffer:
             self._pin()
 
     def _pin(self) -> None:
-        rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
-        self.pinned = int(rc) == 0  # unpinned still works, only slower
+        """Register with CUDA; unpinned memory still works, only slower, so never fail here."""
+        try:
+            cudart = torch.cuda.cudart()
+            rc = cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
+        except RuntimeError:  # e.g. CUDA cannot be initialised in a forked child
+            return
+        self.pinned = int(rc) == 0
 
     def close(self) -> None:
         if self.pinned:
@@ -75,6 +81,11 @@ class StagingRing:
         self._free: queue.Queue[AlignedBuffer] = queue.Queue()
         for b in self._all:
             self._free.put(b)
+
+    @property
+    def idle(self) -> bool:
+        """Every buffer is back in the ring (no I/O holds one)."""
+        return self._free.qsize() == len(self._all)
 
     @property
     def count(self) -> int:
@@ -131,10 +142,33 @@ def borrow_ring(count: int, block_bytes: int, timeout_s: float) -> Iterator[Stag
     try:
         yield ring
     finally:
-        with _idle_lock:
-            stale, _idle_rings[:] = list(_idle_rings), [ring]
-        for r in stale:
-            r.close()
+        if ring.idle:  # else stuck I/O may still use a buffer: drop the ring, do not reuse it
+            _cache(ring)
+
+
+def _cache(ring: StagingRing) -> None:
+    with _idle_lock:
+        stale, _idle_rings[:] = list(_idle_rings), [ring]
+    for r in stale:
+        r.close()
+
+
+@contextmanager
+def io_session(count: int, block_bytes: int, timeout_s: float,
+               io_threads: int) -> Iterator[tuple[StagingRing, ThreadPoolExecutor]]:
+    """A staging ring and the I/O threads that fill and drain it, for one save or load.
+
+    After an error (a timeout included) this returns at once instead of joining the I/O threads:
+    a thread stuck in a hung ``pwrite`` would otherwise make the bounded wait unbounded.
+    """
+    pool = ThreadPoolExecutor(io_threads, thread_name_prefix="gds_persist-io")
+    try:
+        with borrow_ring(count, block_bytes, timeout_s) as ring:
+            yield ring, pool
+    except BaseException:
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    pool.shutdown(wait=True)
 
 
 def release_cached() -> None:

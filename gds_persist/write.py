@@ -11,6 +11,7 @@ from device memory to the file; no host staging.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -65,13 +66,24 @@ def wait_all(futures: deque[Future[None]], timeout_s: float, what: str) -> None:
             ) from None
 
 
-def drain_quietly(futures: deque[Future[Any]], timeout_s: float) -> None:
-    """After an error: let in-flight I/O finish before its buffers and descriptor go away."""
+def drain_quietly(futures: deque[Future[Any]], timeout_s: float) -> bool:
+    """After an error: cancel queued I/O and let running I/O finish (within ``timeout_s`` in
+    all) before its buffers and descriptor go away. False if some I/O is still stuck.
+
+    Cancelling matters: a queued write that ran after its descriptor was closed could hit
+    another file that reused the descriptor number.
+    """
+    for fut in futures:
+        fut.cancel()
+    deadline = time.monotonic() + timeout_s
     for fut in futures:
         try:
-            fut.result(timeout=timeout_s)
+            fut.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            return False
         except BaseException:  # noqa: BLE001 - the first error is already being raised
             pass
+    return True
 
 
 class FileWriter:
@@ -134,7 +146,9 @@ class FileWriter:
                     self.ring.release(buf)
                     raise
                 first = next_first(plan.extents, first, hi)
-                in_flight.append(self.pool.submit(self._write_block, handle, buf, hi - lo, lo))
+                fut = self.pool.submit(self._write_block, handle, buf, hi - lo, lo)
+                fut.add_done_callback(self._releaser(buf))  # a cancelled write frees its buffer
+                in_flight.append(fut)
                 while in_flight and in_flight[0].done():
                     in_flight.popleft().result()  # surface a failed write early
             wait_all(in_flight, self.timeout_s, f"writing {plan.name}")
@@ -174,6 +188,13 @@ class FileWriter:
             copier.wait()  # this buffer's device-to-host copies are done
         for k, start, end in pieces:
             crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
+
+    def _releaser(self, buf: AlignedBuffer) -> Callable[[Future[None]], None]:
+        def release_if_cancelled(fut: Future[None]) -> None:
+            if fut.cancelled():
+                self.ring.release(buf)  # type: ignore[union-attr]
+
+        return release_if_cancelled
 
     def _write_block(self, handle: object, buf: AlignedBuffer, length: int, offset: int) -> None:
         try:

@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -374,3 +375,52 @@ def test_concurrent_saves_and_loads_of_different_paths(tmp_path: Path) -> None:
         for f in [pool.submit(work, i) for i in range(4)]:
             f.result(timeout=120)
     assert sorted(os.listdir(tmp_path)) == [f"ck{i}" for i in range(4)]
+
+
+class _HangingDirect(_FailingDirect):
+    """The real O_DIRECT backend whose ``pwrite`` calls do not return (a hung drive) until
+    released. They block after the real write, as a request stuck in the drive would: inside the
+    call, never touching the descriptor again."""
+
+    def __init__(self) -> None:
+        super().__init__("pwrite", 0)
+        self.release = threading.Event()
+
+    def __getattr__(self, name: str) -> Any:
+        real = getattr(self._real, name)
+        if name != "pwrite":
+            return real
+
+        def stuck(*args: Any) -> Any:
+            result = real(*args)
+            self.release.wait(30)
+            return result
+
+        return stuck
+
+
+def test_hung_storage_fails_within_the_timeout(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A write that never returns must not hang save(): it fails after io_timeout_s, not after
+    the write finally returns, and the previous checkpoint stays loadable."""
+    path = tmp_path / "ck"
+    old = {"w": torch.full((100,), 1.0)}
+    gds_persist.save(old, path)
+    hung = _HangingDirect()
+    _inject(monkeypatch, "gds_persist.save", hung)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(gds_persist.CheckpointError, match="within 1 s"):
+            _save_with_timeout({"w": torch.randn(40_000)}, path)
+        waited = time.monotonic() - t0
+    finally:
+        hung.release.set()  # let the stuck threads finish
+    # bounded by the timeout (1 s for the stuck block, 1 s for draining), far below the 30 s hang
+    assert waited < 15, f"save waited {waited:.1f} s for a hung write"
+    monkeypatch.undo()
+    assert_tree_equal(gds_persist.load(path), old)
+
+
+def _save_with_timeout(sd: Any, path: Path) -> None:
+    with gds_persist.settings.set(io_timeout_s=1):
+        gds_persist.save(sd, path, block_bytes=4096, staging_bytes=3 * 4096, io_threads=2)

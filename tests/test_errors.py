@@ -690,6 +690,8 @@ def test_unknown_setting_lists_valid_ones() -> None:
     ({"io_timeout_s": 0}, r"io_timeout_s=0.0 must be positive"),
     ({"io_timeout_s": -1}, r"io_timeout_s=-1.0 must be positive"),
     ({"io_timeout_s": float("nan")}, r"io_timeout_s=nan must be positive"),
+    ({"io_timeout_s": float("inf")}, r"io_timeout_s=inf must be positive and finite"),
+    ({"collective_timeout_s": float("nan")}, r"collective_timeout_s=nan must be positive"),
     ({"io_timeout_s": "soon"}, r"io_timeout_s='soon' must be a float"),
     pytest.param({"collective_timeout_s": 0}, r"collective_timeout_s=0.0 must be positive",
                  marks=pytest.mark.skipif("collective_timeout_s" not in settings.ENV_VARS,

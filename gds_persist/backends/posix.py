@@ -120,7 +120,7 @@ def supports_o_direct(directory: str) -> tuple[bool, str]:
                 return True, readable
         return False, f"open(O_DIRECT) failed on {directory}: {os.strerror(e.errno or 0)}"
     try:
-        with AlignedBuffer(4096) as buf:
+        with AlignedBuffer(4096, pin=False) as buf:
             os.pwrite(fd, buf.view, 0)
         return True, f"{directory} accepts O_DIRECT"
     except OSError as e:
@@ -144,7 +144,7 @@ def _o_direct_read_probe(directory: str) -> str | None:
         except OSError:
             return None
         try:
-            with AlignedBuffer(4096) as buf:
+            with AlignedBuffer(4096, pin=False) as buf:
                 os.preadv(fd, [buf.view], 0)
             return f"{directory} is read-only but accepts O_DIRECT reads"
         except OSError:

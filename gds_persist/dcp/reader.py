@@ -22,7 +22,6 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,7 +39,7 @@ from ..format import MANIFEST_NAME, Extent, Manifest
 from ..load import read_manifest
 from ..progress import ByteCounter, ProgressCallback
 from ..read import FileReader, check_file
-from ..staging import borrow_ring
+from ..staging import io_session
 from ..write import byte_view
 from ._codec import decode_metadata
 from .writer import WRITER_TAG
@@ -255,10 +254,9 @@ class _ReadJob:
         be, _ = choose_backend(
             cfg.backend, self.r.path, wants_device, cfg.io_threads, cfg.block_bytes
         )
-        with (
-            borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring,
-            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool,
-        ):
+        with io_session(
+            cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
+        ) as (ring, pool):
             self.be, self.ring, self.pool, self.cfg = be, ring, pool, cfg
             if direct:
                 self._read([(rec, dest) for rec, _, _, dest in direct])

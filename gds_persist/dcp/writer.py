@@ -27,7 +27,6 @@ import os
 import socket
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -45,7 +44,7 @@ from ..flatten import StorageRecord, TensorRecord
 from ..format import DataFile, Extent, Manifest, dump_manifest
 from ..plan import layout_file
 from ..progress import ByteCounter, ProgressCallback
-from ..staging import borrow_ring
+from ..staging import io_session
 from ..write import FileWriter, byte_view
 from . import balancing as _balance
 from ._codec import dtype_name, encode_metadata
@@ -334,10 +333,9 @@ class GdsPersistWriter(StorageWriter):
         }
         counter = ByteCounter(self.progress, sum(p.size for p in plans.values()))
         placed: dict[int, tuple[str, int, int, int]] = {}  # source -> file, size, offset, crc
-        with (
-            borrow_ring(cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s) as ring,
-            ThreadPoolExecutor(cfg.io_threads, thread_name_prefix="gds_persist-io") as pool,
-        ):
+        with io_session(
+            cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
+        ) as (ring, pool):
             writer = FileWriter(be, ring, pool, cfg.io_timeout_s, counter.hook)
             for name, fplan in plans.items():
                 if not fplan.extents:
