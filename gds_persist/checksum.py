@@ -25,11 +25,7 @@ def crc32c(data: Buffer, value: int = 0) -> int:
 
 def device_crc32c(data: torch.Tensor) -> int:
     """CRC32C of a uint8 tensor on any device; equal to :func:`crc32c` of the same bytes."""
-    if data.is_cuda:
-        from .cuda_crc import cuda_crc32c  # computed on the device, no host copy
-
-        return cuda_crc32c(data)
-    return crc32c(data.numpy())
+    return device_crc32c_many([data])[0]
 
 
 def device_crc32c_many(pieces: list[torch.Tensor]) -> list[int]:

@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import BackendError
+from ..format import ALIGNMENT, align_up
 from .base import Backend
 from .posix import _O_DIRECT, _preallocate, pread_all, pwrite_all, supports_o_direct
 
@@ -54,7 +55,7 @@ log = logging.getLogger("gds_persist")
 
 INSTALL_HINT = "install the GPU extra: pip install 'gds_persist[gpu]' (kvikio-cu13, cupy-cuda13x)"
 CUFILE_LOG_ENV = "CUFILE_LOGFILE_PATH"
-ALIGN = 4096
+ALIGN = ALIGNMENT  # cuFile is fastest with 4096-aligned offsets and sizes
 _COMPAT_NAMES = {0: "OFF", 1: "ON", 2: "AUTO"}
 
 
@@ -133,10 +134,6 @@ def kvikio_status() -> tuple[bool, str]:
 
 def _is_device(buf: Any) -> bool:
     return bool(getattr(buf, "is_cuda", False))
-
-
-def _align_up(n: int) -> int:
-    return -(-n // ALIGN) * ALIGN
 
 
 @dataclass
@@ -313,7 +310,7 @@ class KvikioBackend(Backend):
         if self._bounce is None:
             from ..staging import AlignedBuffer
 
-            self._bounce = AlignedBuffer(max(ALIGN, _align_up(self.task_size)))
+            self._bounce = AlignedBuffer(max(ALIGN, align_up(self.task_size)))
         return self._bounce
 
     def _free_bounce(self) -> None:
@@ -335,7 +332,7 @@ class KvikioBackend(Backend):
                 length = hi - lo
                 bounce.tensor[:length].copy_(tensor[lo:hi])
                 if handle.direct:
-                    padded = _align_up(length)
+                    padded = align_up(length)
                     bounce.tensor[length:padded].zero_()
                     length = padded
                 pwrite_all(handle.fd, bounce.view[:length], offset + lo)
@@ -350,7 +347,7 @@ class KvikioBackend(Backend):
             step = bounce.nbytes
             for lo in range(0, n, step):
                 hi = min(lo + step, n)
-                want = _align_up(hi - lo) if handle.direct else hi - lo
+                want = align_up(hi - lo) if handle.direct else hi - lo
                 got = min(pread_all(handle.fd, bounce.view[:want], offset + lo), hi - lo)
                 tensor[lo : lo + got].copy_(bounce.tensor[:got])
                 total += got
