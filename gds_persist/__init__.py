@@ -4,18 +4,19 @@
     state = gds_persist.load("ckpt/step-100", map_location="cuda")
 
 Importing this package never imports the GPU stack (kvikio, cupy): those load only when the
-``kvikio`` backend is used.
+``kvikio`` backend is used. This module only re-exports the public API; the layers behind it are
+described in CONTRIBUTING.md.
 """
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
-from . import settings  # noqa: E402
-from .checkpointer import Checkpointer, SaveHandle  # noqa: E402
-from .errors import (  # noqa: E402
+from . import settings
+from ._version import __version__
+from .checkpointer import Checkpointer, SaveHandle
+from .errors import (
     BackendError,
     CheckpointError,
+    CheckpointTimeout,
     ChecksumError,
     CollectiveTimeoutError,
     DiskFullError,
@@ -23,15 +24,19 @@ from .errors import (  # noqa: E402
     ManifestError,
     NotCommittedError,
     ReplicationError,
+    SnapshotTooLarge,
     TruncatedError,
+    WorkerDied,
 )
-from .interop import export_checkpoint, import_checkpoint  # noqa: E402
-from .load import load, read_manifest, verify  # noqa: E402
-from .save import SaveInfo, save  # noqa: E402
+from .interop import export_checkpoint, import_checkpoint
+from .load import load, read_manifest, verify
+from .results import SaveInfo
+from .save import save
 
 __all__ = [
     "BackendError",
     "CheckpointError",
+    "CheckpointTimeout",
     "Checkpointer",
     "ChecksumError",
     "CollectiveTimeoutError",
@@ -42,7 +47,10 @@ __all__ = [
     "ReplicationError",
     "SaveHandle",
     "SaveInfo",
+    "SnapshotTooLarge",
     "TruncatedError",
+    "WorkerDied",
+    "__version__",
     "export_checkpoint",
     "import_checkpoint",
     "load",

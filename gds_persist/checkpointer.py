@@ -62,16 +62,15 @@ import torch
 from . import settings
 from . import steps as _steps
 from .distributed import make_comm
-from .errors import CheckpointError
+from .errors import CheckpointError, CheckpointTimeout, SnapshotTooLarge, WorkerDied
 from .flatten import Flattened, flatten
-from .helper import HelperProcess, WorkerDied
+from .helper import HelperProcess
 from .load import load as core_load
 from .save import SaveInfo
 from .save import save as core_save
 from .snapshot import (
     Reservation,
     SnapshotArena,
-    SnapshotTooLarge,
     copy_storages,
     snapshot_nbytes,
     take_snapshot,
@@ -81,10 +80,6 @@ log = logging.getLogger("gds_persist")
 
 MODES = ("fence", "snapshot")
 WRITERS = ("thread", "process")
-
-
-class CheckpointTimeout(CheckpointError, TimeoutError):
-    """A bounded wait on background checkpoint work ran out."""
 
 
 @dataclass

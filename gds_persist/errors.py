@@ -1,7 +1,9 @@
-"""Exceptions raised by gds_persist.
+"""Exceptions raised by gds_persist: every one of them is defined here and exported from
+``gds_persist``.
 
 Every error names the thing that is wrong and, where there is one, the fix. All of them derive
-from :class:`CheckpointError`, so a trainer can catch checkpoint problems with one ``except``.
+from :class:`CheckpointError`, so a trainer can catch checkpoint problems with one ``except``
+(bad input raises ``TypeError`` / ``ValueError`` instead).
 """
 
 from __future__ import annotations
@@ -52,3 +54,17 @@ class CollectiveTimeoutError(DistributedError):
 
 class ReplicationError(DistributedError):
     """State promised to be replicated differs between ranks (structure, sizes or checksums)."""
+
+
+class CheckpointTimeout(CheckpointError, TimeoutError):
+    """A bounded wait on background checkpoint work (a :class:`gds_persist.Checkpointer`) ran
+    out: the write is still running (slow or hung storage)."""
+
+
+class WorkerDied(CheckpointError):
+    """A Checkpointer thread, or its helper process, stopped in the middle of a save; that save
+    is lost and a new worker takes the next one."""
+
+
+class SnapshotTooLarge(CheckpointError):
+    """A state dict is larger than the whole snapshot arena (``snapshot_bytes``)."""

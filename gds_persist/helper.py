@@ -30,11 +30,7 @@ import time
 from multiprocessing.connection import Connection
 from typing import Any
 
-from .errors import CheckpointError
-
-
-class WorkerDied(CheckpointError):
-    """A Checkpointer thread, or its helper process, stopped in the middle of a save."""
+from .errors import CheckpointError, WorkerDied
 
 
 class HelperProcess:

@@ -76,7 +76,8 @@ from .format import Manifest, align_up, data_file_path, sections_tree
 from .load import load, read_manifest
 from .progress import ByteCounter, ProgressCallback
 from .read import check_file
-from .save import SaveInfo, save
+from .results import ExportInfo, SaveInfo
+from .save import save
 from .staging import AlignedBuffer
 
 FORMATS = ("torch", "safetensors")
@@ -107,17 +108,6 @@ ST_DTYPES: dict[torch.dtype, str] = {
     torch.uint64: "U64",
 }
 ST_CODES = {v: k for k, v in ST_DTYPES.items()}
-
-
-@dataclass
-class ExportInfo:
-    """What an export wrote."""
-
-    out: str
-    to: str
-    tensors: int
-    bytes_written: int
-    notes: list[str]
 
 
 # --------------------------------------------------------------------------- helpers

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -20,6 +19,7 @@ from .flatten import rebuild_tensor, tensor_paths, unflatten
 from .format import MANIFEST_NAME, Manifest, data_file_path, parse_manifest, sections_tree
 from .progress import ByteCounter, ProgressCallback
 from .read import FileReader, check_file
+from .results import VerifyReport
 from .staging import io_session
 
 MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
@@ -190,19 +190,6 @@ def _apply_callable(fn: Callable[..., Any], storage: torch.UntypedStorage, locat
     if result is None:
         return storage.to(device=_target_device(location, None)) if location != "cpu" else storage
     return result.untyped() if hasattr(result, "untyped") else result
-
-
-@dataclass
-class VerifyReport:
-    path: str
-    files: int
-    extents: int
-    bytes_checked: int
-    errors: list[ChecksumError]
-
-    @property
-    def ok(self) -> bool:
-        return not self.errors
 
 
 def verify(

@@ -28,12 +28,13 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import astuple, dataclass
 from typing import Any
 
 import torch
 
-from . import __version__, settings
+from . import settings
+from ._version import __version__
 from .backends import choose_backend
 from .checksum import device_crc32c
 from .commit import abort, check_replaceable, commit, fsync_path, make_temporary, write_manifest
@@ -54,39 +55,14 @@ from .format import (
 )
 from .plan import SavePlan
 from .progress import ByteCounter, ProgressCallback
-from .save import SaveInfo, write_plan
+from .results import DistributedSaveInfo
+from .save import write_plan
 from .schedule import DistributedPlan, RankInfo, plan_save
 from .topology import gpu_affinity, node_name
 from .write import byte_view
 
 KeyPath = tuple[Any, ...]
 CHECK_REPLICAS = ("structure", "checksums", "off")
-
-
-@dataclass
-class DistributedSaveInfo(SaveInfo):
-    """:class:`SaveInfo` of a data-parallel save, as seen by one rank.
-
-    ``bytes_written`` and ``gbps`` are for the whole checkpoint (all ranks); ``rank_bytes`` and
-    ``rank_gbps`` for this rank's own files.
-    """
-
-    rank: int = 0
-    world_size: int = 1
-    writers: list[int] = field(default_factory=list)
-    rank_bytes: int = 0
-    rank_files: list[str] = field(default_factory=list)
-    rank_write_seconds: float = 0.0
-    writer_balance: float = 1.0
-    node_balance: float = 1.0
-    nodes: int = 1
-    placement: str = ""  # how writers were chosen, incl. whether NVML was usable and why not
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase on this rank
-
-    @property
-    def rank_gbps(self) -> float:
-        s = self.rank_write_seconds
-        return self.rank_bytes / s / 1e9 if s else float("inf")
 
 
 # --- rank-local parts -------------------------------------------------------------------------

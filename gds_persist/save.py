@@ -7,12 +7,12 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from . import __version__, settings
+from . import settings
+from ._version import __version__
 from .backends import Backend, choose_backend
 from .commit import abort, check_replaceable, commit, make_temporary, write_manifest
 from .errors import DiskFullError
@@ -20,27 +20,9 @@ from .flatten import Flattened, flatten
 from .format import Extent, Manifest, dump_manifest
 from .plan import SavePlan, plan_single_writer
 from .progress import ByteCounter, ProgressCallback
+from .results import SaveInfo
 from .staging import io_session
 from .write import FileWriter, byte_view
-
-
-@dataclass
-class SaveInfo:
-    """What a save did: where, with which backend and why, how many bytes, how long."""
-
-    path: str
-    backend: str
-    reason: str
-    bytes_written: int  # data file bytes incl. alignment padding (what hit the drive)
-    payload_bytes: int  # tensor bytes
-    seconds: float
-    tensors: int
-    storages: int
-    files: list[str] = field(default_factory=list)
-
-    @property
-    def gbps(self) -> float:
-        return self.bytes_written / self.seconds / 1e9 if self.seconds else float("inf")
 
 
 def save(

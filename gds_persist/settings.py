@@ -18,7 +18,11 @@ from contextlib import contextmanager
 from dataclasses import dataclass, fields, replace
 from typing import Any
 
+from .errors import BackendError
+
 MiB = 1 << 20
+# The I/O backends (gds_persist.backends): "auto" chooses one and records why.
+BACKEND_NAMES = ("auto", "direct", "buffered", "kvikio")
 # How a data-parallel load gets replicated data to every rank: "read_all" - every rank reads every
 # byte itself; "broadcast" / "allgather" - each rank reads 1/N and the rest travels over the
 # process group. The default was chosen by bench/bench_parallel.py (docs/DISTRIBUTED.md):
@@ -60,9 +64,6 @@ def _convert(name: str, value: Any) -> Any:
 
 
 def _validate(s: Settings) -> Settings:
-    from .backends import BACKEND_NAMES
-    from .errors import BackendError
-
     if s.backend not in BACKEND_NAMES:
         raise BackendError(
             f"unknown backend {s.backend!r}; valid backends: {', '.join(BACKEND_NAMES)}")

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError
+from .errors import CheckpointError, SnapshotTooLarge
 from .flatten import Flattened, StorageRecord, TensorRecord, rebuild_tensor, unflatten
 from .format import align_up
 from .staging import AlignedBuffer
@@ -43,10 +43,6 @@ _ALIGN = 64  # every copied storage starts 64-byte aligned (any dtype's element 
 # flatten() records this attribute, when a tensor carries it, as the device a storage was saved
 # from (a snapshot's host copy of a CUDA tensor is recorded as the CUDA tensor).
 SAVED_DEVICE_ATTR = "_gds_persist_saved_device"
-
-
-class SnapshotTooLarge(CheckpointError):
-    """A state dict is larger than the whole snapshot arena (``snapshot_bytes``)."""
 
 
 def snapshot_nbytes(flat: Flattened) -> int:

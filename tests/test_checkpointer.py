@@ -12,8 +12,7 @@ import pytest
 import torch
 
 import gds_persist
-from gds_persist import Checkpointer, CheckpointError
-from gds_persist.checkpointer import CheckpointTimeout, WorkerDied
+from gds_persist import Checkpointer, CheckpointError, CheckpointTimeout, WorkerDied
 from gds_persist.flatten import flatten
 from gds_persist.snapshot import SAVED_DEVICE_ATTR, snapshot_nbytes
 from gds_persist.steps import LATEST, step_name

@@ -7,10 +7,10 @@ choice and its reason end up in the save's ``info`` and in the manifest.
 
 from __future__ import annotations
 
+from ..errors import BackendError
+from ..settings import BACKEND_NAMES
 from .base import Backend
 from .posix import BufferedBackend, DirectBackend, require_o_direct, supports_o_direct
-
-BACKEND_NAMES = ("auto", "direct", "buffered", "kvikio")
 
 
 def _kvikio(directory: str, io_threads: int, block_bytes: int, why: str) -> tuple[Backend, str]:
@@ -38,7 +38,6 @@ def choose_backend(
     block_bytes: int = 16 << 20,
 ) -> tuple[Backend, str]:
     """Resolve a backend name for files in ``directory``; returns the backend and why."""
-    from ..errors import BackendError
     from .kvikio_backend import kvikio_status
 
     if requested not in BACKEND_NAMES:

@@ -36,7 +36,8 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
-from .. import __version__, settings
+from .. import settings
+from .._version import __version__
 from ..backends import choose_backend
 from ..commit import abort, check_replaceable, commit, make_temporary, write_manifest
 from ..errors import CheckpointError

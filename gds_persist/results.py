@@ -1,0 +1,83 @@
+"""What the long operations return: plain result records, in one module.
+
+:class:`SaveInfo` (``save``), :class:`DistributedSaveInfo` (``save`` with a process group),
+:class:`VerifyReport` (``verify``) and :class:`ExportInfo` (``export_checkpoint``). They are plain
+dataclasses that pickle (the Checkpointer's helper process sends a ``SaveInfo`` back).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from .errors import ChecksumError
+
+
+@dataclass
+class SaveInfo:
+    """What a save did: where, with which backend and why, how many bytes, how long."""
+
+    path: str
+    backend: str
+    reason: str
+    bytes_written: int  # data file bytes incl. alignment padding (what hit the drive)
+    payload_bytes: int  # tensor bytes
+    seconds: float
+    tensors: int
+    storages: int
+    files: list[str] = field(default_factory=list)
+
+    @property
+    def gbps(self) -> float:
+        return self.bytes_written / self.seconds / 1e9 if self.seconds else float("inf")
+
+
+@dataclass
+class DistributedSaveInfo(SaveInfo):
+    """:class:`SaveInfo` of a data-parallel save, as seen by one rank.
+
+    ``bytes_written`` and ``gbps`` are for the whole checkpoint (all ranks); ``rank_bytes`` and
+    ``rank_gbps`` for this rank's own files.
+    """
+
+    rank: int = 0
+    world_size: int = 1
+    writers: list[int] = field(default_factory=list)
+    rank_bytes: int = 0
+    rank_files: list[str] = field(default_factory=list)
+    rank_write_seconds: float = 0.0
+    writer_balance: float = 1.0
+    node_balance: float = 1.0
+    nodes: int = 1
+    placement: str = ""  # how writers were chosen, incl. whether NVML was usable and why not
+    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase on this rank
+
+    @property
+    def rank_gbps(self) -> float:
+        s = self.rank_write_seconds
+        return self.rank_bytes / s / 1e9 if s else float("inf")
+
+
+@dataclass
+class VerifyReport:
+    """What ``verify`` checked, and every checksum mismatch it found."""
+
+    path: str
+    files: int
+    extents: int
+    bytes_checked: int
+    errors: list[ChecksumError]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+
+@dataclass
+class ExportInfo:
+    """What an export wrote."""
+
+    out: str
+    to: str
+    tensors: int
+    bytes_written: int
+    notes: list[str]
