@@ -1,26 +1,10 @@
-"""Host-side CRC32C (Castagnoli), the one checksum algorithm of the format.
-
-Uses the ``crc32c`` package (SSE4.2 / ARMv8 CRC instructions; it releases the GIL for large
-buffers, so checksumming overlaps I/O threads). ``crc32c(b, crc32c(a)) == crc32c(a + b)``.
-"""
+"""CRC32C of tensors on any device (host bytes here, CUDA ones by gds_persist.cuda_crc)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import torch
 
-import crc32c as _crc32c_impl
-
-if TYPE_CHECKING:
-    import torch
-
-Buffer = Any  # anything with the buffer protocol: bytes, memoryview, mmap, numpy array
-
-HARDWARE_ACCELERATED: bool = bool(_crc32c_impl.hardware_based)
-
-
-def crc32c(data: Buffer, value: int = 0) -> int:
-    """CRC32C of ``data``, continuing from ``value`` (the CRC of the bytes before it)."""
-    return _crc32c_impl.crc32c(data, value)
+from .format.checksum import crc32c
 
 
 def device_crc32c(data: torch.Tensor) -> int:
@@ -42,85 +26,3 @@ def device_crc32c_many(pieces: list[torch.Tensor]) -> list[int]:
         if not p.is_cuda:
             result[i] = crc32c(p.numpy())  # type: ignore[arg-type]
     return result
-
-
-# --- CRC32C shift / combine algebra -------------------------------------------------------------
-# A CRC register is a polynomial over GF(2) in the reflected bit order (bit 31 is x^0). Appending
-# n zero bytes to a message multiplies its register by x^(8n) modulo the CRC polynomial, and the
-# CRC is linear in the message, so for the standard (pre- and post-inverted) CRC32C:
-#
-#     crc32c(A + B) == crc32c_shift(crc32c(A), len(B)) ^ crc32c(B)
-#
-# (the inversions cancel: they depend only on the lengths). This is what lets independently
-# computed chunk CRCs (GPU thread blocks, I/O threads) be joined without touching the bytes again.
-# Cost: O(log n) carry-less 32x32 multiplications, independent of n, so offsets of many GiB or
-# TiB cost the same as a few bytes. The device kernel (kernels/crc32c.cu) uses the same tables.
-
-POLY_REFLECTED = 0x82F63B78  # Castagnoli, x^32 + x^28 + ... reflected
-_X0 = 1 << 31  # the polynomial 1 in reflected order
-
-
-def gf2_multiply(a: int, b: int) -> int:
-    """``a * b mod P`` for two reflected 32-bit CRC polynomials."""
-    product = 0
-    bit = _X0
-    while bit:
-        if a & bit:
-            product ^= b
-        bit >>= 1
-        b = (b >> 1) ^ POLY_REFLECTED if b & 1 else b >> 1
-    return product
-
-
-def _x_pow_2k_table(count: int = 64) -> tuple[int, ...]:
-    table = [1 << 30]  # x^(2^0) = x
-    for _ in range(count - 1):
-        table.append(gf2_multiply(table[-1], table[-1]))
-    return tuple(table)
-
-
-X_POW_2K: tuple[int, ...] = _x_pow_2k_table()  # X_POW_2K[k] = x^(2^k) mod P, k = 0..63
-
-
-def x_pow_8n(nbytes: int) -> int:
-    """``x^(8 * nbytes) mod P``: the factor that moves a CRC register past ``nbytes`` bytes."""
-    if nbytes < 0:
-        raise ValueError(f"a byte count cannot be negative (got {nbytes})")
-    if nbytes >= 1 << 61:
-        raise ValueError(f"byte count {nbytes} is beyond 2**61")
-    result, k = _X0, 3  # 8 * nbytes = nbytes << 3
-    while nbytes:
-        if nbytes & 1:
-            result = gf2_multiply(X_POW_2K[k], result)
-        nbytes >>= 1
-        k += 1
-    return result
-
-
-def crc32c_shift(crc: int, nbytes: int) -> int:
-    """The CRC register ``crc`` carried past ``nbytes`` more bytes of zeros (no final xor):
-    ``crc32c_shift(crc32c(A), len(B)) ^ crc32c(B) == crc32c(A + B)``."""
-    return gf2_multiply(x_pow_8n(nbytes), crc & 0xFFFFFFFF)
-
-
-def crc32c_combine(crc_a: int, crc_b: int, length_b: int) -> int:
-    """CRC32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)`` (like zlib's
-    ``crc32_combine``); no data is read, and ``length_b`` may be many GiB. Used to join the CRCs
-    of pieces checksummed apart (GPU threads, ranks reading parts of one extent)."""
-    return crc32c_shift(crc_a, length_b) ^ (crc_b & 0xFFFFFFFF)
-
-
-def crc32c_segmented(data: bytes | bytearray | memoryview, segment_bytes: int) -> int:
-    """CPU reference of the device kernel's scheme (kernels/crc32c.cu): the buffer is cut into
-    ``segment_bytes`` pieces (the last may be short), each piece's CRC32C is computed on its own,
-    shifted past all the bytes after it, and the results are XORed together (in any order).
-    Equal to :func:`crc32c` of the whole buffer."""
-    view = memoryview(data).cast("B")
-    n = view.nbytes
-    if segment_bytes <= 0 or segment_bytes % 8:
-        raise ValueError(f"segment_bytes={segment_bytes} must be a positive multiple of 8")
-    total = 0
-    for lo in range(0, n, segment_bytes):
-        hi = min(lo + segment_bytes, n)
-        total ^= crc32c_shift(crc32c(view[lo:hi]), n - hi)
-    return total

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from .checksum import crc32c
+from .format.checksum import crc32c
 
 log = logging.getLogger("gds_persist")
 

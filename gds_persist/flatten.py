@@ -13,59 +13,40 @@ Nothing here touches files; nothing here unpickles: the tree is JSON data.
 
 from __future__ import annotations
 
-import math
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-_QUANTIZED = {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
-DTYPES: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d
-    for d in (getattr(torch, n) for n in dir(torch))
-    if isinstance(d, torch.dtype) and d not in _QUANTIZED
-}
+from .format import tree
+from .format.records import (
+    DTYPES,
+    MAX_DEPTH,
+    QUANTIZED_DTYPES,
+    StorageRecord,
+    TensorRecord,
+    dtype_name,
+)
+
 _SUPPORTED_DEVICES = ("cpu", "cuda")
 _JSON_SCALARS = (str, int, type(None))  # bool is an int subclass; floats are handled apart
-MAX_DEPTH = 100  # containers nested deeper than this are refused at save and in a manifest
-
-
-@dataclass(frozen=True)
-class StorageRecord:
-    """One distinct block of tensor memory, written as raw bytes."""
-
-    nbytes: int
-    device: str
-
-
-@dataclass(frozen=True)
-class TensorRecord:
-    """How to rebuild one tensor as a view of a storage (strides and offset in elements)."""
-
-    storage: int
-    dtype: str
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    storage_offset: int
-    requires_grad: bool = False
-    parameter: bool = False
 
 
 @dataclass
 class Flattened:
+    """A state dict taken apart. ``storages[k]`` describes ``storage_objects[k]``, the live
+    memory to write; its ``device`` is what the manifest records (a snapshot's host copy of a
+    CUDA storage records the CUDA device)."""
+
     tree: Any
     tensors: list[TensorRecord]
     storages: list[StorageRecord]
     storage_objects: list[torch.UntypedStorage]  # live memory, same order as ``storages``
 
 
-def _path_str(path: tuple[Any, ...]) -> str:
-    return "".join(f"[{k!r}]" for k in path) or "<root>"
-
-
 def _reject(path: tuple[Any, ...], what: str, fix: str) -> TypeError:
-    return TypeError(f"cannot checkpoint {what} at {_path_str(path)}: {fix}")
+    return TypeError(f"cannot checkpoint {what} at {tree.path_str(path)}: {fix}")
 
 
 def _check_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> None:
@@ -78,7 +59,7 @@ def _check_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> None:
         )
     if t.layout != torch.strided:
         raise _reject(path, f"a {t.layout} tensor", "convert it with .to_dense() first")
-    if t.is_quantized or t.dtype in _QUANTIZED:
+    if t.is_quantized or t.dtype in QUANTIZED_DTYPES:
         raise _reject(
             path,
             f"a quantized tensor ({t.dtype})",
@@ -119,7 +100,7 @@ class _Flattener:
         _check_tensor(t, path)
         record = TensorRecord(
             storage=self.storage_index(t),
-            dtype=str(t.dtype).removeprefix("torch."),
+            dtype=dtype_name(t.dtype),
             shape=tuple(t.shape),
             stride=tuple(t.stride()),
             storage_offset=int(t.storage_offset()),
@@ -127,7 +108,7 @@ class _Flattener:
             parameter=isinstance(t, torch.nn.Parameter),
         )
         self.tensors.append(record)
-        return {"t": "tensor", "i": len(self.tensors) - 1}
+        return tree.tensor(len(self.tensors) - 1)
 
     def node(self, obj: Any, path: tuple[Any, ...]) -> Any:
         if len(path) > MAX_DEPTH:
@@ -141,12 +122,12 @@ class _Flattener:
         if isinstance(obj, bool) or isinstance(obj, _JSON_SCALARS):
             return obj
         if isinstance(obj, float):
-            return obj if math.isfinite(obj) else {"t": "float", "v": repr(obj)}
+            return tree.number(obj)
         if isinstance(obj, dict):
             return self.mapping(obj, path)
         if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-            kind = "list" if isinstance(obj, list) else "tuple"
-            return {"t": kind, "v": [self.node(v, (*path, i)) for i, v in enumerate(obj)]}
+            items = [self.node(v, (*path, i)) for i, v in enumerate(obj)]
+            return tree.sequence(items, is_tuple=isinstance(obj, tuple))
         raise _reject(
             path,
             f"an object of type {type(obj).__module__}.{type(obj).__qualname__}",
@@ -163,15 +144,13 @@ class _Flattener:
                 raise _reject(
                     (*path, k), f"a dict key of type {type(k).__qualname__}", "use str or int keys"
                 )
-        node: dict[str, Any] = {
-            "t": "odict" if isinstance(obj, OrderedDict) else "dict",
-            "k": keys,
-            "v": [self.node(obj[k], (*path, k)) for k in keys],
-        }
+        values = [self.node(obj[k], (*path, k)) for k in keys]
+        ordered = isinstance(obj, OrderedDict)
         metadata = getattr(obj, "_metadata", None)  # nn.Module.state_dict() version info
-        if metadata is not None:
-            node["meta"] = self.node(metadata, (*path, "_metadata"))
-        return node
+        if metadata is None:
+            return tree.mapping(keys, values, ordered=ordered)
+        meta = self.node(metadata, (*path, tree.META_KEY))
+        return tree.mapping(keys, values, ordered=ordered, meta=meta)
 
 
 def flatten(state_dict: Any) -> Flattened:
@@ -180,8 +159,8 @@ def flatten(state_dict: Any) -> Flattened:
     Raises TypeError naming the key path for anything that cannot be stored faithfully.
     """
     f = _Flattener()
-    tree = f.node(state_dict, ())
-    return Flattened(tree, f.tensors, f.storages, f.storage_objects)
+    encoded = f.node(state_dict, ())
+    return Flattened(encoded, f.tensors, f.storages, f.storage_objects)
 
 
 def rebuild_tensor(record: TensorRecord, storage: torch.UntypedStorage) -> torch.Tensor:
@@ -190,48 +169,3 @@ def rebuild_tensor(record: TensorRecord, storage: torch.UntypedStorage) -> torch
     if record.parameter:
         return torch.nn.Parameter(t, requires_grad=record.requires_grad)
     return t.requires_grad_(record.requires_grad) if record.requires_grad else t
-
-
-def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
-    """Inverse of :func:`flatten`'s tree encoding, with tensors already rebuilt."""
-    if not isinstance(tree, dict):
-        return tree
-    kind = tree["t"]
-    if kind == "tensor":
-        return tensors[tree["i"]]
-    if kind == "float":
-        return float(tree["v"])
-    if kind in ("list", "tuple"):
-        items = [unflatten(v, tensors) for v in tree["v"]]
-        return items if kind == "list" else tuple(items)
-    cls = OrderedDict if kind == "odict" else dict
-    out = cls((k, unflatten(v, tensors)) for k, v in zip(tree["k"], tree["v"], strict=True))
-    if "meta" in tree:
-        out._metadata = unflatten(tree["meta"], tensors)  # type: ignore[attr-defined]
-    return out
-
-
-def tensor_key_paths(tree: Any) -> dict[int, tuple[Any, ...]]:
-    """Map each tensor index in ``tree`` to its key path as a tuple, e.g. ``("model", "wte")``."""
-    out: dict[int, tuple[Any, ...]] = {}
-
-    def walk(node: Any, path: tuple[Any, ...]) -> None:
-        if not isinstance(node, dict):
-            return
-        kind = node.get("t")
-        if kind == "tensor":
-            out[node["i"]] = path
-        elif kind in ("list", "tuple"):
-            for i, v in enumerate(node["v"]):
-                walk(v, (*path, i))
-        elif kind in ("dict", "odict"):
-            for k, v in zip(node["k"], node["v"], strict=True):
-                walk(v, (*path, k))
-
-    walk(tree, ())
-    return out
-
-
-def tensor_paths(tree: Any) -> dict[int, str]:
-    """Map each tensor index in ``tree`` to its printable key path, e.g. ``['model']['wte']``."""
-    return {i: _path_str(p) for i, p in tensor_key_paths(tree).items()}

@@ -68,11 +68,12 @@ import torch
 from . import settings
 from .backends import choose_backend
 from .backends.posix import pwrite_all
-from .checksum import crc32c
 from .commit import fsync_path
 from .errors import CheckpointError, ChecksumError, TruncatedError
-from .flatten import DTYPES, TensorRecord, flatten, rebuild_tensor, tensor_key_paths, unflatten
-from .format import Manifest, align_up, data_file_path, sections_tree
+from .flatten import flatten, rebuild_tensor
+from .format import DTYPES, Manifest, TensorRecord, align_up, data_file_path, full_tree
+from .format.checksum import crc32c
+from .format.tree import decode, path_str, tensor_key_paths, validate
 from .load import load, read_manifest
 from .progress import ByteCounter, ProgressCallback
 from .read import check_file
@@ -293,14 +294,14 @@ def _plan_safetensors(
         name = sep.join(str(k) for k in p)
         if name in seen:
             raise ValueError(
-                f"keys {_pstr(seen[name])} and {_pstr(p)} both become {name!r} when joined with "
-                f"sep={sep!r}; choose another separator (e.g. sep='/')"
+                f"keys {path_str(seen[name])} and {path_str(p)} both become {name!r} when joined "
+                f"with sep={sep!r}; choose another separator (e.g. sep='/')"
             )
         seen[name] = p
         dtype = DTYPES[rec.dtype]
         if dtype not in ST_DTYPES:
             raise TypeError(
-                f"cannot export {_pstr(p)} to safetensors: it has no code for dtype {dtype}; "
+                f"cannot export {path_str(p)} to safetensors: it has no code for dtype {dtype}; "
                 "use to='torch' (torch.save holds every dtype)"
             )
         entries.append(_StEntry(i, name, rec, math.prod(rec.shape) * dtype.itemsize))
@@ -328,10 +329,6 @@ def _plan_safetensors(
         "tied": [names for names in tied.values() if len(names) > 1],
     }
     return entries, {"format": "pt", META_KEY: json.dumps(meta, separators=(",", ":"))}
-
-
-def _pstr(path: tuple[Any, ...]) -> str:
-    return "".join(f"[{k!r}]" for k in path) or "<root>"
 
 
 def _st_header(entries: list[_StEntry], metadata: dict[str, str]) -> bytes:
@@ -372,7 +369,7 @@ class _SafetensorsExport:
         progress: ProgressCallback | None,
     ):
         self.path, self.m, self.out, self.sep = path, m, out, sep
-        tree = sections_tree(m) if m.sections else m.tree  # rank-local parts: {rank: part}
+        tree = full_tree(m)  # rank-local parts: {rank: part}
         self.entries, self.metadata = _plan_safetensors(tree, m.tensors, sep)
         self.header = _st_header(self.entries, self.metadata)
         self.cfg = settings.current(backend=backend)
@@ -380,7 +377,7 @@ class _SafetensorsExport:
         self.paths = tensor_key_paths(tree)
 
     def describe(self, storage: int) -> str:
-        names = [_pstr(self.paths[e.index]) for e in self.entries if e.record.storage == storage]
+        names = [path_str(self.paths[e.index]) for e in self.entries if e.record.storage == storage]
         return "tensor " + (
             ", ".join(names[:3]) + (" ..." if len(names) > 3 else "") or f"storage #{storage}"
         )
@@ -642,15 +639,13 @@ def _map_safetensors(file: str) -> Any:
 
 def _restore(file: str, tensors: dict[str, torch.Tensor], raw_meta: str) -> Any:
     """Rebuild the exported state dict from the metadata :func:`export_checkpoint` wrote."""
-    from .format import _ManifestValidator
-
     try:
         meta = json.loads(raw_meta)
         names = meta["names"]
         tree = meta["tree"]
         params, grads, tied = meta["parameter"], meta["requires_grad"], meta["tied"]
         assert meta["version"] == _META_VERSION and len(names) == len(params) == len(grads)
-        _ManifestValidator({}, file).tree(tree, len(names), 0)
+        validate(tree, len(names))
     except (ValueError, KeyError, TypeError, AssertionError) as e:
         raise CheckpointError(f"{file}: its gds_persist metadata is malformed ({e})") from None
     if set(names) != set(tensors):
@@ -677,4 +672,4 @@ def _restore(file: str, tensors: dict[str, torch.Tensor], raw_meta: str) -> Any:
             out[i] = first[key]
         else:
             first[key] = out[i]
-    return unflatten(tree, out)
+    return decode(tree, out)

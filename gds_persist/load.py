@@ -15,8 +15,15 @@ from . import settings
 from .backends import choose_backend
 from .commit import is_temporary
 from .errors import ChecksumError, NotCommittedError
-from .flatten import rebuild_tensor, tensor_paths, unflatten
-from .format import MANIFEST_NAME, Manifest, data_file_path, parse_manifest, sections_tree
+from .flatten import rebuild_tensor
+from .format import (
+    MANIFEST_NAME,
+    Manifest,
+    data_file_path,
+    parse_manifest,
+    storage_descriptions,
+)
+from .format.tree import decode
 from .progress import ByteCounter, ProgressCallback
 from .read import FileReader, check_file
 from .results import VerifyReport
@@ -44,20 +51,6 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
             "leaves only a hidden .NAME.tmp-* sibling)"
         ) from None
     return parse_manifest(raw, manifest_path)
-
-
-def storage_descriptions(m: Manifest) -> Callable[[int], str]:
-    paths = tensor_paths(sections_tree(m) if m.sections else m.tree)
-    by_storage: dict[int, list[str]] = {}
-    for i, t in enumerate(m.tensors):
-        by_storage.setdefault(t.storage, []).append(paths.get(i, f"tensor #{i}"))
-
-    def describe(storage: int) -> str:
-        names = by_storage.get(storage, [f"storage #{storage}"])
-        more = f" (and {len(names) - 1} tensors sharing its storage)" if len(names) > 1 else ""
-        return f"tensor {names[0]}{more}"
-
-    return describe
 
 
 def _target_device(saved: str, map_location: MapLocation) -> torch.device:
@@ -182,7 +175,7 @@ def load(
             for s, rec in zip(storages, m.storages, strict=True)
         ]
     tensors = [rebuild_tensor(t, storages[t.storage]) for t in m.tensors]
-    return unflatten(m.tree, tensors)
+    return decode(m.tree, tensors)
 
 
 def _apply_callable(fn: Callable[..., Any], storage: torch.UntypedStorage, location: str) -> Any:

@@ -22,11 +22,19 @@ import torch
 
 from . import settings
 from .backends import choose_backend
-from .checksum import crc32c_combine
 from .distributed import Comm, make_comm
 from .errors import ChecksumError, ManifestError
-from .flatten import rebuild_tensor, unflatten
-from .format import Extent, Manifest, align_up, data_file_path, sections_tree
+from .flatten import rebuild_tensor
+from .format import (
+    Extent,
+    Manifest,
+    align_up,
+    crc32c_combine,
+    data_file_path,
+    sections_tree,
+    storage_descriptions,
+)
+from .format.tree import decode, tensor_indices
 from .progress import ByteCounter, ProgressCallback
 from .read import FileReader, check_file
 from .schedule import plan_reads
@@ -63,22 +71,6 @@ def root_map(m: Manifest, data_dirs: Any) -> dict[str, str]:
                          "length or a dict {recorded: new}")
     return {old: os.path.abspath(os.fspath(new))
             for old, new in zip(recorded, data_dirs, strict=True)}
-
-
-def _tensor_indices(tree: Any) -> list[int]:
-    out: list[int] = []
-
-    def walk(node: Any) -> None:
-        if isinstance(node, dict):
-            if node.get("t") == "tensor":
-                out.append(node["i"])
-            for v in node.get("v", []) if isinstance(node.get("v"), list) else []:
-                walk(v)
-            if "meta" in node:
-                walk(node["meta"])
-
-    walk(tree)
-    return out
 
 
 def read_extents(path: str, m: Manifest, roots: dict[str, str], extents: Sequence[Extent],
@@ -128,7 +120,7 @@ def load_parallel(path: str, m: Manifest | None, *, map_location: Any = None, ve
                   strategy: str | None = None, rank_local: Any = None,
                   data_dirs: Any = None, progress: ProgressCallback | None = None) -> Any:
     """See :func:`gds_persist.load` (the data-parallel arguments)."""
-    from .load import _apply_callable, read_manifest, storage_descriptions
+    from .load import _apply_callable, read_manifest
 
     cfg = settings.current(backend=backend, load_strategy=strategy)
     comm = make_comm(process_group, cfg.collective_timeout_s)
@@ -156,9 +148,9 @@ def load_parallel(path: str, m: Manifest | None, *, map_location: Any = None, ve
                 "rank-local parts cannot be reassigned automatically; load with rank_local='all' "
                 "(every rank's parts, by rank) and reshard them, or load with the saved world size")
 
-    wanted = _tensor_indices(tree)
+    wanted = tensor_indices(tree)
     needed = sorted({manifest.tensors[i].storage for i in wanted})
-    replicated = sorted({manifest.tensors[i].storage for i in _tensor_indices(manifest.tree)})
+    replicated = sorted({manifest.tensors[i].storage for i in tensor_indices(manifest.tree)})
     roots = root_map(manifest, data_dirs)
     describe = storage_descriptions(manifest)
     dests: list[torch.Tensor | None] = [None] * len(manifest.storages)
@@ -207,7 +199,7 @@ def load_parallel(path: str, m: Manifest | None, *, map_location: Any = None, ve
     for i in wanted:
         t = manifest.tensors[i]
         tensors[i] = rebuild_tensor(t, storages[t.storage])  # type: ignore[arg-type]
-    return unflatten(tree, tensors)
+    return decode(tree, tensors)
 
 
 def _my_pieces(m: Manifest, replicated: set[int],

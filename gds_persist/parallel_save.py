@@ -40,7 +40,7 @@ from .checksum import device_crc32c
 from .commit import abort, check_replaceable, commit, fsync_path, make_temporary, write_manifest
 from .distributed import make_comm
 from .errors import DistributedError, ReplicationError
-from .flatten import Flattened, StorageRecord, TensorRecord, flatten, tensor_paths
+from .flatten import Flattened, flatten
 from .format import (
     STRIPE_MARK,
     DataDir,
@@ -48,11 +48,13 @@ from .format import (
     Extent,
     Manifest,
     Section,
+    StorageRecord,
+    TensorRecord,
     dump_manifest,
-    has_rank_local,
     parse_manifest,
     stripe_dir_name,
 )
+from .format import tree as _tree
 from .plan import SavePlan
 from .progress import ByteCounter, ProgressCallback
 from .results import DistributedSaveInfo
@@ -61,7 +63,7 @@ from .schedule import DistributedPlan, RankInfo, plan_save
 from .topology import gpu_affinity, node_name
 from .write import byte_view
 
-KeyPath = tuple[Any, ...]
+KeyPath = _tree.KeyPath
 CHECK_REPLICAS = ("structure", "checksums", "off")
 
 
@@ -119,18 +121,13 @@ def split_rank_local(state: Any, paths: Sequence[KeyPath]) -> tuple[Flattened, F
     replicated = flatten(state)
     order: list[int] = []
 
-    def walk(node: Any) -> Any:
+    def placeholder(node: Any) -> Any:
         if isinstance(node, str) and node in marks:
             order.append(marks[node])
-            return {"t": "local", "i": len(order) - 1}
-        if isinstance(node, dict) and isinstance(node.get("v"), list):
-            out = {**node, "v": [walk(v) for v in node["v"]]}
-            if "meta" in node:
-                out["meta"] = walk(node["meta"])
-            return out
+            return _tree.local(len(order) - 1)
         return node
 
-    replicated.tree = walk(replicated.tree)
+    replicated.tree = _tree.transform(replicated.tree, placeholder)
     local = flatten([subtrees[j] for j in order]) if paths else flatten([])
     return replicated, local
 
@@ -153,10 +150,10 @@ def digest(description: dict[str, Any]) -> str:
 
 def first_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str:
     """Where this rank's replicated state first differs from rank 0's, in words ('' if nowhere)."""
-    t = _tree_difference(mine["tree"], ref["tree"], ())
+    t = _tree.difference(mine["tree"], ref["tree"])
     if t:
         return t
-    names = tensor_paths(mine["tree"])
+    names = _tree.tensor_paths(mine["tree"])
     fields = list(TensorRecord.__dataclass_fields__)
     for i, (a, b) in enumerate(zip(mine["tensors"], ref["tensors"], strict=True)):
         for name, x, y in zip(fields, a, b, strict=True):
@@ -176,37 +173,6 @@ def first_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str:
             return (f"tensor {by_storage.get(s, s)}: same shape and dtype, different values "
                     f"(crc32c {a:08x}, rank 0: {b:08x})")
     return ""
-
-
-def _tree_difference(a: Any, b: Any, path: KeyPath) -> str:
-    where = "".join(f"[{k!r}]" for k in path) or "<root>"
-    if type(a) is not type(b) or not isinstance(a, dict):
-        if a == b and type(a) is type(b):
-            return ""
-        return f"{where}: {_short(a)} (rank 0: {_short(b)})"
-    if a.get("t") != b.get("t"):
-        return f"{where}: a {a.get('t')} (rank 0: a {b.get('t')})"
-    if a.get("t") in ("dict", "odict") and a["k"] != b["k"]:
-        extra = [k for k in a["k"] if k not in b["k"]]
-        missing = [k for k in b["k"] if k not in a["k"]]
-        return f"{where}: keys differ from rank 0's (extra: {extra[:5]}, missing: {missing[:5]})"
-    if a.get("t") in ("list", "tuple", "dict", "odict"):
-        if len(a["v"]) != len(b["v"]):
-            return f"{where}: {len(a['v'])} items (rank 0: {len(b['v'])})"
-        keys = a["k"] if "k" in a else range(len(a["v"]))
-        for k, x, y in zip(keys, a["v"], b["v"], strict=True):
-            d = _tree_difference(x, y, (*path, k))
-            if d:
-                return d
-        return ""
-    return "" if a == b else f"{where}: {_short(a)} (rank 0: {_short(b)})"
-
-
-def _short(v: Any) -> str:
-    if isinstance(v, dict) and v.get("t") == "tensor":
-        return "a tensor"
-    text = repr(v)
-    return text if len(text) < 60 else text[:57] + "..."
 
 
 # --- the save ---------------------------------------------------------------------------------
@@ -416,19 +382,6 @@ def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
     }
 
 
-def _shift_tree(node: Any, by: int) -> Any:
-    if not isinstance(node, dict):
-        return node
-    if node.get("t") == "tensor":
-        return {"t": "tensor", "i": node["i"] + by}
-    if isinstance(node.get("v"), list):
-        out = {**node, "v": [_shift_tree(v, by) for v in node["v"]]}
-        if "meta" in node:
-            out["meta"] = _shift_tree(node["meta"], by)
-        return out
-    return node
-
-
 def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, Any]],
               infos: list[dict[str, Any]], roots: Sequence[str], stripe: str, save_id: str,
               world: int) -> Manifest:
@@ -439,7 +392,7 @@ def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, An
     storages = list(prep.replicated.storages)
     tensors = list(prep.replicated.tensors)
     sections = []
-    has_local = has_rank_local(prep.replicated.tree)
+    has_local = _tree.has_locals(prep.replicated.tree)
     for rank, result in enumerate(results):
         local = result["local"]
         assert len(storages) == plan.local_storage_base[rank]
@@ -450,7 +403,7 @@ def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, An
             tensors.append(TensorRecord(storage + s_base, dtype, tuple(shape), tuple(stride),
                                         offset, grad, param))
         if has_local:
-            sections.append(Section(rank, _shift_tree(local["tree"], t_base)))
+            sections.append(Section(rank, _tree.shift_tensors(local["tree"], t_base)))
     extents = sorted((Extent(*e) for r in results for e in r["extents"]),
                      key=lambda e: (e.file, e.offset))
     hosts = sorted({i["host"] for i in infos})

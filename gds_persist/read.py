@@ -17,10 +17,10 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import torch
 
 from .backends.base import Backend
-from .checksum import crc32c, device_crc32c_many
+from .checksum import device_crc32c_many
 from .cuda_copy import StreamCopier, copier_for
 from .errors import CheckpointError, ChecksumError, TruncatedError
-from .format import DataFile, Extent, align_up
+from .format import DataFile, Extent, align_up, crc32c
 from .staging import AlignedBuffer, StagingRing
 from .write import block_pieces, drain_quietly, next_first
 

@@ -30,8 +30,9 @@ from typing import Any
 import torch
 
 from .errors import CheckpointError, SnapshotTooLarge
-from .flatten import Flattened, StorageRecord, TensorRecord, rebuild_tensor, unflatten
-from .format import align_up
+from .flatten import Flattened, rebuild_tensor
+from .format import StorageRecord, TensorRecord, align_up
+from .format.tree import decode
 from .staging import AlignedBuffer
 from .write import byte_view
 
@@ -202,7 +203,7 @@ def rebuild(tree: Any, tensors: list[TensorRecord], storages: list[StorageRecord
         if saved != "cpu":
             setattr(t, SAVED_DEVICE_ATTR, saved)
         out.append(t)
-    return unflatten(tree, out)
+    return decode(tree, out)
 
 
 def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Any:

@@ -21,10 +21,10 @@ from typing import Any
 import torch
 
 from .backends.base import Backend
-from .checksum import crc32c, device_crc32c_many
+from .checksum import device_crc32c_many
 from .cuda_copy import StreamCopier, copier_for
 from .errors import CheckpointError
-from .format import Extent
+from .format import Extent, crc32c
 from .plan import FilePlan
 from .staging import AlignedBuffer, StagingRing
 

@@ -14,8 +14,7 @@ from typing import Any
 import torch
 
 from gds_persist.backends import supports_o_direct
-from gds_persist.checksum import crc32c
-from gds_persist.format import MANIFEST_NAME, _canonical
+from gds_persist.format import MANIFEST_NAME, canonical, crc32c
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:
@@ -92,7 +91,7 @@ def rewrite_manifest(path: str | os.PathLike[str], edit: Callable[[dict[str, Any
     doc = manifest_doc(path)
     edit(doc if whole else doc["body"])
     if reseal:
-        doc["body_crc32c"] = crc32c(_canonical(doc["body"]))
+        doc["body_crc32c"] = crc32c(canonical(doc["body"]))
     (Path(path) / MANIFEST_NAME).write_text(json.dumps(doc, indent=1))
 
 

@@ -27,8 +27,7 @@ from gds_persist import (
     settings,
 )
 from gds_persist.backends import supports_o_direct
-from gds_persist.flatten import MAX_DEPTH
-from gds_persist.format import MANIFEST_NAME
+from gds_persist.format import MANIFEST_NAME, MAX_DEPTH
 from tests.helpers import (
     BackendCase,
     assert_tree_equal,

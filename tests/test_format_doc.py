@@ -13,8 +13,7 @@ import torch
 
 import gds_persist
 from gds_persist import format as fmt
-from gds_persist.checksum import crc32c
-from gds_persist.flatten import DTYPES, MAX_DEPTH
+from gds_persist.format import DTYPES, MAX_DEPTH, crc32c
 from tests.helpers import flip_byte, raw_bytes
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "FORMAT.md"
@@ -71,7 +70,7 @@ def test_documented_reader_reads_a_real_checkpoint(tmp_path: Path) -> None:
 def test_documented_facts_match_the_code() -> None:
     text = DOC.read_text()
     assert crc32c(b"123456789") == 0xE3069283 and "0xE3069283" in text
-    assert f"`{fmt._SAFE_FILE_NAME.pattern}`" in text
+    assert f"`{fmt.SAFE_FILE_NAME.pattern}`" in text
     assert '"version": 1' in text and "(version 1)" in text
     for version in getattr(fmt, "READABLE_VERSIONS", (fmt.FORMAT_VERSION,))[1:]:
         assert f"## Version {version}" in text, f"format version {version} is not documented"

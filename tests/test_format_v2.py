@@ -15,9 +15,8 @@ import pytest
 import torch
 
 import gds_persist
-from gds_persist.checksum import crc32c
 from gds_persist.errors import ManifestError
-from gds_persist.format import parse_manifest
+from gds_persist.format import crc32c, parse_manifest
 
 
 def _state() -> dict[str, Any]:

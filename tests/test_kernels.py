@@ -20,7 +20,14 @@ from pathlib import Path
 
 import pytest
 
-from gds_persist.checksum import (
+from gds_persist.cuda_crc import (
+    KERNEL_NAME,
+    MAX_SEGMENT,
+    MIN_SEGMENT,
+    kernel_source,
+    segment_bytes_for,
+)
+from gds_persist.format.checksum import (
     POLY_REFLECTED,
     X_POW_2K,
     crc32c,
@@ -29,13 +36,6 @@ from gds_persist.checksum import (
     crc32c_shift,
     gf2_multiply,
     x_pow_8n,
-)
-from gds_persist.cuda_crc import (
-    KERNEL_NAME,
-    MAX_SEGMENT,
-    MIN_SEGMENT,
-    kernel_source,
-    segment_bytes_for,
 )
 
 REPO = Path(__file__).resolve().parent.parent

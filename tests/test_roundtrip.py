@@ -20,8 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import gds_persist
-from gds_persist.flatten import DTYPES
-from gds_persist.format import ALIGNMENT, align_up
+from gds_persist.format import ALIGNMENT, DTYPES, align_up
 from tests.helpers import (
     BackendCase,
     assert_tree_equal,

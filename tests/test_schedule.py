@@ -8,8 +8,14 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gds_persist.flatten import StorageRecord
-from gds_persist.format import ALIGNMENT, Manifest, align_up, dump_manifest, parse_manifest
+from gds_persist.format import (
+    ALIGNMENT,
+    Manifest,
+    StorageRecord,
+    align_up,
+    dump_manifest,
+    parse_manifest,
+)
 from gds_persist.scale import gpt_storage_sizes
 from gds_persist.schedule import (
     RankInfo,

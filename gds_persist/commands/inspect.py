@@ -5,8 +5,8 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..flatten import DTYPES, tensor_paths
-from ..format import sections_tree
+from ..format import DTYPES, full_tree
+from ..format.tree import tensor_paths
 from ..load import read_manifest
 
 
@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     extents_of: dict[int, list] = {}
     for e in m.extents:
         extents_of.setdefault(e.storage, []).append(e)
-    paths = tensor_paths(sections_tree(m) if m.sections else m.tree)
+    paths = tensor_paths(full_tree(m))
     print(
         f"  {'key':<48} {'dtype':<14} {'shape':<20} {'bytes':>12}  extents (file@offset+len crc32c)"
     )

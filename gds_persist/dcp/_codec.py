@@ -23,13 +23,9 @@ from torch.distributed.checkpoint.metadata import (
 )
 
 from ..errors import CheckpointError, ManifestError
-from ..flatten import DTYPES
+from ..format import DTYPES, dtype_name
 
 _MAX_DEPTH = 200
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def encode_value(obj: Any, where: str, depth: int = 0) -> Any:

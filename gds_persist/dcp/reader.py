@@ -34,8 +34,8 @@ from torch.futures import Future
 from .. import settings
 from ..backends import choose_backend
 from ..errors import CheckpointError, ManifestError
-from ..flatten import DTYPES
-from ..format import MANIFEST_NAME, Extent, Manifest
+from ..format import DTYPES, MANIFEST_NAME, Extent, Manifest
+from ..format.tree import decode
 from ..load import read_manifest
 from ..progress import ByteCounter, ProgressCallback
 from ..read import FileReader, check_file
@@ -61,27 +61,45 @@ class ItemRecord:
         return f"DCP item {self.fqn!r}{at}"
 
 
+class _TensorSlot:
+    """Stands for tensor ``index`` of the manifest while its tree is decoded."""
+
+    __slots__ = ("index",)
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+_ITEM_KEYS = ["fqn", "offsets", "kind", "data"]  # as GdsPersistWriter's build_manifest writes
+
+
 def dcp_records(m: Manifest, where: str) -> dict[MetadataIndex, ItemRecord]:
     """Map every saved chunk's ``MetadataIndex`` to its record, from a validated manifest."""
-    tree = m.tree
     try:
-        assert isinstance(tree, dict) and tree.get("k") == ["dcp_items"]
-        nodes = tree["v"][0]["v"]
-    except (AssertionError, KeyError, IndexError, TypeError):
-        raise ManifestError(f"{where}: not a DCP checkpoint tree") from None
+        decoded = decode(m.tree, [_TensorSlot(i) for i in range(len(m.tensors))])
+    except ValueError:  # rank-local placeholders: a gds_persist.save checkpoint
+        decoded = None
+    if not (isinstance(decoded, dict) and list(decoded) == ["dcp_items"]
+            and isinstance(decoded["dcp_items"], list)):
+        raise ManifestError(f"{where}: not a DCP checkpoint tree")
     by_storage: dict[int, list[Extent]] = {}
     for e in m.extents:
         by_storage.setdefault(e.storage, []).append(e)
     out: dict[MetadataIndex, ItemRecord] = {}
-    for node in nodes:
-        try:
-            fqn, offsets, kind, data = node["v"]
-            tensor = m.tensors[data["i"]]
-            offs = None if offsets is None else [int(o) for o in offsets["v"]]
-        except (KeyError, TypeError, ValueError, IndexError):
-            raise ManifestError(f"{where}: malformed DCP item node {str(node)[:80]}") from None
-        if kind not in ("tensor", "bytes") or not isinstance(fqn, str):
-            raise ManifestError(f"{where}: malformed DCP item node {str(node)[:80]}")
+    for item in decoded["dcp_items"]:
+        ok = isinstance(item, dict) and list(item) == _ITEM_KEYS
+        fqn, offsets, kind, data = (item[k] for k in _ITEM_KEYS) if ok else (None,) * 4
+        if not (
+            ok
+            and isinstance(fqn, str)
+            and kind in ("tensor", "bytes")
+            and isinstance(data, _TensorSlot)
+            and (offsets is None or (isinstance(offsets, list)
+                                     and all(type(o) is int for o in offsets)))
+        ):
+            raise ManifestError(f"{where}: malformed DCP item node {str(item)[:80]}")
+        tensor = m.tensors[data.index]
+        offs = None if offsets is None else list(offsets)
         nbytes = m.storages[tensor.storage].nbytes
         numel = 1
         for d in tensor.shape:

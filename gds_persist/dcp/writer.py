@@ -41,14 +41,22 @@ from .._version import __version__
 from ..backends import choose_backend
 from ..commit import abort, check_replaceable, commit, make_temporary, write_manifest
 from ..errors import CheckpointError
-from ..flatten import StorageRecord, TensorRecord
-from ..format import DataFile, Extent, Manifest, dump_manifest
+from ..format import (
+    DataFile,
+    Extent,
+    Manifest,
+    StorageRecord,
+    TensorRecord,
+    dtype_name,
+    dump_manifest,
+)
+from ..format import tree as _tree
 from ..plan import layout_file
 from ..progress import ByteCounter, ProgressCallback
 from ..staging import io_session
 from ..write import FileWriter, byte_view
 from . import balancing as _balance
-from ._codec import dtype_name, encode_metadata
+from ._codec import encode_metadata
 
 WRITER_TAG = "gds_persist.dcp"
 
@@ -438,18 +446,17 @@ def build_manifest(
         ]
         offsets = None if index.offset is None else [int(o) for o in index.offset]
         nodes.append(
-            {
-                "t": "dict",
-                "k": ["fqn", "offsets", "kind", "data"],
-                "v": [
+            _tree.mapping(
+                ["fqn", "offsets", "kind", "data"],
+                [
                     index.fqn,
-                    None if offsets is None else {"t": "list", "v": offsets},
+                    None if offsets is None else _tree.sequence(offsets),
                     first.kind,
-                    {"t": "tensor", "i": len(tensors) - 1},
+                    _tree.tensor(len(tensors) - 1),
                 ],
-            }
+            )
         )
-    tree = {"t": "dict", "k": ["dcp_items"], "v": [{"t": "list", "v": nodes}]}
+    tree = _tree.mapping(["dcp_items"], [_tree.sequence(nodes)])
     info = {
         "writer": WRITER_TAG,
         "backend": ", ".join(sorted({b.split(" ")[0] for _, b in backends})),

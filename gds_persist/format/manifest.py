@@ -1,10 +1,11 @@
-"""The on-disk format: the only module that knows how a checkpoint directory is laid out.
+"""The manifest: what a checkpoint directory holds, written and read (parsed and fully validated).
 
 A checkpoint is a directory holding ``manifest.json`` and one or more data files. Every extent (a
 byte range of one storage) starts at a ``ALIGNMENT``-aligned offset of a data file; the gaps are
 zeros and every data file's size is a multiple of ``ALIGNMENT``. The manifest is JSON (never a
 pickle) and carries a CRC32C of its own body. ``docs/FORMAT.md`` describes the format for other
-tools; :func:`parse_manifest` validates everything before any of it is trusted.
+tools; :func:`parse_manifest` validates everything before any of it is trusted. The records it
+lists are in :mod:`.records`, the tree encoding of the state dict's structure in :mod:`.tree`.
 
 Version 2 (written only when a checkpoint uses it; version 1 otherwise, so older readers keep
 reading plain checkpoints) adds, for data-parallel saves (``docs/DISTRIBUTED.md``):
@@ -25,72 +26,35 @@ import json
 import math
 import os
 import posixpath
-import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ManifestError
+from . import records
+from . import tree as _tree
 from .checksum import crc32c
-from .errors import ManifestError
-from .flatten import DTYPES, MAX_DEPTH, StorageRecord, TensorRecord
+from .records import ALIGNMENT, DTYPES, SAFE_FILE_NAME, STRIPE_DIR_NAME, STRIPE_MARK
 
 FORMAT_NAME = "gds_persist"
 FORMAT_VERSION = 2  # the newest version written; 1 is written when no version-2 field is needed
 READABLE_VERSIONS = (1, 2)
 MANIFEST_NAME = "manifest.json"
-ALIGNMENT = 4096
 CHECKSUM_ALGORITHM = "crc32c"
 _MAX_SIZE = 1 << 62  # larger than any file; rejects overflowing sizes early
-_SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
-STRIPE_MARK = ".gds-"  # external data directories are named ``<prefix>.gds-<save id>``
-_STRIPE_DIR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.gds-[0-9a-f]{6,64}$")
-
-
-@dataclass(frozen=True)
-class DataFile:
-    name: str
-    size: int
-    dir: int = 0  # 0: the checkpoint directory; k >= 1: Manifest.dirs[k - 1] (format version 2)
-
-
-@dataclass(frozen=True)
-class DataDir:
-    """An external data directory (e.g. another NVMe mount): files live in ``root/name/``."""
-
-    root: str  # absolute, normalised; a loader may map it elsewhere (``load(data_dirs=...)``)
-    name: str  # plain name with the stripe mark, unique to the save that created it
-
-
-@dataclass(frozen=True)
-class Section:
-    """Rank-local state of one rank: ``tree`` is a list node, one subtree per placeholder."""
-
-    rank: int
-    tree: Any
-
-
-@dataclass(frozen=True)
-class Extent:
-    """Bytes ``[start, start+length)`` of storage ``storage``, at ``offset`` of file ``file``."""
-
-    storage: int
-    start: int
-    length: int
-    file: int
-    offset: int
-    crc32c: int = 0
 
 
 @dataclass
 class Manifest:
-    files: list[DataFile]
-    storages: list[StorageRecord]
-    tensors: list[TensorRecord]
-    extents: list[Extent]
+    files: list[records.DataFile]
+    storages: list[records.StorageRecord]
+    tensors: list[records.TensorRecord]
+    extents: list[records.Extent]
     tree: Any
     writer: dict[str, Any] = field(default_factory=dict)  # backend, reason, world size: for humans
     alignment: int = ALIGNMENT
-    dirs: list[DataDir] = field(default_factory=list)  # version 2
-    sections: list[Section] = field(default_factory=list)  # version 2
+    dirs: list[records.DataDir] = field(default_factory=list)  # version 2
+    sections: list[records.Section] = field(default_factory=list)  # version 2
 
     @property
     def total_bytes(self) -> int:
@@ -100,42 +64,7 @@ class Manifest:
     def version(self) -> int:
         """The format version this manifest needs: 2 only if it uses a version-2 field."""
         uses_v2 = self.dirs or self.sections or any(f.dir for f in self.files)
-        return 2 if uses_v2 or has_rank_local(self.tree) else 1
-
-
-def align_up(n: int, alignment: int = ALIGNMENT) -> int:
-    return -(-n // alignment) * alignment
-
-
-def data_file_name(index: int) -> str:
-    return f"data-{index:05d}.bin"
-
-
-def rank_data_file_name(rank: int, index: int = 0) -> str:
-    """The data file a rank writes its share of the replicated state into."""
-    return f"data-r{rank:05d}-{index:05d}.bin"
-
-
-def local_file_name(rank: int, index: int = 0) -> str:
-    """The data file holding one rank's rank-local state."""
-    return f"local-r{rank:05d}-{index:05d}.bin"
-
-
-def stripe_dir_name(prefix: str, save_id: str) -> str:
-    """Name of the directory a save creates inside an external data directory."""
-    name = f"{prefix}{STRIPE_MARK}{save_id}"
-    if not _STRIPE_DIR_NAME.match(name):
-        raise ValueError(f"{name!r} is not a valid data directory name")
-    return name
-
-
-def has_rank_local(node: Any) -> bool:
-    if not isinstance(node, dict):
-        return False
-    if node.get("t") == "local":
-        return True
-    children: list[Any] = node["v"] if isinstance(node.get("v"), list) else []
-    return any(has_rank_local(c) for c in children + ([node["meta"]] if "meta" in node else []))
+        return 2 if uses_v2 or _tree.has_locals(self.tree) else 1
 
 
 def dump_manifest(m: Manifest) -> bytes:
@@ -156,7 +85,7 @@ def dump_manifest(m: Manifest) -> bytes:
     if version >= 2:
         body["dirs"] = [_fields(d) for d in m.dirs]
         body["sections"] = [_fields(sec) for sec in m.sections]
-    text = _canonical(body)
+    text = canonical(body)
     # The document is {"format", "version", "body_crc32c", "body"} with the body spliced in as
     # its canonical text: encoded once, by the C encoder (an indented dump runs the pure-Python
     # encoder and holds the GIL for tens of ms per save, stalling a training loop that
@@ -170,7 +99,8 @@ def _fields(record: Any) -> dict[str, Any]:
     return dict(vars(record))
 
 
-def _canonical(body: dict[str, Any]) -> bytes:
+def canonical(body: dict[str, Any]) -> bytes:
+    """The bytes of a manifest body that its ``body_crc32c`` covers."""
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
@@ -195,7 +125,7 @@ def parse_manifest(raw: bytes, where: str) -> Manifest:
     body = doc.get("body")
     _require(isinstance(body, dict), where, "has no body")
     _require(
-        crc32c(_canonical(body)) == doc.get("body_crc32c"),
+        crc32c(canonical(body)) == doc.get("body_crc32c"),
         where,
         "body checksum mismatch; the manifest was corrupted or edited",
     )
@@ -227,7 +157,7 @@ class _ManifestValidator:
     def fail(self, message: str) -> ManifestError:
         return ManifestError(f"{self.where}: {message}")
 
-    def records(self, key: str, fields: dict[str, Any]) -> list[dict[str, Any]]:
+    def entries(self, key: str, fields: dict[str, Any]) -> list[dict[str, Any]]:
         items = self.body.get(key)
         if not isinstance(items, list):
             raise self.fail(f"'{key}' must be a list")
@@ -247,24 +177,24 @@ class _ManifestValidator:
         dirs = self.dirs() if self.version >= 2 else []
         file_fields = {"name": 0, "size": 0, **({"dir": 0} if self.version >= 2 else {})}
         files = [
-            self.file(i, f, len(dirs)) for i, f in enumerate(self.records("files", file_fields))
+            self.file(i, f, len(dirs)) for i, f in enumerate(self.entries("files", file_fields))
         ]
         storages = [
             self.storage(i, s)
-            for i, s in enumerate(self.records("storages", {"nbytes": 0, "device": 0}))
+            for i, s in enumerate(self.entries("storages", {"nbytes": 0, "device": 0}))
         ]
-        tensor_fields = {k: 0 for k in TensorRecord.__dataclass_fields__}
+        tensor_fields = {k: 0 for k in records.TensorRecord.__dataclass_fields__}
         tensors = [
             self.tensor(i, t, storages)
-            for i, t in enumerate(self.records("tensors", tensor_fields))
+            for i, t in enumerate(self.entries("tensors", tensor_fields))
         ]
-        extent_fields = {k: 0 for k in Extent.__dataclass_fields__}
+        extent_fields = {k: 0 for k in records.Extent.__dataclass_fields__}
         extents = [
             self.extent(i, e, files, storages)
-            for i, e in enumerate(self.records("extents", extent_fields))
+            for i, e in enumerate(self.entries("extents", extent_fields))
         ]
         self.coverage(extents, storages)
-        self.tree(b.get("tree"), len(tensors), depth=0, main=True)
+        self.n_local = self.tree(b.get("tree"), len(tensors), 0 if self.version >= 2 else None)
         sections = self.sections(len(tensors)) if self.version >= 2 else []
         writer = b.get("writer")
         if not isinstance(writer, dict):
@@ -275,9 +205,9 @@ class _ManifestValidator:
             files, storages, tensors, extents, b["tree"], writer, ALIGNMENT, dirs, sections
         )
 
-    def file(self, i: int, f: dict[str, Any], n_dirs: int = 0) -> DataFile:
+    def file(self, i: int, f: dict[str, Any], n_dirs: int = 0) -> records.DataFile:
         name = f["name"]
-        if not isinstance(name, str) or not _SAFE_FILE_NAME.match(name) or name == "manifest.json":
+        if not isinstance(name, str) or not SAFE_FILE_NAME.match(name) or name == MANIFEST_NAME:
             raise self.fail(
                 f"files[{i}] name {name!r} is not a plain file name inside the checkpoint"
             )
@@ -291,11 +221,11 @@ class _ManifestValidator:
                 f"files[{i}] dir {directory!r} is not 0 (the checkpoint directory) or "
                 f"one of the {n_dirs} data directories"
             )
-        return DataFile(name, f["size"], directory)
+        return records.DataFile(name, f["size"], directory)
 
-    def dirs(self) -> list[DataDir]:
+    def dirs(self) -> list[records.DataDir]:
         out = []
-        for i, d in enumerate(self.records("dirs", {"root": 0, "name": 0})):
+        for i, d in enumerate(self.entries("dirs", {"root": 0, "name": 0})):
             root, name = d["root"], d["name"]
             if (
                 not isinstance(root, str)
@@ -305,19 +235,19 @@ class _ManifestValidator:
                 or len(root) > 4096
             ):
                 raise self.fail(f"dirs[{i}] root {root!r} is not an absolute, normalised path")
-            if not isinstance(name, str) or not _STRIPE_DIR_NAME.match(name):
+            if not isinstance(name, str) or not STRIPE_DIR_NAME.match(name):
                 raise self.fail(
                     f"dirs[{i}] name {name!r} is not a plain data directory name "
                     f"(NAME{STRIPE_MARK}<save id>)"
                 )
-            out.append(DataDir(root, name))
+            out.append(records.DataDir(root, name))
         if len(set(out)) != len(out):
             raise self.fail("'dirs' lists a directory twice")
         return out
 
-    def sections(self, n_tensors: int) -> list[Section]:
+    def sections(self, n_tensors: int) -> list[records.Section]:
         out = []
-        for i, sec in enumerate(self.records("sections", {"rank": 0, "tree": 0})):
+        for i, sec in enumerate(self.entries("sections", {"rank": 0, "tree": 0})):
             tree = sec["tree"]
             if not _is_int(sec["rank"], 0, 1 << 24):
                 raise self.fail(f"sections[{i}] rank {sec['rank']!r} is not a rank")
@@ -332,18 +262,20 @@ class _ManifestValidator:
                     f"sections[{i}] tree must be a list of {self.n_local} subtrees, "
                     "one per rank-local placeholder"
                 )
-            self.tree(tree, n_tensors, depth=0)
-            out.append(Section(sec["rank"], tree))
+            self.tree(tree, n_tensors)
+            out.append(records.Section(sec["rank"], tree))
         if len({s.rank for s in out}) != len(out):
             raise self.fail("two sections belong to the same rank")
         return out
 
-    def storage(self, i: int, s: dict[str, Any]) -> StorageRecord:
+    def storage(self, i: int, s: dict[str, Any]) -> records.StorageRecord:
         if not _is_int(s["nbytes"]) or not isinstance(s["device"], str):
             raise self.fail(f"storages[{i}] has a bad size or device: {s}")
-        return StorageRecord(s["nbytes"], s["device"])
+        return records.StorageRecord(s["nbytes"], s["device"])
 
-    def tensor(self, i: int, t: dict[str, Any], storages: list[StorageRecord]) -> TensorRecord:
+    def tensor(
+        self, i: int, t: dict[str, Any], storages: list[records.StorageRecord]
+    ) -> records.TensorRecord:
         ok = (
             _is_int(t["storage"], 0, len(storages) - 1)
             and t["dtype"] in DTYPES
@@ -358,7 +290,7 @@ class _ManifestValidator:
         )
         if not ok:
             raise self.fail(f"tensors[{i}] is malformed: {t}")
-        record = TensorRecord(
+        record = records.TensorRecord(
             t["storage"],
             t["dtype"],
             tuple(t["shape"]),
@@ -382,8 +314,12 @@ class _ManifestValidator:
         return record
 
     def extent(
-        self, i: int, e: dict[str, Any], files: list[DataFile], storages: list[StorageRecord]
-    ) -> Extent:
+        self,
+        i: int,
+        e: dict[str, Any],
+        files: list[records.DataFile],
+        storages: list[records.StorageRecord],
+    ) -> records.Extent:
         if not all(_is_int(e[k]) for k in ("storage", "start", "length", "file", "offset")):
             raise self.fail(f"extents[{i}] has a negative, non-integer or overflowing field: {e}")
         if e["storage"] >= len(storages) or e["file"] >= len(files):
@@ -401,11 +337,13 @@ class _ManifestValidator:
             )
         if not _is_int(e["crc32c"], 0, 0xFFFFFFFF):
             raise self.fail(f"extents[{i}] crc32c {e['crc32c']!r} is not a 32-bit value")
-        return Extent(**e)
+        return records.Extent(**e)
 
-    def coverage(self, extents: list[Extent], storages: list[StorageRecord]) -> None:
+    def coverage(
+        self, extents: list[records.Extent], storages: list[records.StorageRecord]
+    ) -> None:
         """Each storage must be covered exactly once, with no gap and no overlap."""
-        by_storage: dict[int, list[Extent]] = {}
+        by_storage: dict[int, list[records.Extent]] = {}
         for e in extents:
             by_storage.setdefault(e.storage, []).append(e)
         for index, storage in enumerate(storages):
@@ -419,47 +357,11 @@ class _ManifestValidator:
                     f"storage {index} is {storage.nbytes} bytes but extents cover {covered}"
                 )
 
-    def tree(self, node: Any, n_tensors: int, depth: int, main: bool = False) -> None:
-        if depth > MAX_DEPTH:
-            raise self.fail(f"tree is nested too deeply (more than {MAX_DEPTH} levels)")
-        if node is None or isinstance(node, (bool, int, str)):
-            return
-        if isinstance(node, float):
-            if not math.isfinite(node):
-                raise self.fail("tree holds a non-finite float outside a float node")
-            return
-        if not isinstance(node, dict):
-            raise self.fail(f"tree holds a {type(node).__name__}")
-        kind = node.get("t")
-        if kind == "tensor" and set(node) == {"t", "i"} and _is_int(node["i"], 0, n_tensors - 1):
-            return
-        if kind == "float" and set(node) == {"t", "v"} and node["v"] in ("inf", "-inf", "nan"):
-            return
-        if (
-            kind == "local"
-            and main
-            and self.version >= 2
-            and set(node) == {"t", "i"}
-            and node["i"] == self.n_local
-        ):  # placeholders are numbered in tree order
-            self.n_local += 1
-            return
-        if kind in ("list", "tuple") and set(node) == {"t", "v"} and isinstance(node["v"], list):
-            for v in node["v"]:
-                self.tree(v, n_tensors, depth + 1, main)
-            return
-        if kind in ("dict", "odict") and {"t", "k", "v"} <= set(node) <= {"t", "k", "v", "meta"}:
-            keys, values = node["k"], node["v"]
-            if (
-                isinstance(keys, list)
-                and isinstance(values, list)
-                and len(keys) == len(values)
-                and all(isinstance(k, str) or type(k) is int for k in keys)
-            ):
-                for v in values + ([node["meta"]] if "meta" in node else []):
-                    self.tree(v, n_tensors, depth + 1, main)
-                return
-        raise self.fail(f"tree node {str(node)[:80]!r} is not valid")
+    def tree(self, node: Any, n_tensors: int, placeholders: int | None = None) -> int:
+        try:
+            return _tree.validate(node, n_tensors, placeholders=placeholders)
+        except ValueError as e:
+            raise self.fail(str(e)) from None
 
 
 def data_file_path(
@@ -496,30 +398,35 @@ def sections_tree(m: Manifest, ranks: Any = None) -> Any:
     if (
         isinstance(ranks, int)
         and not isinstance(ranks, bool)
-        and has_rank_local(m.tree)
+        and _tree.has_locals(m.tree)
         and ranks not in by_rank
     ):
         raise ManifestError(
             f"the checkpoint has no rank-local state for rank {ranks} (it holds "
             f"ranks {sorted(by_rank)})"
         )
+    if ranks is None:
+        return _tree.fill_locals(
+            m.tree, lambda j: _tree.mapping(list(by_rank), [v[j] for v in by_rank.values()])
+        )
+    return _tree.fill_locals(m.tree, lambda j: by_rank[ranks][j])
 
-    def walk(node: Any) -> Any:
-        if not isinstance(node, dict):
-            return node
-        kind = node.get("t")
-        if kind == "local":
-            j = node["i"]
-            if ranks is None:
-                return {"t": "dict", "k": list(by_rank), "v": [v[j] for v in by_rank.values()]}
-            return by_rank[ranks][j]
-        if kind in ("list", "tuple"):
-            return {"t": kind, "v": [walk(v) for v in node["v"]]}
-        if kind in ("dict", "odict"):
-            out = {**node, "v": [walk(v) for v in node["v"]]}
-            if "meta" in node:
-                out["meta"] = walk(node["meta"])
-            return out
-        return node
 
-    return walk(m.tree)
+def full_tree(m: Manifest) -> Any:
+    """The tree of everything the checkpoint holds: rank-local parts in place, by rank."""
+    return sections_tree(m) if m.sections else m.tree
+
+
+def storage_descriptions(m: Manifest) -> Callable[[int], str]:
+    """``describe(storage)``: the storage in words, by the key paths of its tensors."""
+    paths = _tree.tensor_paths(full_tree(m))
+    by_storage: dict[int, list[str]] = {}
+    for i, t in enumerate(m.tensors):
+        by_storage.setdefault(t.storage, []).append(paths.get(i, f"tensor #{i}"))
+
+    def describe(storage: int) -> str:
+        names = by_storage.get(storage, [f"storage #{storage}"])
+        more = f" (and {len(names) - 1} tensors sharing its storage)" if len(names) > 1 else ""
+        return f"tensor {names[0]}{more}"
+
+    return describe

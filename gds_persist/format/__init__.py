@@ -1,0 +1,84 @@
+"""The on-disk format: the only code that knows what a checkpoint directory holds.
+
+* :mod:`.records`: the records (dtypes, storages, tensors, data files, extents) and file names;
+* :mod:`.tree`: the encoding of a state dict's structure, and the one walker over it;
+* :mod:`.manifest`: the manifest, dumped, parsed and validated (spec: ``docs/FORMAT.md``);
+* :mod:`.checksum`: CRC32C, the format's checksum, and the algebra that combines it.
+
+This module only re-exports them.
+"""
+
+from __future__ import annotations
+
+from . import tree
+from .checksum import crc32c, crc32c_combine
+from .manifest import (
+    CHECKSUM_ALGORITHM,
+    FORMAT_NAME,
+    FORMAT_VERSION,
+    MANIFEST_NAME,
+    READABLE_VERSIONS,
+    Manifest,
+    canonical,
+    data_file_path,
+    dump_manifest,
+    full_tree,
+    parse_manifest,
+    sections_tree,
+    storage_descriptions,
+)
+from .records import (
+    ALIGNMENT,
+    DTYPES,
+    MAX_DEPTH,
+    SAFE_FILE_NAME,
+    STRIPE_MARK,
+    DataDir,
+    DataFile,
+    Extent,
+    Section,
+    StorageRecord,
+    TensorRecord,
+    align_up,
+    data_file_name,
+    dtype_name,
+    local_file_name,
+    rank_data_file_name,
+    stripe_dir_name,
+)
+
+__all__ = [
+    "ALIGNMENT",
+    "CHECKSUM_ALGORITHM",
+    "DTYPES",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "MANIFEST_NAME",
+    "MAX_DEPTH",
+    "READABLE_VERSIONS",
+    "SAFE_FILE_NAME",
+    "STRIPE_MARK",
+    "DataDir",
+    "DataFile",
+    "Extent",
+    "Manifest",
+    "Section",
+    "StorageRecord",
+    "TensorRecord",
+    "align_up",
+    "canonical",
+    "crc32c",
+    "crc32c_combine",
+    "data_file_name",
+    "data_file_path",
+    "dtype_name",
+    "dump_manifest",
+    "full_tree",
+    "local_file_name",
+    "parse_manifest",
+    "rank_data_file_name",
+    "sections_tree",
+    "storage_descriptions",
+    "stripe_dir_name",
+    "tree",
+]

@@ -1,0 +1,123 @@
+"""The records a checkpoint is made of, and the names of its files: the format's vocabulary.
+
+Everything here is plain, frozen data. A checkpoint directory holds data files; every byte range
+of one storage (an :class:`Extent`) starts at an ``ALIGNMENT``-aligned offset of a data file.
+:class:`StorageRecord` and :class:`TensorRecord` describe the tensors the bytes belong to.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+ALIGNMENT = 4096  # every extent starts at a multiple of this; every data file's size is one
+MAX_DEPTH = 100  # containers nested deeper than this are refused at save and in a manifest
+
+QUANTIZED_DTYPES = frozenset(
+    {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name a dtype has in a manifest: ``torch.float32`` -> ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+DTYPES: dict[str, torch.dtype] = {
+    dtype_name(d): d
+    for d in (getattr(torch, n) for n in dir(torch))
+    if isinstance(d, torch.dtype) and d not in QUANTIZED_DTYPES
+}
+
+
+@dataclass(frozen=True)
+class StorageRecord:
+    """One distinct block of tensor memory, written as raw bytes; ``device`` is where it lived
+    when it was saved (a host snapshot of a CUDA storage records the CUDA device)."""
+
+    nbytes: int
+    device: str
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """How to rebuild one tensor as a view of a storage (strides and offset in elements)."""
+
+    storage: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+    storage_offset: int
+    requires_grad: bool = False
+    parameter: bool = False
+
+
+@dataclass(frozen=True)
+class DataFile:
+    name: str
+    size: int
+    dir: int = 0  # 0: the checkpoint directory; k >= 1: Manifest.dirs[k - 1] (format version 2)
+
+
+@dataclass(frozen=True)
+class DataDir:
+    """An external data directory (e.g. another NVMe mount): files live in ``root/name/``."""
+
+    root: str  # absolute, normalised; a loader may map it elsewhere (``load(data_dirs=...)``)
+    name: str  # plain name with the stripe mark, unique to the save that created it
+
+
+@dataclass(frozen=True)
+class Section:
+    """Rank-local state of one rank: ``tree`` is a list node, one subtree per placeholder."""
+
+    rank: int
+    tree: Any
+
+
+@dataclass(frozen=True)
+class Extent:
+    """Bytes ``[start, start+length)`` of storage ``storage``, at ``offset`` of file ``file``."""
+
+    storage: int
+    start: int
+    length: int
+    file: int
+    offset: int
+    crc32c: int = 0
+
+
+def align_up(n: int, alignment: int = ALIGNMENT) -> int:
+    return -(-n // alignment) * alignment
+
+
+# --- file and directory names -------------------------------------------------------------------
+
+SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+STRIPE_MARK = ".gds-"  # external data directories are named ``<prefix>.gds-<save id>``
+STRIPE_DIR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.gds-[0-9a-f]{6,64}$")
+
+
+def data_file_name(index: int) -> str:
+    return f"data-{index:05d}.bin"
+
+
+def rank_data_file_name(rank: int, index: int = 0) -> str:
+    """The data file a rank writes its share of the replicated state into."""
+    return f"data-r{rank:05d}-{index:05d}.bin"
+
+
+def local_file_name(rank: int, index: int = 0) -> str:
+    """The data file holding one rank's rank-local state."""
+    return f"local-r{rank:05d}-{index:05d}.bin"
+
+
+def stripe_dir_name(prefix: str, save_id: str) -> str:
+    """Name of the directory a save creates inside an external data directory."""
+    name = f"{prefix}{STRIPE_MARK}{save_id}"
+    if not STRIPE_DIR_NAME.match(name):
+        raise ValueError(f"{name!r} is not a valid data directory name")
+    return name
