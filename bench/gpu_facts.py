@@ -72,7 +72,7 @@ def facts() -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001
         out["kvikio"] = f"not importable ({e})"
         out["kvikio_usable"], out["gds"] = False, False
-    from gds_persist.cuda_crc import device_crc_status
+    from gds_persist.transfer.device_crc import device_crc_status
 
     out["device_crc"] = device_crc_status()[1]
     return out

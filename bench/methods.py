@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from gds_persist.commit import fsync_path
+from gds_persist.transfer.commit import fsync_path
 
 from .state import StateSummary, iter_tensors
 

@@ -68,7 +68,6 @@ import torch
 from . import settings
 from .backends import choose_backend
 from .backends.posix import pwrite_all
-from .commit import fsync_path
 from .errors import CheckpointError, ChecksumError, TruncatedError
 from .flatten import flatten, rebuild_tensor
 from .format import DTYPES, Manifest, TensorRecord, align_up, data_file_path, full_tree
@@ -76,10 +75,11 @@ from .format.checksum import crc32c
 from .format.tree import decode, path_str, tensor_key_paths, validate
 from .load import load, read_manifest
 from .progress import ByteCounter, ProgressCallback
-from .read import check_file
 from .results import ExportInfo, SaveInfo
 from .save import save
-from .staging import AlignedBuffer
+from .transfer.commit import fsync_path
+from .transfer.reader import check_file
+from .transfer.staging import AlignedBuffer
 
 FORMATS = ("torch", "safetensors")
 META_KEY = "gds_persist"

@@ -13,11 +13,11 @@ import torch
 
 from . import settings
 from .backends import choose_backend
-from .commit import is_temporary
 from .errors import ChecksumError, NotCommittedError
 from .flatten import rebuild_tensor
 from .format import (
     MANIFEST_NAME,
+    Extent,
     Manifest,
     data_file_path,
     parse_manifest,
@@ -25,9 +25,10 @@ from .format import (
 )
 from .format.tree import decode
 from .progress import ByteCounter, ProgressCallback
-from .read import FileReader, check_file
 from .results import VerifyReport
-from .staging import io_session
+from .transfer.commit import is_temporary
+from .transfer.reader import FileReader, check_file, checksum_mismatch
+from .transfer.staging import io_session
 
 MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
 
@@ -87,9 +88,15 @@ def _read_all(
     with io_session(
         cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
     ) as (ring, pool):
-        reader = FileReader(
-            be, ring, pool, cfg.io_timeout_s, verify, describe, errors, counter.hook
-        )
+        on_checksum = None
+        if errors is not None:  # collect every mismatch instead of raising the first
+
+            def on_checksum(path: str, e: Extent, actual: int) -> None:
+                if actual != e.crc32c:
+                    errors.append(checksum_mismatch(describe(e.storage), path, e, actual))
+
+        reader = FileReader(be, ring, pool, cfg.io_timeout_s, verify=verify, describe=describe,
+                            on_checksum=on_checksum, progress=counter.hook)
         for index, f in enumerate(m.files):
             extents = [e for e in m.extents if e.file == index]
             full = data_file_path(path, m, index, roots)

@@ -23,7 +23,7 @@ import torch
 from . import settings
 from .backends import choose_backend
 from .distributed import Comm, make_comm
-from .errors import ChecksumError, ManifestError
+from .errors import ManifestError
 from .flatten import rebuild_tensor
 from .format import (
     Extent,
@@ -36,24 +36,11 @@ from .format import (
 )
 from .format.tree import decode, tensor_indices
 from .progress import ByteCounter, ProgressCallback
-from .read import FileReader, check_file
 from .schedule import plan_reads
-from .staging import io_session
+from .transfer.reader import FileReader, check_file, checksum_mismatch
+from .transfer.staging import io_session
 
 Piece = tuple[int, int, int]  # (storage, start, length)
-
-
-class _RecordingReader(FileReader):
-    """Reads extents and records each one's CRC32C instead of comparing it (pieces of extents
-    have no recorded CRC of their own; they are checked once combined)."""
-
-    def __init__(self, *args: Any, sink: dict[tuple[int, int], int], file_index: int, **kw: Any):
-        super().__init__(*args, **kw)
-        self.sink = sink
-        self.file_index = file_index
-
-    def _check(self, path: str, e: Extent, actual: int) -> None:
-        self.sink[(self.file_index, e.offset)] = actual
 
 
 def root_map(m: Manifest, data_dirs: Any) -> dict[str, str]:
@@ -97,13 +84,14 @@ def read_extents(path: str, m: Manifest, roots: dict[str, str], extents: Sequenc
             if directory not in chosen:
                 chosen[directory] = choose_backend(cfg.backend, directory, wants_device,
                                                    cfg.io_threads, cfg.block_bytes)[0]
-            if sink is not None:
-                reader: FileReader = _RecordingReader(chosen[directory], ring, pool,
-                                                      cfg.io_timeout_s, True, describe, None,
-                                                      hook, sink=sink, file_index=index)
-            else:
-                reader = FileReader(chosen[directory], ring, pool, cfg.io_timeout_s, verify,
-                                    describe, None, hook)
+            on_checksum = None
+            if sink is not None:  # pieces of extents: record, check once combined
+
+                def on_checksum(path: str, e: Extent, actual: int) -> None:
+                    sink[(e.file, e.offset)] = actual  # type: ignore[index]
+
+            reader = FileReader(chosen[directory], ring, pool, cfg.io_timeout_s, verify=verify,
+                                describe=describe, on_checksum=on_checksum, progress=hook)
             reader.read(full, by_file[index], dests)  # type: ignore[arg-type]
 
 
@@ -241,10 +229,7 @@ def _check_combined(path: str, m: Manifest, shared: list[Extent], crcs: list[lis
         cursor[e.file] = k
         if end != e.offset + e.length or crc != e.crc32c:
             where = data_file_path(path, m, e.file, roots)
-            raise ChecksumError(
-                f"checksum mismatch in {describe(e.storage)}: file {where}, offset {e.offset}, "
-                f"{e.length} bytes: recorded crc32c {e.crc32c:08x}, read {crc:08x}; the data "
-                "file is corrupted - load an earlier checkpoint")
+            raise checksum_mismatch(describe(e.storage), where, e, crc)
 
 
 def _buckets(pieces: Sequence[Piece], width: int) -> list[list[tuple[int, int, int, int]]]:

@@ -28,7 +28,7 @@ import time
 import uuid
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import astuple, dataclass
+from dataclasses import astuple, dataclass, replace
 from typing import Any
 
 import torch
@@ -36,8 +36,6 @@ import torch
 from . import settings
 from ._version import __version__
 from .backends import choose_backend
-from .checksum import device_crc32c
-from .commit import abort, check_replaceable, commit, fsync_path, make_temporary, write_manifest
 from .distributed import make_comm
 from .errors import DistributedError, ReplicationError
 from .flatten import Flattened, flatten
@@ -55,13 +53,21 @@ from .format import (
     stripe_dir_name,
 )
 from .format import tree as _tree
-from .plan import SavePlan
 from .progress import ByteCounter, ProgressCallback
 from .results import DistributedSaveInfo
-from .save import write_plan
 from .schedule import DistributedPlan, RankInfo, plan_save
 from .topology import gpu_affinity, node_name
-from .write import byte_view
+from .transfer.commit import (
+    abort,
+    check_replaceable,
+    commit,
+    fsync_path,
+    make_temporary,
+    write_manifest,
+)
+from .transfer.crc import device_crc32c
+from .transfer.pipeline import byte_view
+from .transfer.writer import write_plan
 
 KeyPath = _tree.KeyPath
 CHECK_REPLICAS = ("structure", "checksums", "off")
@@ -356,18 +362,17 @@ def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
         if d >= 0 and directory not in state["dirs"]:
             os.makedirs(directory, exist_ok=True)
             state["dirs"].append(directory)
-        local_plan = SavePlan(tuple(
-            type(f)(f.name, f.size, tuple(Extent(compact(e.storage), e.start, e.length, e.file,
-                                                 e.offset) for e in f.extents))
-            for f in files))
+        local_files = [
+            type(f)(f.name, f.size, tuple(replace(e, storage=compact(e.storage))
+                                          for e in f.extents))
+            for f in files]
         be, reason = choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
                                     cfg.block_bytes)
         backend_name = be.name
         state["written"] += [os.path.join(directory, f.name) for f in files]
-        flat = Flattened(None, [], [], objects)
-        for e in write_plan(be, directory, local_plan, flat, cfg, hook):
+        for e in write_plan(be, directory, local_files, objects, cfg, hook):
             g = e.storage if e.storage < replicated else base + e.storage - replicated
-            sealed.append(Extent(g, e.start, e.length, e.file, e.offset, e.crc32c))
+            sealed.append(replace(e, storage=g))
         if d >= 0:  # new directory entries must be durable before the commit
             for entry in (directory, roots[d], os.path.dirname(roots[d])):
                 fsync_path(entry)

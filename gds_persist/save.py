@@ -6,23 +6,21 @@ import errno
 import os
 import socket
 import time
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from . import settings
 from ._version import __version__
-from .backends import Backend, choose_backend
-from .commit import abort, check_replaceable, commit, make_temporary, write_manifest
+from .backends import choose_backend
 from .errors import DiskFullError
-from .flatten import Flattened, flatten
-from .format import Extent, Manifest, dump_manifest
-from .plan import SavePlan, plan_single_writer
+from .flatten import flatten
+from .format import Manifest, dump_manifest
+from .plan import plan_single_writer
 from .progress import ByteCounter, ProgressCallback
 from .results import SaveInfo
-from .staging import io_session
-from .write import FileWriter, byte_view
+from .transfer.commit import abort, check_replaceable, commit, make_temporary, write_manifest
+from .transfer.writer import write_plan
 
 
 def save(
@@ -99,7 +97,7 @@ def save(
             cfg.block_bytes,
         )
         counter = ByteCounter(progress, plan.total_bytes)
-        extents = write_plan(be, tmp, plan, flat, cfg, counter.hook)
+        extents = write_plan(be, tmp, plan.files, flat.storage_objects, cfg, counter.hook)
         if getattr(be, "fallback_reason", None):  # kvikio switched to POSIX I/O mid-save
             reason = f"{reason}; {be.fallback_reason}"  # type: ignore[attr-defined]
         writer = {
@@ -150,28 +148,3 @@ def save(
         len(flat.storages),
         [f.name for f in plan.files],
     )
-
-
-def write_plan(
-    backend: Backend,
-    directory: str,
-    plan: SavePlan,
-    flat: Flattened,
-    cfg: settings.Settings,
-    progress: Callable[[int], None] | None = None,
-) -> list[Extent]:
-    """Write every file of ``plan`` into ``directory``; return the sealed extents (with CRCs)."""
-    sources = [byte_view(s) for s in flat.storage_objects]
-    sealed: list[Extent] = []
-    with io_session(
-        cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
-    ) as (ring, pool):
-        writer = FileWriter(backend, ring, pool, cfg.io_timeout_s, progress)
-        for f in plan.files:
-            crcs = writer.write(os.path.join(directory, f.name), f, sources)
-            sealed += [_with_crc(e, c) for e, c in zip(f.extents, crcs, strict=True)]
-    return sealed
-
-
-def _with_crc(e: Extent, crc: int) -> Extent:
-    return Extent(e.storage, e.start, e.length, e.file, e.offset, crc)

@@ -33,8 +33,8 @@ from .errors import CheckpointError, SnapshotTooLarge
 from .flatten import Flattened, rebuild_tensor
 from .format import StorageRecord, TensorRecord, align_up
 from .format.tree import decode
-from .staging import AlignedBuffer
-from .write import byte_view
+from .transfer.pipeline import byte_view
+from .transfer.staging import AlignedBuffer
 
 log = logging.getLogger("gds_persist")
 
@@ -214,7 +214,7 @@ def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Any:
     return rebuild(flat.tree, flat.tensors, flat.storages, views)
 
 
-class SharedBuffer:
+class SharedBuffer(AlignedBuffer):
     """``nbytes`` of page-aligned host memory another process can map: a memfd (Linux), mapped
     here and, by the helper process, through ``/proc/<pid>/fd/<fd>``. Registered with CUDA as
     pinned memory where CUDA is usable. Freed once every mapping and descriptor is gone, so a
@@ -223,30 +223,16 @@ class SharedBuffer:
     def __init__(self, nbytes: int):
         if not hasattr(os, "memfd_create"):
             raise CheckpointError("writer='process' needs Linux memfd_create; use writer='thread'")
-        self.nbytes = nbytes
         self.fd = os.memfd_create("gds_persist-snapshot-arena", os.MFD_CLOEXEC)
         try:
             os.ftruncate(self.fd, nbytes)
-            self._mmap = mmap.mmap(self.fd, nbytes, flags=mmap.MAP_SHARED)
+            super().__init__(nbytes, fd=self.fd)
         except BaseException:
             os.close(self.fd)
             raise
-        self.view = memoryview(self._mmap)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self.pinned = False
-        if torch.cuda.is_available():
-            rc = torch.cuda.cudart().cudaHostRegister(self.tensor.data_ptr(), nbytes, 0)
-            self.pinned = int(rc) == 0
 
     def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
-        del self.tensor
-        self.view.release()
-        self._mmap.close()
+        super().close()
         os.close(self.fd)
 
 

@@ -1,7 +1,8 @@
 // CRC32C (Castagnoli) of device memory, bit for bit equal to the host CRC32C that gds_persist
 // records in every manifest (reflected polynomial 0x82F63B78, initial value ~0, final xor ~0).
 //
-// Scheme (mirrored on the CPU by gds_persist.checksum.crc32c_segmented, which the CPU tests run):
+// Scheme (mirrored on the CPU by gds_persist.format.checksum.crc32c_segmented, which the CPU
+// tests run):
 //   * the buffer of n bytes is cut into segments of `seg` bytes (a multiple of 8; the last one
 //     may be short); thread i of the grid computes the ordinary CRC32C of segment i with a
 //     slicing-by-8 table kept in shared memory;
@@ -15,8 +16,8 @@
 // compiles this very file with nvcc and runs the same per-segment code on the CPU (no GPU needed).
 // Only builtin types are used so that NVRTC (cupy.RawModule) compiles it without any headers.
 //
-// Launch contract (gds_persist/cuda_crc.py): blockDim.x a multiple of 32 (256 is used),
-// gridDim.x >= ceil(ceil(n / seg) / blockDim.x); pointers are passed as 64-bit integers.
+// Launch contract (gds_persist/transfer/device_crc.py): blockDim.x a multiple of 32 (256 is
+// used), gridDim.x >= ceil(ceil(n / seg) / blockDim.x); pointers are passed as 64-bit integers.
 
 #define GDSP_HD __host__ __device__
 
@@ -27,7 +28,7 @@ typedef unsigned long long gdsp_u64;
 #define GDSP_X0 0x80000000u  // the polynomial 1 in reflected bit order
 
 // x^(2^k) mod P for k = 0..63 in reflected order (tests/test_kernels.py checks these against
-// gds_persist.checksum.X_POW_2K).
+// gds_persist.format.checksum.X_POW_2K).
 #define GDSP_X_POW_2K_VALUES \
     0x40000000u, 0x20000000u, 0x08000000u, 0x00800000u, 0x00008000u, 0x82f63b78u, 0x6ea2d55cu, \
     0x18b8ea18u, 0x510ac59au, 0xb82be955u, 0xb8fdb1e7u, 0x88e56f72u, 0x74c360a4u, 0xe4172b16u, \

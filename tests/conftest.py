@@ -21,7 +21,7 @@ import pytest
 
 from gds_persist import settings
 from gds_persist.backends import supports_o_direct
-from gds_persist.staging import release_cached
+from gds_persist.transfer.staging import release_cached
 from tests.helpers import BackendCase, kvikio_missing
 
 TMPFS_BYTES = 8 << 20

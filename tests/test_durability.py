@@ -310,7 +310,7 @@ def _inject(monkeypatch: pytest.MonkeyPatch, module: str, backend: _FailingDirec
 
 
 def _ring_intact() -> None:
-    from gds_persist import staging
+    from gds_persist.transfer import staging
 
     (ring,) = staging._idle_rings
     assert ring._free.qsize() == ring.count, "a staging buffer was not returned to the ring"

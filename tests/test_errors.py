@@ -616,7 +616,7 @@ def test_set_is_restored_after_an_exception() -> None:
 
 def test_settings_reach_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Env, set() and argument each decide what a real save does."""
-    from gds_persist import staging
+    from gds_persist.transfer import staging
 
     def ring_used() -> tuple[int, int, float]:
         (ring,) = staging._idle_rings

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 import gds_persist
-from gds_persist.cuda_copy import StreamCopier, copier_for
 from gds_persist.topology import Topology, bind_current_thread_near, cpus_near, topology
+from gds_persist.transfer.cuda_copy import StreamCopier, copier_for
 
 REPO = Path(__file__).resolve().parent.parent
 CUDA = torch.cuda.is_available()
@@ -145,7 +145,7 @@ def test_kvikio_host_buffers_and_bounce_io_round_trip(tmp_path):
     kb = _kvikio_or_skip()
     import kvikio.defaults as kd
 
-    from gds_persist.staging import AlignedBuffer
+    from gds_persist.transfer.staging import AlignedBuffer
 
     before = {"num_threads": kd.get("num_threads"), "task_size": kd.get("task_size")}
     with kd.set(before):
@@ -240,8 +240,8 @@ def test_no_cufile_log_in_working_directory(tmp_path):
 
 
 def test_import_does_not_touch_the_gpu_stack():
-    code = ("import sys, gds_persist, gds_persist.topology, gds_persist.cuda_crc, "
-            "gds_persist.cuda_copy\n"
+    code = ("import sys, gds_persist, gds_persist.topology, gds_persist.transfer.device_crc, "
+            "gds_persist.transfer.cuda_copy\n"
             "bad = [m for m in ('kvikio', 'cupy') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
@@ -381,7 +381,7 @@ def test_gpu_side_stream_copies_do_not_block_the_current_stream():
     src = torch.zeros(1 << 24, dtype=torch.uint8, device="cuda")
     src.add_(7)  # queued on the current stream
     c = StreamCopier()
-    from gds_persist.staging import AlignedBuffer
+    from gds_persist.transfer.staging import AlignedBuffer
 
     with AlignedBuffer(1 << 24) as host:
         c.copy(host.tensor, src)

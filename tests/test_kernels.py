@@ -20,13 +20,6 @@ from pathlib import Path
 
 import pytest
 
-from gds_persist.cuda_crc import (
-    KERNEL_NAME,
-    MAX_SEGMENT,
-    MIN_SEGMENT,
-    kernel_source,
-    segment_bytes_for,
-)
 from gds_persist.format.checksum import (
     POLY_REFLECTED,
     X_POW_2K,
@@ -36,6 +29,13 @@ from gds_persist.format.checksum import (
     crc32c_shift,
     gf2_multiply,
     x_pow_8n,
+)
+from gds_persist.transfer.device_crc import (
+    KERNEL_NAME,
+    MAX_SEGMENT,
+    MIN_SEGMENT,
+    kernel_source,
+    segment_bytes_for,
 )
 
 REPO = Path(__file__).resolve().parent.parent
@@ -330,7 +330,7 @@ def _cuda_or_skip():
         import cupy  # noqa: F401
     except Exception as e:  # noqa: BLE001
         pytest.skip(f"cupy not importable ({e})")
-    from gds_persist.cuda_crc import device_crc_status
+    from gds_persist.transfer.device_crc import device_crc_status
 
     ok, why = device_crc_status()
     if not ok:
@@ -341,7 +341,7 @@ def _cuda_or_skip():
 @pytest.mark.gpu
 def test_gpu_kernel_matches_host_random_lengths_and_alignments():
     torch = _cuda_or_skip()
-    import gds_persist.cuda_crc as cc
+    import gds_persist.transfer.device_crc as cc
 
     rng = random.Random(1)
     big = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
@@ -358,8 +358,8 @@ def test_gpu_kernel_matches_host_random_lengths_and_alignments():
 @pytest.mark.gpu
 def test_gpu_kernel_many_and_non_byte_dtypes():
     torch = _cuda_or_skip()
-    import gds_persist.cuda_crc as cc
-    from gds_persist.checksum import device_crc32c_many
+    import gds_persist.transfer.device_crc as cc
+    from gds_persist.transfer.crc import device_crc32c_many
 
     rng = random.Random(2)
     pieces = [torch.randint(0, 256, (rng.randrange(0, 300_000),), dtype=torch.uint8, device="cuda")
@@ -377,7 +377,7 @@ def test_gpu_kernel_segment_crcs_match_host():
     torch = _cuda_or_skip()
     import numpy as np
 
-    import gds_persist.cuda_crc as cc
+    import gds_persist.transfer.device_crc as cc
 
     n, seg = 1_000_003, 4096
     data = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda")

@@ -1,6 +1,7 @@
 """The one small interface every I/O backend implements.
 
-Only backends touch file descriptors. Call order, made by the write and read stages:
+Only backends touch file descriptors. Call order, made by :mod:`gds_persist.transfer.writer` and
+:mod:`gds_persist.transfer.reader`:
 
 Save (one data file)::
 
@@ -16,7 +17,7 @@ Load::
     backend.close(h)
 
 ``offset`` and ``len(buf)`` are multiples of ``alignment``; host buffers come from
-:mod:`gds_persist.staging` and are page-aligned. Backends that accept device memory
+:mod:`gds_persist.transfer.staging` and are page-aligned. Backends that accept device memory
 (``accepts_device``) also take CUDA tensors for ``buf``.
 """
 

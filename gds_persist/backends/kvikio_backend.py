@@ -48,8 +48,9 @@ from typing import Any
 
 from ..errors import BackendError
 from ..format import ALIGNMENT, align_up
+from ..transfer.staging import AlignedBuffer
 from .base import Backend
-from .posix import _O_DIRECT, _preallocate, pread_all, pwrite_all, supports_o_direct
+from .posix import _O_DIRECT, open_fd, pread_all, pwrite_all, supports_o_direct
 
 log = logging.getLogger("gds_persist")
 
@@ -225,17 +226,7 @@ class KvikioBackend(Backend):
         direct = self._o_direct.get(directory)
         if direct is None:
             direct = self._o_direct[directory] = supports_o_direct(directory)[0]
-        flags = _O_DIRECT if direct else 0
-        if write:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flags, 0o644)
-            try:
-                if size:
-                    _preallocate(fd, path, size)
-            except BaseException:
-                os.close(fd)
-                raise
-        else:
-            fd = os.open(path, os.O_RDONLY | flags)
+        fd = open_fd(path, write, size, _O_DIRECT if direct else 0)
         handle = KvikioHandle(path, fd, direct)
         if self.fallback_reason is None:
             try:
@@ -308,8 +299,6 @@ class KvikioBackend(Backend):
 
     def _bounce_buffer(self) -> Any:
         if self._bounce is None:
-            from ..staging import AlignedBuffer
-
             self._bounce = AlignedBuffer(max(ALIGN, align_up(self.task_size)))
         return self._bounce
 

@@ -14,6 +14,7 @@ import uuid
 from typing import Any
 
 from ..errors import BackendError, DiskFullError
+from ..transfer.staging import AlignedBuffer
 from .base import Backend
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
@@ -23,16 +24,7 @@ class PosixBackend(Backend):
     extra_flags = 0
 
     def open(self, path: str, *, write: bool, size: int = 0) -> int:
-        if not write:
-            return os.open(path, os.O_RDONLY | self.extra_flags)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | self.extra_flags, 0o644)
-        try:
-            if size:
-                _preallocate(fd, path, size)
-        except BaseException:
-            os.close(fd)
-            raise
-        return fd
+        return open_fd(path, write, size, self.extra_flags)
 
     def pwrite(self, handle: int, buf: memoryview, offset: int) -> None:
         pwrite_all(handle, buf, offset)
@@ -58,6 +50,21 @@ class BufferedBackend(PosixBackend):
     """Plain POSIX I/O through the page cache, fsynced; for filesystems without O_DIRECT."""
 
     name = "buffered"
+
+
+def open_fd(path: str, write: bool, size: int, flags: int = 0) -> int:
+    """Open a data file for reading, or create it (never over an existing one) and reserve
+    ``size`` bytes for writing; ``flags`` e.g. O_DIRECT."""
+    if not write:
+        return os.open(path, os.O_RDONLY | flags)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flags, 0o644)
+    try:
+        if size:
+            _preallocate(fd, path, size)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def pwrite_all(fd: int, data: Any, offset: int) -> None:
@@ -105,7 +112,6 @@ def supports_o_direct(directory: str) -> tuple[bool, str]:
     """Probe whether ``directory``'s filesystem accepts an aligned O_DIRECT write."""
     if not _O_DIRECT:
         return False, "this platform has no O_DIRECT"
-    from ..staging import AlignedBuffer
 
     probe = os.path.join(directory, f".o_direct_probe-{uuid.uuid4().hex}")
     try:
@@ -132,8 +138,6 @@ def supports_o_direct(directory: str) -> tuple[bool, str]:
 
 def _o_direct_read_probe(directory: str) -> str | None:
     """For a directory we may not write to: can its files be read with O_DIRECT?"""
-    from ..staging import AlignedBuffer
-
     with os.scandir(directory) as it:
         entries = sorted(it, key=lambda e: e.name)
     for entry in entries:

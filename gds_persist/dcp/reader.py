@@ -38,9 +38,9 @@ from ..format import DTYPES, MANIFEST_NAME, Extent, Manifest
 from ..format.tree import decode
 from ..load import read_manifest
 from ..progress import ByteCounter, ProgressCallback
-from ..read import FileReader, check_file
-from ..staging import io_session
-from ..write import byte_view
+from ..transfer.pipeline import byte_view
+from ..transfer.reader import FileReader, check_file
+from ..transfer.staging import io_session
 from ._codec import decode_metadata
 from .writer import WRITER_TAG
 
@@ -309,10 +309,9 @@ class _ReadJob:
             self.ring,
             self.pool,
             self.cfg.io_timeout_s,
-            self.r.verify,
-            lambda i: names[i],
-            None,
-            self.counter.hook,
+            verify=self.r.verify,
+            describe=lambda i: names[i],
+            progress=self.counter.hook,
         )
         for f, extents in sorted(per_file.items()):
             reader.read(check_file(self.r.path, m.files[f]), extents, dests)

@@ -39,7 +39,6 @@ from torch.futures import Future
 from .. import settings
 from .._version import __version__
 from ..backends import choose_backend
-from ..commit import abort, check_replaceable, commit, make_temporary, write_manifest
 from ..errors import CheckpointError
 from ..format import (
     DataFile,
@@ -53,8 +52,10 @@ from ..format import (
 from ..format import tree as _tree
 from ..plan import layout_file
 from ..progress import ByteCounter, ProgressCallback
-from ..staging import io_session
-from ..write import FileWriter, byte_view
+from ..transfer.commit import abort, check_replaceable, commit, make_temporary, write_manifest
+from ..transfer.pipeline import byte_view
+from ..transfer.staging import io_session
+from ..transfer.writer import FileWriter
 from . import balancing as _balance
 from ._codec import encode_metadata
 

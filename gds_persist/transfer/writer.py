@@ -1,4 +1,4 @@
-"""Stage 3 of a save: move the planned bytes into one data file, checksumming as they pass.
+"""Writing: move the planned bytes into data files, checksumming as they pass.
 
 Staged path (``direct`` and ``buffered``): the calling thread fills one staging buffer at a time
 with the file's next block (tensor bytes plus the zero gaps between extents) and CRCs each piece
@@ -11,99 +11,51 @@ from device memory to the file; no host staging.
 
 from __future__ import annotations
 
-import time
+import os
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
-from typing import Any
+from concurrent.futures import Future
+from dataclasses import replace
+from typing import Protocol
 
 import torch
 
-from .backends.base import Backend
-from .checksum import device_crc32c_many
+from ..backends.base import Backend
+from ..format import Extent, crc32c
+from ..settings import Settings
+from .crc import device_crc32c_many
 from .cuda_copy import StreamCopier, copier_for
-from .errors import CheckpointError
-from .format import Extent, crc32c
-from .plan import FilePlan
-from .staging import AlignedBuffer, StagingRing
+from .pipeline import (
+    FilePipeline,
+    block_pieces,
+    byte_view,
+    drain_quietly,
+    next_first,
+    wait_all,
+)
+from .staging import AlignedBuffer, io_session
 
 
-def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
-    """A flat uint8 tensor over the whole storage (no copy)."""
-    return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
+class FileLayout(Protocol):
+    """What the writer needs of a planned data file (``gds_persist.layout.FilePlan`` is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def size(self) -> int: ...  # a multiple of ALIGNMENT; the gaps between extents are zeros
+
+    @property
+    def extents(self) -> tuple[Extent, ...]: ...  # sorted by offset
 
 
-def block_pieces(extents: Sequence[Extent], first: int, lo: int, hi: int):
-    """Yield ``(extent index, file_lo, file_hi)`` for extent bytes inside ``[lo, hi)``.
+class FileWriter(FilePipeline):
+    """Writes one planned data file; returns the CRC32C of every extent. Calls the backend in
+    the documented order (open, pwrite..., sync, close; close also after an error)."""
 
-    ``first`` is the index of the first extent that may overlap; extents are sorted by offset.
-    """
-    for k in range(first, len(extents)):
-        e = extents[k]
-        if e.offset >= hi:
-            return
-        start, end = max(e.offset, lo), min(e.offset + e.length, hi)
-        if start < end:
-            yield k, start, end
-
-
-def next_first(extents: Sequence[Extent], first: int, hi: int) -> int:
-    while first < len(extents) and extents[first].offset + extents[first].length <= hi:
-        first += 1
-    return first
-
-
-def wait_all(futures: deque[Future[None]], timeout_s: float, what: str) -> None:
-    while futures:
-        fut = futures.popleft()
-        try:
-            fut.result(timeout=timeout_s)
-        except FutureTimeout:
-            raise CheckpointError(
-                f"{what} did not finish within {timeout_s:.0f} s (hung storage?); "
-                "raise io_timeout_s if the drive is just slow"
-            ) from None
-
-
-def drain_quietly(futures: deque[Future[Any]], timeout_s: float) -> bool:
-    """After an error: cancel queued I/O and let running I/O finish (within ``timeout_s`` in
-    all) before its buffers and descriptor go away. False if some I/O is still stuck.
-
-    Cancelling matters: a queued write that ran after its descriptor was closed could hit
-    another file that reused the descriptor number.
-    """
-    for fut in futures:
-        fut.cancel()
-    deadline = time.monotonic() + timeout_s
-    for fut in futures:
-        try:
-            fut.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            return False
-        except BaseException:  # noqa: BLE001 - the first error is already being raised
-            pass
-    return True
-
-
-class FileWriter:
-    """Writes one planned data file with ``backend``; returns the CRC32C of every extent."""
-
-    def __init__(
-        self,
-        backend: Backend,
-        ring: StagingRing | None,
-        pool: ThreadPoolExecutor,
-        timeout_s: float,
-        progress: Callable[[int], None] | None = None,
-    ):
-        self.backend = backend
-        self.ring = ring
-        self.pool = pool
-        self.timeout_s = timeout_s
-        self.progress = progress  # called with the bytes of each finished write (any thread)
-
-    def write(self, path: str, plan: FilePlan, sources: Sequence[torch.Tensor]) -> list[int]:
+    def write(self, path: str, plan: FileLayout, sources: Sequence[torch.Tensor]) -> list[int]:
+        """Write ``plan``'s extents of ``sources`` (flat uint8 tensors, by storage) to ``path``
+        and fsync it."""
         handle = self.backend.open(path, write=True, size=plan.size)
         try:
             if self.backend.accepts_device and all(
@@ -118,7 +70,7 @@ class FileWriter:
             self.backend.close(handle)
 
     def _write_from_device(
-        self, handle: object, plan: FilePlan, sources: Sequence[torch.Tensor]
+        self, handle: object, plan: FileLayout, sources: Sequence[torch.Tensor]
     ) -> list[int]:
         pieces = [sources[e.storage][e.start : e.start + e.length] for e in plan.extents]
         crcs = device_crc32c_many(pieces)  # on the device, no host copy; one stream sync
@@ -129,7 +81,7 @@ class FileWriter:
         return crcs
 
     def _write_staged(
-        self, handle: object, plan: FilePlan, sources: Sequence[torch.Tensor]
+        self, handle: object, plan: FileLayout, sources: Sequence[torch.Tensor]
     ) -> list[int]:
         assert self.ring is not None
         crcs = [0] * len(plan.extents)
@@ -203,3 +155,25 @@ class FileWriter:
                 self.progress(length)
         finally:
             self.ring.release(buf)  # type: ignore[union-attr]
+
+
+def write_plan(
+    backend: Backend,
+    directory: str,
+    files: Sequence[FileLayout],
+    storages: Sequence[torch.UntypedStorage],
+    cfg: Settings,
+    progress: Callable[[int], None] | None = None,
+) -> list[Extent]:
+    """Write every planned file into ``directory`` from ``storages`` (indexed by the extents'
+    ``storage``); return the sealed extents (with their CRC32C), file by file."""
+    sources = [byte_view(s) for s in storages]
+    sealed: list[Extent] = []
+    with io_session(
+        cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
+    ) as (ring, pool):
+        writer = FileWriter(backend, ring, pool, cfg.io_timeout_s, progress)
+        for f in files:
+            crcs = writer.write(os.path.join(directory, f.name), f, sources)
+            sealed += [replace(e, crc32c=c) for e, c in zip(f.extents, crcs, strict=True)]
+    return sealed

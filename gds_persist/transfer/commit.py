@@ -15,8 +15,8 @@ import os
 import shutil
 import uuid
 
-from .errors import CheckpointError
-from .format import MANIFEST_NAME
+from ..errors import CheckpointError
+from ..format import MANIFEST_NAME
 
 _TMP_MARK = ".tmp-"
 _OLD_MARK = ".old-"

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 
 import torch
 
-from .errors import CheckpointError
+from ..errors import CheckpointError
 
 
 def _cuda_usable() -> bool:
@@ -26,14 +26,16 @@ def _cuda_usable() -> bool:
 
 
 class AlignedBuffer:
-    """``nbytes`` of page-aligned host memory, exposed as a memoryview and a uint8 tensor.
+    """``nbytes`` of page-aligned host memory, exposed as a memoryview and a uint8 tensor:
+    anonymous memory, or (``fd``) a shared mapping of that file (the caller keeps the fd).
 
     SAFETY: ``view`` and ``tensor`` alias the mapping; do not use them after :meth:`close`.
     """
 
-    def __init__(self, nbytes: int, pin: bool | None = None):
+    def __init__(self, nbytes: int, pin: bool | None = None, *, fd: int = -1):
         self.nbytes = nbytes
-        self._mmap = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        flags = mmap.MAP_SHARED if fd >= 0 else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+        self._mmap = mmap.mmap(fd, nbytes, flags=flags)
         self.view = memoryview(self._mmap)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about writability we do have

@@ -1,17 +1,19 @@
 """CRC32C of CUDA memory, computed on the device by ``kernels/crc32c.cu`` (no host copy).
 
-The result equals the host :func:`gds_persist.checksum.crc32c` of the same bytes bit for bit, so
-a checkpoint written from GPU memory verifies on a CPU-only machine and vice versa.
+The result equals the host :func:`gds_persist.format.checksum.crc32c` of the same bytes bit for
+bit, so a checkpoint written from GPU memory verifies on a CPU-only machine and vice versa.
 
 The kernel is compiled at first use with NVRTC through ``cupy.RawModule`` (CuPy caches the binary
 per device and on disk) and launched on the caller's current torch CUDA stream, so it is ordered
 after whatever produced the bytes. CuPy is imported lazily; where it is missing or the kernel
-cannot be built, the CRC falls back to a host copy of the bytes and :func:`device_crc_status`
-says why.
+cannot be built, :func:`cuda_crc32c_many` raises :class:`~gds_persist.BackendError` saying why
+(then and on every later call; :func:`device_crc_status` reports it) and
+:mod:`gds_persist.transfer.crc` checksums a host copy instead. This module uses no host CRC.
 
 Scheme (see the .cu file): ``segment_bytes_for(n)``-byte segments, one per GPU thread, each
-segment CRC shifted past the bytes after it with the GF(2) algebra in :mod:`gds_persist.checksum`
-and XORed together; :func:`gds_persist.checksum.crc32c_segmented` is its CPU reference.
+segment CRC shifted past the bytes after it with the GF(2) algebra in
+:mod:`gds_persist.format.checksum` and XORed together;
+:func:`gds_persist.format.checksum.crc32c_segmented` is its CPU reference.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ from typing import Any
 
 import torch
 
-from .format.checksum import crc32c
+from ..errors import BackendError
 
 log = logging.getLogger("gds_persist")
 
@@ -105,7 +107,8 @@ def device_crc_status() -> tuple[bool, str]:
     return True, "device CRC32C kernel (kernels/crc32c.cu via cupy.RawModule/NVRTC)"
 
 
-def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat, contiguous uint8 view (or copy) of a tensor's bytes."""
     if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
         t = t.contiguous().reshape(-1).view(torch.uint8)
     return t
@@ -139,27 +142,28 @@ def cuda_crc32c_many(pieces: Sequence[torch.Tensor]) -> list[int]:
     """CRC32C of each CUDA tensor's bytes, all launched before one wait (one sync per device).
 
     Ordered after earlier work on each device's current stream; returns once every CRC is known.
+    Raises :class:`BackendError` (with the reason) where the kernel cannot run.
     """
     global _unavailable
-    pieces = [_as_bytes(p) for p in pieces]
+    pieces = [as_bytes(p) for p in pieces]
     if any(not p.is_cuda for p in pieces):
-        raise TypeError("cuda_crc32c_many takes CUDA tensors; use checksum.crc32c for host memory")
-    if _unavailable is None:
-        try:
-            by_device: dict[torch.device, list[int]] = {}
-            for i, p in enumerate(pieces):
-                by_device.setdefault(p.device, []).append(i)
-            result = [0] * len(pieces)
-            for device, indices in by_device.items():
-                for i, crc in zip(indices, _launch_all([pieces[i] for i in indices], device),
-                                  strict=True):
-                    result[i] = crc
-            return result
-        except Exception as e:  # noqa: BLE001 - no cupy, NVRTC failure, ...: host fallback
-            _unavailable = (f"device CRC32C kernel unusable ({type(e).__name__}: {e}); CRCs of "
-                            "CUDA memory use a host copy")
-            log.warning("gds_persist: %s", _unavailable)
-    return [crc32c(p.cpu().numpy()) for p in pieces]  # type: ignore[arg-type]
+        raise TypeError("cuda_crc32c_many takes CUDA tensors; use "
+                        "gds_persist.transfer.crc.device_crc32c_many for memory anywhere")
+    if _unavailable is not None:
+        raise BackendError(_unavailable)
+    try:
+        by_device: dict[torch.device, list[int]] = {}
+        for i, p in enumerate(pieces):
+            by_device.setdefault(p.device, []).append(i)
+        result = [0] * len(pieces)
+        for device, indices in by_device.items():
+            for i, crc in zip(indices, _launch_all([pieces[i] for i in indices], device),
+                              strict=True):
+                result[i] = crc
+        return result
+    except Exception as e:  # noqa: BLE001 - no cupy, NVRTC failure, ...: unusable from now on
+        _unavailable = f"device CRC32C kernel unusable ({type(e).__name__}: {e})"
+        raise BackendError(_unavailable) from e
 
 
 def cuda_crc32c(data: torch.Tensor) -> int:

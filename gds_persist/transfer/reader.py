@@ -1,9 +1,15 @@
-"""Load stages: read the extents of one data file into destination storages, verifying CRC32C.
+"""Reading: the extents of one data file into destination storages, checksumming as they pass.
 
 Staged path: up to ``ring`` buffers of the file are being read by the I/O pool while the calling
 thread copies finished blocks into the destination tensors and checksums them, in file order.
 Device path (``accepts_device`` backend, CUDA destination): extents are read straight into
-device memory.
+device memory and checksummed there.
+
+Checksums: once every byte of an extent has passed, its CRC32C goes to the ``on_checksum`` hook
+``(path, extent, actual)``. The default hook compares it with the recorded CRC32C and raises
+:func:`checksum_mismatch`; others collect mismatches (``verify``) or record the CRC of a piece of
+an extent to combine with other ranks' pieces (a shared load). ``on_bytes`` receives the bytes
+of every piece as they pass, for readers that stream them elsewhere (an export).
 """
 
 from __future__ import annotations
@@ -11,23 +17,36 @@ from __future__ import annotations
 import os
 from collections import deque
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
+from concurrent.futures import Future
+from dataclasses import dataclass, field
 
 import torch
 
-from .backends.base import Backend
-from .checksum import device_crc32c_many
+from ..errors import ChecksumError, TruncatedError
+from ..format import DataFile, Extent, align_up, crc32c
+from .crc import device_crc32c_many
 from .cuda_copy import StreamCopier, copier_for
-from .errors import CheckpointError, ChecksumError, TruncatedError
-from .format import DataFile, Extent, align_up, crc32c
-from .staging import AlignedBuffer, StagingRing
-from .write import block_pieces, drain_quietly, next_first
+from .pipeline import FilePipeline, block_pieces, drain_quietly, next_first, result_within
+from .staging import AlignedBuffer
 
 Describe = Callable[[int], str]  # storage index -> the key path(s) of its tensors
+OnChecksum = Callable[[str, Extent, int], None]  # (file path, extent, CRC32C of the bytes read)
+OnBytes = Callable[[Extent, int, memoryview], None]  # (extent, offset in its storage, bytes)
+Dests = Sequence[torch.Tensor | None]  # flat uint8 destination per storage; None: not read
+
+
+def checksum_mismatch(what: str, path: str, e: Extent, actual: int) -> ChecksumError:
+    """The error for bytes that do not match their recorded CRC32C (the one wording)."""
+    return ChecksumError(
+        f"checksum mismatch in {what}: file {path}, offset {e.offset}, {e.length} bytes: "
+        f"recorded crc32c {e.crc32c:08x}, read {actual:08x}; the data file is corrupted - load "
+        "an earlier checkpoint"
+    )
 
 
 def check_file(directory: str, f: DataFile) -> str:
+    """The path of data file ``f`` in ``directory``; :class:`TruncatedError` if it is missing
+    or shorter than the manifest says."""
     path = os.path.join(directory, f.name)
     try:
         actual = os.stat(path).st_size
@@ -58,38 +77,42 @@ def blocks_to_read(extents: Sequence[Extent], block_bytes: int) -> list[tuple[in
     return blocks
 
 
-class FileReader:
-    def __init__(
-        self,
-        backend: Backend,
-        ring: StagingRing | None,
-        pool: ThreadPoolExecutor,
-        timeout_s: float,
-        verify: bool,
-        describe: Describe,
-        errors: list[ChecksumError] | None = None,
-        progress: Callable[[int], None] | None = None,
-    ):
-        self.backend = backend
-        self.ring = ring
-        self.pool = pool
-        self.timeout_s = timeout_s
-        self.verify = verify
-        self.describe = describe
-        self.errors = errors  # collect mismatches here instead of raising the first one
-        self.progress = progress  # called with the bytes of each block consumed
+@dataclass
+class FileReader(FilePipeline):
+    """Reads extents of one data file (backend calls: open, pread..., close; close also after
+    an error).
 
-    def read(
-        self, path: str, extents: Sequence[Extent], dests: Sequence[torch.Tensor] | None
-    ) -> None:
-        """Read ``extents`` of ``path`` into ``dests`` (per storage); ``None``: checksum only."""
+    ``verify``: compute each extent's CRC32C and hand it to ``on_checksum`` (default: compare,
+    and raise :func:`checksum_mismatch` naming ``describe(storage)``); with an ``on_checksum``
+    hook CRCs are always computed. ``on_bytes``: see the module docstring (staged path only).
+    """
+
+    verify: bool = field(default=True, kw_only=True)
+    describe: Describe = field(default=lambda storage: f"storage #{storage}", kw_only=True)
+    on_checksum: OnChecksum | None = field(default=None, kw_only=True)
+    on_bytes: OnBytes | None = field(default=None, kw_only=True)
+
+    def __post_init__(self) -> None:
+        self.checksums = self.verify or self.on_checksum is not None
+        self._on_checksum: OnChecksum = self.on_checksum or self.check
+
+    def check(self, path: str, e: Extent, actual: int) -> None:
+        """The default ``on_checksum``: raise if ``actual`` is not the recorded CRC32C."""
+        if actual != e.crc32c:
+            raise checksum_mismatch(self.describe(e.storage), path, e, actual)
+
+    def read(self, path: str, extents: Sequence[Extent], dests: Dests | None) -> None:
+        """Read ``extents`` of ``path`` into ``dests`` (per storage); ``None``: no copy (only
+        the hooks see the bytes)."""
         extents = sorted(extents, key=lambda e: e.offset)
         handle = self.backend.open(path, write=False)
         try:
+            targets = [dests[e.storage] for e in extents] if dests is not None else []
             if (
                 dests is not None
+                and self.on_bytes is None
                 and self.backend.accepts_device
-                and all(dests[e.storage].is_cuda for e in extents)
+                and all(t is not None and t.is_cuda for t in targets)
             ):
                 self._read_to_device(handle, path, extents, dests)
             else:
@@ -97,23 +120,14 @@ class FileReader:
         finally:
             self.backend.close(handle)
 
-    def _check(self, path: str, e: Extent, actual: int) -> None:
-        if self.verify and actual != e.crc32c:
-            error = ChecksumError(
-                f"checksum mismatch in {self.describe(e.storage)}: file {path}, offset {e.offset}, "
-                f"{e.length} bytes: recorded crc32c {e.crc32c:08x}, read {actual:08x}; the data "
-                "file is corrupted - load an earlier checkpoint"
-            )
-            if self.errors is None:
-                raise error
-            self.errors.append(error)
-
     def _read_to_device(
-        self, handle: object, path: str, extents: Sequence[Extent], dests: Sequence[torch.Tensor]
+        self, handle: object, path: str, extents: Sequence[Extent], dests: Dests
     ) -> None:
         pieces = []
         for e in extents:
-            piece = dests[e.storage][e.start : e.start + e.length]
+            dest = dests[e.storage]
+            assert dest is not None
+            piece = dest[e.start : e.start + e.length]
             got = self.backend.pread(handle, piece, e.offset)
             if got != e.length:
                 raise TruncatedError(
@@ -122,23 +136,20 @@ class FileReader:
             pieces.append(piece)
             if self.progress is not None:
                 self.progress(e.length)
-        if self.verify:  # on the device (kernels/crc32c.cu), before the data is handed back
+        if self.checksums:  # on the device (kernels/crc32c.cu), before the data is handed back
             for e, crc in zip(extents, device_crc32c_many(pieces), strict=True):
-                self._check(path, e, crc)
+                self._on_checksum(path, e, crc)
 
     def _read_staged(
-        self,
-        handle: object,
-        path: str,
-        extents: Sequence[Extent],
-        dests: Sequence[torch.Tensor] | None,
+        self, handle: object, path: str, extents: Sequence[Extent], dests: Dests | None
     ) -> None:
         assert self.ring is not None
         blocks = blocks_to_read(extents, self.ring.block_bytes)
         crcs = [0] * len(extents)
         in_flight: deque[tuple[AlignedBuffer, int, int, Future[int]]] = deque()
         next_block = first = 0
-        copier = copier_for([dests[e.storage] for e in extents]) if dests is not None else None
+        targets = [dests[e.storage] for e in extents] if dests is not None else []
+        copier = copier_for([t for t in targets if t is not None])
         try:
             while next_block < len(blocks) or in_flight:
                 while next_block < len(blocks) and len(in_flight) < self.ring.count:
@@ -149,7 +160,7 @@ class FileReader:
                     next_block += 1
                 buf, lo, hi, fut = in_flight.popleft()
                 try:
-                    got = self._result(fut, path)
+                    got = result_within(fut, self.timeout_s, f"reading {path}")
                     if got != hi - lo:
                         raise TruncatedError(
                             f"{path}: short read at offset {lo} ({got} of {hi - lo} bytes)"
@@ -166,14 +177,6 @@ class FileReader:
                     self.ring.release(buf)
             raise
 
-    def _result(self, fut: Future[int], path: str) -> int:
-        try:
-            return fut.result(timeout=self.timeout_s)
-        except FutureTimeout:
-            raise CheckpointError(
-                f"reading {path} did not finish within {self.timeout_s:.0f} s (hung storage?)"
-            ) from None
-
     def _consume(
         self,
         path: str,
@@ -182,25 +185,29 @@ class FileReader:
         hi: int,
         extents: Sequence[Extent],
         first: int,
-        dests: Sequence[torch.Tensor] | None,
+        dests: Dests | None,
         crcs: list[int],
         copier: StreamCopier | None = None,
     ) -> None:
         try:
             for k, start, end in block_pieces(extents, first, lo, hi):
                 e = extents[k]
-                if dests is not None:
-                    dst_lo = e.start + start - e.offset
-                    dst = dests[e.storage][dst_lo : dst_lo + end - start]
+                at = e.start + start - e.offset  # where the piece belongs in its storage
+                dest = dests[e.storage] if dests is not None else None
+                if dest is not None:
+                    dst = dest[at : at + end - start]
                     src = buf.tensor[start - lo : end - lo]
                     if copier is None:
                         dst.copy_(src)
                     else:
                         copier.copy(dst, src)  # host-to-device on the side stream, under the CRC
-                if self.verify:
+                if self.on_bytes is not None:
+                    with buf.view[start - lo : end - lo] as piece:
+                        self.on_bytes(e, at, piece)
+                if self.checksums:
                     crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
-                if end == e.offset + e.length:
-                    self._check(path, e, crcs[k])
+                    if end == e.offset + e.length:
+                        self._on_checksum(path, e, crcs[k])
         finally:
             if copier is not None:
                 copier.wait()  # the buffer goes back to the ring only once it was copied out
