@@ -191,8 +191,12 @@ class _Prepared:
     digest: str
 
 
-def _prepare(state_dict: Any, paths: Sequence[KeyPath], check: str) -> _Prepared:
-    replicated, local = split_rank_local(state_dict, paths)
+def _prepare(state_dict: Any, flat: Flattened | None, paths: Sequence[KeyPath],
+             check: str) -> _Prepared:
+    if flat is not None:  # flattened by the caller: all of it replicated
+        replicated, local = flat, flatten([])
+    else:
+        replicated, local = split_rank_local(state_dict, paths)
     crcs = None
     if check == "checksums":
         crcs = [device_crc32c(byte_view(s)) for s in replicated.storage_objects]
@@ -215,8 +219,10 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
                   check_replicas: str = "structure", backend: str | None = None,
                   block_bytes: int | None = None, staging_bytes: int | None = None,
                   io_threads: int | None = None,
-                  progress: ProgressCallback | None = None) -> DistributedSaveInfo:
-    """See :func:`gds_persist.save` (the data-parallel arguments)."""
+                  progress: ProgressCallback | None = None,
+                  flat: Flattened | None = None) -> DistributedSaveInfo:
+    """See :func:`gds_persist.save` (the data-parallel arguments). ``flat``: the state,
+    already flattened (then ``state_dict`` is ignored and nothing is rank-local)."""
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
     cfg = settings.current(backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
@@ -224,6 +230,8 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
     if check_replicas not in CHECK_REPLICAS:
         raise ValueError(f"check_replicas={check_replicas!r}; valid: {', '.join(CHECK_REPLICAS)}")
     paths = normalize_paths(rank_local)
+    if flat is not None and paths:
+        raise ValueError("rank_local paths need the state dict itself, not a flattened one")
     roots = [os.path.abspath(os.fspath(d)) for d in (data_dirs or [])]
     if len(set(roots)) != len(roots):
         raise ValueError(f"data_dirs lists a directory twice: {roots}")
@@ -242,7 +250,7 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
     try:
         # 1. prepare --------------------------------------------------------------------------
         def prepare() -> dict[str, Any]:
-            state["prep"] = _prepare(state_dict, paths, check_replicas)
+            state["prep"] = _prepare(state_dict, flat, paths, check_replicas)
             affinity, why = gpu_affinity()
             info: dict[str, Any] = {
                 "digest": state["prep"].digest, "node": node_name(), "affinity": affinity,
@@ -363,8 +371,7 @@ def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
             os.makedirs(directory, exist_ok=True)
             state["dirs"].append(directory)
         local_files = [
-            type(f)(f.name, f.size, tuple(replace(e, storage=compact(e.storage))
-                                          for e in f.extents))
+            replace(f, extents=tuple(replace(e, storage=compact(e.storage)) for e in f.extents))
             for f in files]
         be, reason = choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
                                     cfg.block_bytes)

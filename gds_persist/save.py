@@ -1,4 +1,5 @@
-"""``save``: flatten -> plan -> write -> seal -> commit, on one process."""
+"""``save``: flatten -> plan -> write -> seal -> commit, on one process; with a process group (or
+rank-local parts, or data directories) the data-parallel save of :mod:`.parallel_save`."""
 
 from __future__ import annotations
 
@@ -14,9 +15,10 @@ from . import settings
 from ._version import __version__
 from .backends import choose_backend
 from .errors import DiskFullError
-from .flatten import flatten
+from .flatten import Flattened, flatten
 from .format import Manifest, dump_manifest
-from .plan import plan_single_writer
+from .layout import plan_single_writer
+from .parallel_save import save_parallel
 from .progress import ByteCounter, ProgressCallback
 from .results import SaveInfo
 from .transfer.commit import abort, check_replaceable, commit, make_temporary, write_manifest
@@ -63,8 +65,6 @@ def save(
     backend, :class:`DistributedError` (on every rank, naming the failed rank) when a rank fails.
     """
     if process_group is not None or rank_local is not None or data_dirs is not None:
-        from .parallel_save import save_parallel
-
         return save_parallel(
             state_dict,
             path,
@@ -80,11 +80,51 @@ def save(
             progress=progress,
         )
     t0 = time.perf_counter()
-    path = os.fspath(path)
     cfg = settings.current(
         backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes, io_threads=io_threads
     )
-    flat = flatten(state_dict)
+    return _save_single(flatten(state_dict), os.fspath(path), cfg, progress, t0)
+
+
+def save_flat(
+    flat: Flattened,
+    path: str | os.PathLike[str],
+    *,
+    backend: str | None = None,
+    block_bytes: int | None = None,
+    staging_bytes: int | None = None,
+    io_threads: int | None = None,
+    progress: ProgressCallback | None = None,
+    process_group: Any = None,
+) -> SaveInfo:
+    """:func:`save` of a state dict already flattened (the Checkpointer flattens each state dict
+    once, when ``save`` is called, and its snapshots are Flattened records over host copies)."""
+    if process_group is not None:
+        return save_parallel(
+            None,
+            path,
+            flat=flat,
+            process_group=process_group,
+            backend=backend,
+            block_bytes=block_bytes,
+            staging_bytes=staging_bytes,
+            io_threads=io_threads,
+            progress=progress,
+        )
+    t0 = time.perf_counter()
+    cfg = settings.current(
+        backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes, io_threads=io_threads
+    )
+    return _save_single(flat, os.fspath(path), cfg, progress, t0)
+
+
+def _save_single(
+    flat: Flattened,
+    path: str,
+    cfg: settings.Settings,
+    progress: ProgressCallback | None,
+    t0: float,
+) -> SaveInfo:
     plan = plan_single_writer([s.nbytes for s in flat.storages])
     check_replaceable(path)
     tmp = make_temporary(path)

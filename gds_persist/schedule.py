@@ -25,7 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .format import ALIGNMENT, align_up, local_file_name, rank_data_file_name
-from .plan import FilePlan, layout_file
+from .layout import FilePlan, layout_file
 
 Piece = tuple[int, int, int]  # (item index, start byte within the item, length)
 

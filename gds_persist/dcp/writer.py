@@ -50,7 +50,7 @@ from ..format import (
     dump_manifest,
 )
 from ..format import tree as _tree
-from ..plan import layout_file
+from ..layout import layout_file
 from ..progress import ByteCounter, ProgressCallback
 from ..transfer.commit import abort, check_replaceable, commit, make_temporary, write_manifest
 from ..transfer.pipeline import byte_view

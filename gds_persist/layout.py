@@ -1,4 +1,4 @@
-"""Stage 2 of a save: decide where every byte goes. Pure data, no I/O.
+"""Stage 2 of a save: the layout of data files, i.e. where every byte goes. Pure data, no I/O.
 
 A :class:`SavePlan` lists data files and, for each, the extents it holds at aligned offsets.
 The single-writer plan lays storages out in order, each at the next aligned offset. The
