@@ -1,6 +1,6 @@
 """The distributed glue: the only module that calls ``torch.distributed``.
 
-A :class:`Comm` gives the save and load orchestration (``parallel_save``, ``parallel_load``) the
+A :class:`Comm` gives the save and load orchestration (``parallel_save``, ``load``) the
 few collectives they need: exchange small JSON messages, broadcast / all-gather byte buffers, and
 :meth:`Comm.agree` - run a local step, then learn every rank's outcome, so that when one rank fails
 *every* rank raises an error naming it and its cause, instead of the others hanging.

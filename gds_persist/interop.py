@@ -12,10 +12,10 @@ builds only tensors and plain containers and never runs code from the file.
 Memory
 ------
 * safetensors export streams: the header is computed from the manifest alone, then the data is
-  read block by block through the staging ring (CRC32C checked per extent) and written at its
-  final offset. Memory stays at one staging block, except for a storage that holds a
-  non-contiguous view: that storage is read whole (bounded by that storage, not the checkpoint)
-  so the view can be made contiguous.
+  read block by block through the staging ring by the reader ``load`` uses (CRC32C checked per
+  extent) and written at its final offset. Memory stays at the staging ring (``staging_bytes``),
+  except for a storage that holds a non-contiguous view: that storage is read whole (bounded by
+  that storage, not the checkpoint) so the view can be made contiguous.
 * torch export cannot stream: ``torch.save`` pickles a complete object graph, so the whole state
   dict is loaded into host memory first (as ``torch.save`` itself requires).
 * imports map the source file (``mmap``): a zip-format ``torch.save`` file is opened with
@@ -62,24 +62,19 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from . import settings
-from .backends import choose_backend
 from .backends.posix import pwrite_all
-from .errors import CheckpointError, ChecksumError, TruncatedError
+from .errors import CheckpointError
 from .flatten import flatten, rebuild_tensor
-from .format import DTYPES, Manifest, TensorRecord, align_up, data_file_path, full_tree
-from .format.checksum import crc32c
+from .format import DTYPES, Extent, Manifest, TensorRecord, full_tree
 from .format.tree import decode, path_str, tensor_key_paths, validate
-from .load import load, read_manifest
+from .load import load, read_extents, read_manifest
 from .progress import ByteCounter, ProgressCallback
 from .results import ExportInfo, SaveInfo
 from .save import save
 from .transfer.commit import fsync_path
-from .transfer.reader import check_file
-from .transfer.staging import AlignedBuffer
 
 FORMATS = ("torch", "safetensors")
 META_KEY = "gds_persist"
@@ -375,6 +370,10 @@ class _SafetensorsExport:
         self.cfg = settings.current(backend=backend)
         self.counter = ByteCounter(progress, sum(e.nbytes for e in self.entries))
         self.paths = tensor_key_paths(tree)
+        # streamed storages: (storage bytes lo, hi, offset in the output) of each tensor
+        self.ranges: dict[int, list[tuple[int, int, int]]] = {}
+        self.fd = -1
+        self.data_start = 0
 
     def describe(self, storage: int) -> str:
         names = [path_str(self.paths[e.index]) for e in self.entries if e.record.storage == storage]
@@ -383,10 +382,6 @@ class _SafetensorsExport:
         )
 
     def run(self) -> ExportInfo:
-        be, _ = choose_backend(
-            self.cfg.backend, self.path, False, self.cfg.io_threads, self.cfg.block_bytes
-        )
-        self.be = be
         out = _AtomicFile(self.out)
         self.fd = out.fd
         self.data_start = len(self.header)
@@ -403,25 +398,24 @@ class _SafetensorsExport:
             by_storage: dict[int, list[_StEntry]] = {}
             for e in self.entries:
                 by_storage.setdefault(e.record.storage, []).append(e)
-            handles: dict[int, Any] = {}
-            self.buf = AlignedBuffer(self.cfg.block_bytes, pin=False)
-            try:
-                for storage, entries in by_storage.items():
-                    if all(_is_contiguous(e.record) for e in entries):
-                        self._stream_storage(storage, entries, handles)
-                    else:
-                        notes.append(
-                            f"{self.describe(storage)}: non-contiguous view(s) "
-                            "written as contiguous copies"
-                        )
-                        self._copy_storage(storage, entries, handles)
-            finally:
-                for h in handles.values():
-                    self.be.close(h)
-                try:
-                    self.buf.close()
-                except BufferError:  # a view is still held by an exception's traceback;
-                    pass  # the mapping is freed with it
+            copied = []
+            for storage, entries in by_storage.items():
+                if all(_is_contiguous(e.record) for e in entries):
+                    ranges = self.ranges[storage] = []
+                    for e in entries:
+                        lo = e.record.storage_offset * DTYPES[e.record.dtype].itemsize
+                        ranges.append((lo, lo + e.nbytes, self.data_start + e.begin))
+                else:
+                    notes.append(
+                        f"{self.describe(storage)}: non-contiguous view(s) "
+                        "written as contiguous copies"
+                    )
+                    copied.append((storage, entries))
+            streamed = [e for e in self.m.extents if e.storage in self.ranges]
+            read_extents(self.path, self.m, streamed, None, self.cfg, describe=self.describe,
+                         on_bytes=self._stream_piece)
+            for storage, entries in copied:
+                self._copy_storage(storage, entries)
             out.commit()
         except BaseException:
             out.abort()
@@ -433,59 +427,24 @@ class _SafetensorsExport:
             self.out, "safetensors", len(self.entries), os.path.getsize(self.out), notes
         )
 
-    def _extents(self, storage: int) -> list[Any]:
-        return sorted((e for e in self.m.extents if e.storage == storage), key=lambda e: e.start)
+    def _stream_piece(self, e: Extent, start: int, piece: memoryview) -> None:
+        """Bytes ``[start, start + len(piece))`` of storage ``e.storage``, read and about to be
+        checksummed: write them wherever the safetensors file holds them."""
+        stop = start + piece.nbytes
+        for lo, hi, out_off in self.ranges[e.storage]:
+            a, b = max(lo, start), min(hi, stop)
+            if a < b:
+                pwrite_all(self.fd, piece[a - start : b - start], out_off + a - lo)
+                self.counter.add(b - a)
 
-    def _blocks(self, storage: int, handles: dict[int, Any]) -> Iterator[tuple[int, memoryview]]:
-        """Yield ``(storage_offset, bytes)`` pieces of the storage in order, checking CRC32C."""
-        block = self.cfg.block_bytes
-        for e in self._extents(storage):
-            if e.file not in handles:
-                handles[e.file] = self.be.open(
-                    check_file(os.path.dirname(data_file_path(self.path, self.m, e.file)),
-                               self.m.files[e.file]), write=False
-                )
-            h = handles[e.file]
-            file_path = data_file_path(self.path, self.m, e.file)
-            crc = 0
-            end = e.offset + e.length
-            for lo in range(e.offset, end, block):
-                hi = min(lo + block, align_up(end))
-                got = self.be.pread(h, self.buf.view[: hi - lo], lo)
-                n = min(hi, end) - lo
-                if got < n:
-                    raise TruncatedError(f"{file_path}: short read at offset {lo}")
-                with self.buf.view[:n] as piece:
-                    crc = crc32c(piece, crc)
-                    yield e.start + (lo - e.offset), piece
-            if crc != e.crc32c:
-                raise ChecksumError(
-                    f"checksum mismatch in {self.describe(storage)}: file "
-                    f"{file_path}, offset {e.offset}, "
-                    f"{e.length} bytes: recorded crc32c {e.crc32c:08x}, read {crc:08x}; the data "
-                    "file is corrupted - nothing was exported"
-                )
-
-    def _stream_storage(
-        self, storage: int, entries: list[_StEntry], handles: dict[int, Any]
-    ) -> None:
-        ranges = []
-        for e in entries:
-            itemsize = DTYPES[e.record.dtype].itemsize
-            lo = e.record.storage_offset * itemsize
-            ranges.append((lo, lo + e.nbytes, self.data_start + e.begin))
-        for start, piece in self._blocks(storage, handles):
-            stop = start + piece.nbytes
-            for lo, hi, out_off in ranges:
-                a, b = max(lo, start), min(hi, stop)
-                if a < b:
-                    pwrite_all(self.fd, piece[a - start : b - start], out_off + a - lo)
-                    self.counter.add(b - a)
-
-    def _copy_storage(self, storage: int, entries: list[_StEntry], handles: dict[int, Any]) -> None:
+    def _copy_storage(self, storage: int, entries: list[_StEntry]) -> None:
+        """Read one storage whole (bounded by that storage), then write its tensors as
+        contiguous copies."""
         data = torch.empty(self.m.storages[storage].nbytes, dtype=torch.uint8)
-        for start, piece in self._blocks(storage, handles):
-            data[start : start + piece.nbytes].numpy()[:] = np.frombuffer(piece, dtype=np.uint8)
+        dests: list[torch.Tensor | None] = [None] * len(self.m.storages)
+        dests[storage] = data
+        extents = [e for e in self.m.extents if e.storage == storage]
+        read_extents(self.path, self.m, extents, dests, self.cfg, describe=self.describe)
         untyped = data.untyped_storage()
         for e in entries:
             t = rebuild_tensor(e.record, untyped).detach().contiguous()

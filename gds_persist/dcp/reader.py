@@ -22,7 +22,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -32,15 +32,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import settings
-from ..backends import choose_backend
 from ..errors import CheckpointError, ManifestError
 from ..format import DTYPES, MANIFEST_NAME, Extent, Manifest
 from ..format.tree import decode
-from ..load import read_manifest
+from ..load import read_extents, read_manifest
 from ..progress import ByteCounter, ProgressCallback
 from ..transfer.pipeline import byte_view
-from ..transfer.reader import FileReader, check_file
-from ..transfer.staging import io_session
 from ._codec import decode_metadata
 from .writer import WRITER_TAG
 
@@ -267,54 +264,34 @@ class _ReadJob:
                     staged.append((rec, reqs, [target]))
                 continue
             staged.append((rec, reqs, None))
-        cfg = settings.current(backend=self.r.backend)
-        wants_device = any(dest.is_cuda for *_, dest in direct)
-        be, _ = choose_backend(
-            cfg.backend, self.r.path, wants_device, cfg.io_threads, cfg.block_bytes
-        )
-        with io_session(
-            cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
-        ) as (ring, pool):
-            self.be, self.ring, self.pool, self.cfg = be, ring, pool, cfg
-            if direct:
-                self._read([(rec, dest) for rec, _, _, dest in direct])
-                for _, req, target, _ in direct:
-                    self.planner.commit_tensor(req, target)
-            batch: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]] = []
-            size = 0
-            for entry in staged:
-                rec = entry[0]
-                if batch and size + rec.nbytes > self.r.read_budget_bytes:
-                    self._staged_batch(batch)
-                    batch, size = [], 0
-                batch.append(entry)
-                size += rec.nbytes
-            if batch:
+        self.cfg = settings.current(backend=self.r.backend)
+        if direct:
+            self._read([(rec, dest) for rec, _, _, dest in direct])
+            for _, req, target, _ in direct:
+                self.planner.commit_tensor(req, target)
+        batch: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]] = []
+        size = 0
+        for entry in staged:
+            rec = entry[0]
+            if batch and size + rec.nbytes > self.r.read_budget_bytes:
                 self._staged_batch(batch)
+                batch, size = [], 0
+            batch.append(entry)
+            size += rec.nbytes
+        if batch:
+            self._staged_batch(batch)
 
     def _read(self, jobs: list[tuple[ItemRecord, torch.Tensor]]) -> None:
         """Read every extent of each record into its byte destination, verifying CRC32C."""
         m = self.r._manifest
         assert m is not None
         names = [rec.describe(None) for rec, _ in jobs]
-        per_file: dict[int, list[Extent]] = {}
-        for local, (rec, _) in enumerate(jobs):
-            for e in rec.extents:
-                per_file.setdefault(e.file, []).append(
-                    Extent(local, e.start, e.length, e.file, e.offset, e.crc32c)
-                )
-        dests = [dest for _, dest in jobs]
-        reader = FileReader(
-            self.be,
-            self.ring,
-            self.pool,
-            self.cfg.io_timeout_s,
-            verify=self.r.verify,
-            describe=lambda i: names[i],
-            progress=self.counter.hook,
-        )
-        for f, extents in sorted(per_file.items()):
-            reader.read(check_file(self.r.path, m.files[f]), extents, dests)
+        # storage indices renumbered to the jobs, so each job's destination is its storage
+        extents = [replace(e, storage=local) for local, (rec, _) in enumerate(jobs)
+                   for e in rec.extents]
+        read_extents(self.r.path, m, extents, [dest for _, dest in jobs], self.cfg,
+                     verify=self.r.verify, describe=lambda i: names[i],
+                     progress=self.counter.hook)
 
     def _staged_batch(
         self, batch: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]]
