@@ -191,10 +191,11 @@ class _Prepared:
     digest: str
 
 
-def _prepare(state_dict: Any, flat: Flattened | None, paths: Sequence[KeyPath],
-             check: str) -> _Prepared:
-    if flat is not None:  # flattened by the caller: all of it replicated
-        replicated, local = flat, flatten([])
+def _prepare(state_dict: Any, paths: Sequence[KeyPath], check: str) -> _Prepared:
+    if isinstance(state_dict, Flattened):  # flattened by the caller: all of it replicated
+        if paths:
+            raise ValueError("rank_local needs the state dict itself, not a flattened one")
+        replicated, local = state_dict, flatten([])
     else:
         replicated, local = split_rank_local(state_dict, paths)
     crcs = None
@@ -219,10 +220,8 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
                   check_replicas: str = "structure", backend: str | None = None,
                   block_bytes: int | None = None, staging_bytes: int | None = None,
                   io_threads: int | None = None,
-                  progress: ProgressCallback | None = None,
-                  flat: Flattened | None = None) -> DistributedSaveInfo:
-    """See :func:`gds_persist.save` (the data-parallel arguments). ``flat``: the state,
-    already flattened (then ``state_dict`` is ignored and nothing is rank-local)."""
+                  progress: ProgressCallback | None = None) -> DistributedSaveInfo:
+    """See :func:`gds_persist.save` (the data-parallel arguments)."""
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
     cfg = settings.current(backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
@@ -230,8 +229,6 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
     if check_replicas not in CHECK_REPLICAS:
         raise ValueError(f"check_replicas={check_replicas!r}; valid: {', '.join(CHECK_REPLICAS)}")
     paths = normalize_paths(rank_local)
-    if flat is not None and paths:
-        raise ValueError("rank_local paths need the state dict itself, not a flattened one")
     roots = [os.path.abspath(os.fspath(d)) for d in (data_dirs or [])]
     if len(set(roots)) != len(roots):
         raise ValueError(f"data_dirs lists a directory twice: {roots}")
@@ -250,7 +247,7 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
     try:
         # 1. prepare --------------------------------------------------------------------------
         def prepare() -> dict[str, Any]:
-            state["prep"] = _prepare(state_dict, flat, paths, check_replicas)
+            state["prep"] = _prepare(state_dict, paths, check_replicas)
             affinity, why = gpu_affinity()
             info: dict[str, Any] = {
                 "digest": state["prep"].digest, "node": node_name(), "affinity": affinity,

@@ -57,8 +57,13 @@ def save(
     limits the writing ranks per node; ``data_dirs`` stripes each node's files over several
     directories (one per drive). ``check_replicas`` compares the replicated state across ranks:
     ``"structure"`` (keys, dtypes, shapes, sizes; default), ``"checksums"`` (also the bytes) or
-    ``"off"``. Returns a :class:`~gds_persist.parallel_save.DistributedSaveInfo` then;
+    ``"off"``. Returns a :class:`~gds_persist.results.DistributedSaveInfo` then;
     ``progress`` then counts this rank's own bytes.
+
+    Internally ``state_dict`` may also be a :class:`~gds_persist.flatten.Flattened` (what
+    ``flatten`` returns): it is written as is, all of it replicated. The Checkpointer flattens
+    each state dict once, when its ``save`` is called, and its snapshots are Flattened records
+    over host copies.
 
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
@@ -83,38 +88,7 @@ def save(
     cfg = settings.current(
         backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes, io_threads=io_threads
     )
-    return _save_single(flatten(state_dict), os.fspath(path), cfg, progress, t0)
-
-
-def save_flat(
-    flat: Flattened,
-    path: str | os.PathLike[str],
-    *,
-    backend: str | None = None,
-    block_bytes: int | None = None,
-    staging_bytes: int | None = None,
-    io_threads: int | None = None,
-    progress: ProgressCallback | None = None,
-    process_group: Any = None,
-) -> SaveInfo:
-    """:func:`save` of a state dict already flattened (the Checkpointer flattens each state dict
-    once, when ``save`` is called, and its snapshots are Flattened records over host copies)."""
-    if process_group is not None:
-        return save_parallel(
-            None,
-            path,
-            flat=flat,
-            process_group=process_group,
-            backend=backend,
-            block_bytes=block_bytes,
-            staging_bytes=staging_bytes,
-            io_threads=io_threads,
-            progress=progress,
-        )
-    t0 = time.perf_counter()
-    cfg = settings.current(
-        backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes, io_threads=io_threads
-    )
+    flat = state_dict if isinstance(state_dict, Flattened) else flatten(state_dict)
     return _save_single(flat, os.fspath(path), cfg, progress, t0)
 
 
