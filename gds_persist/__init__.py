@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from . import settings
 from ._version import __version__
-from .checkpointer import Checkpointer, SaveHandle
 from .errors import (
     BackendError,
     CheckpointError,
@@ -32,6 +31,7 @@ from .interop import export_checkpoint, import_checkpoint
 from .load import load, read_manifest, verify
 from .results import SaveInfo
 from .save import save
+from .training.checkpointer import Checkpointer, SaveHandle
 
 __all__ = [
     "BackendError",

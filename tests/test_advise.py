@@ -8,7 +8,7 @@ import math
 import pytest
 
 from gds_persist import cli
-from gds_persist.advise import (
+from gds_persist.training.interval import (
     advise,
     daly_interval,
     lost_work,

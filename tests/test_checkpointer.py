@@ -3,6 +3,7 @@ snapshot memory bound, handle semantics, background errors, close."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import threading
@@ -14,8 +15,8 @@ import torch
 import gds_persist
 from gds_persist import Checkpointer, CheckpointError, CheckpointTimeout, WorkerDied
 from gds_persist.flatten import flatten
-from gds_persist.snapshot import SAVED_DEVICE_ATTR, snapshot_nbytes
-from gds_persist.steps import LATEST, step_name
+from gds_persist.training.snapshot import SnapshotArena, snapshot_nbytes, take_snapshot
+from gds_persist.training.steps import LATEST, step_name
 from tests.ckpt_train import (
     assert_identical,
     make,
@@ -364,12 +365,24 @@ def test_snapshot_preserves_tied_storages_views_and_parameters(tmp_path):
     assert_identical({k: v for k, v in out.items()}, sd)
 
 
-def test_snapshot_copy_records_the_device_it_came_from():
+def test_snapshot_copy_records_the_device_it_came_from(tmp_path):
     """A host snapshot of a CUDA tensor is recorded in the manifest as that CUDA tensor."""
-    t = torch.ones(3)
-    setattr(t, SAVED_DEVICE_ATTR, "cuda:0")
-    assert flatten({"t": t, "u": torch.ones(2)}).storages[0].device == "cuda:0"
-    assert flatten({"u": torch.ones(2)}).storages[0].device == "cpu"
+    live = flatten({"t": torch.ones(3), "u": torch.ones(2)})
+    # as flatten records a CUDA state dict (no GPU here: the record says where it was saved from)
+    live.storages[0] = dataclasses.replace(live.storages[0], device="cuda:0")
+    arena = SnapshotArena(1 << 16, 10.0)
+    r = arena.reserve(snapshot_nbytes(live))
+    snap = take_snapshot(live, arena, r)
+    assert [s.device for s in snap.storages] == ["cuda:0", "cpu"]
+    assert all(o.device.type == "cpu" for o in snap.storage_objects)  # host copies
+    gds_persist.save(snap, tmp_path / "ck")
+    assert [s.device for s in gds_persist.read_manifest(tmp_path / "ck").storages] == [
+        "cuda:0", "cpu"]
+    out = gds_persist.load(tmp_path / "ck", map_location="cpu")
+    assert torch.equal(out["t"], torch.ones(3)) and torch.equal(out["u"], torch.ones(2))
+    del snap
+    arena.free(r)
+    arena.close()
 
 
 # ---------------------------------------------------------------- writer="process"

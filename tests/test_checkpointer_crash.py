@@ -25,7 +25,7 @@ import pytest
 
 import gds_persist
 from gds_persist.format import MANIFEST_NAME
-from gds_persist.steps import latest_step, parse_step, read_latest, step_name
+from gds_persist.training.steps import latest_step, parse_step, read_latest, step_name
 from tests.ckpt_train import assert_identical, make, one_thread, reference, restore, state, train
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

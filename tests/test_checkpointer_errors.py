@@ -14,7 +14,7 @@ import torch
 
 import gds_persist
 from gds_persist import Checkpointer, DiskFullError
-from gds_persist.steps import step_name
+from gds_persist.training.steps import step_name
 
 
 def _mount(target: str, *options: str) -> str | None:

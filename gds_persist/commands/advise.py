@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..advise import advise, describe, parse_duration
+from ..training.interval import advise, describe, parse_duration
 
 
 def register(sub: argparse._SubParsersAction) -> None:

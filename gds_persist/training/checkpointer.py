@@ -34,9 +34,12 @@ Threads: one writer thread (plus a snapshot thread in snapshot mode) per Checkpo
 work (``copy_``, CRC32C, ``pwrite``, ``fsync``) releases the GIL, but core ``save``'s Python
 around it does not: a training loop that is itself mostly Python waits for it (measured in
 docs/TRAINING.md). ``writer="process"`` (snapshot mode) moves the write to a helper process
-(:mod:`gds_persist.helper`); the training process then only copies into the shared arena. Every
-wait is bounded (``timeout_s``) and watches the threads and the helper: one that dies fails the
-save it was doing (a new one takes the next), never hangs.
+(:mod:`gds_persist.training.helper`); the training process then only copies into the shared
+arena. Every wait is bounded (``timeout_s``) and watches the threads and the helper: one that
+dies fails the save it was doing (a new one takes the next), never hangs.
+
+Each state dict is flattened once, by ``save`` (so a state dict a checkpoint cannot hold raises
+there, naming the key), and that Flattened (or its snapshot) is what core ``save`` writes.
 A background error is raised by ``handle.wait()``, else by the next ``save``/``wait``/``close``.
 """
 
@@ -59,15 +62,15 @@ from typing import Any
 
 import torch
 
-from . import settings
+from .. import settings
+from ..distributed import make_comm
+from ..errors import CheckpointError, CheckpointTimeout, SnapshotTooLarge, WorkerDied
+from ..flatten import Flattened, flatten
+from ..load import load as core_load
+from ..results import SaveInfo
+from ..save import save as core_save
 from . import steps as _steps
-from .distributed import make_comm
-from .errors import CheckpointError, CheckpointTimeout, SnapshotTooLarge, WorkerDied
-from .flatten import Flattened, flatten
 from .helper import HelperProcess
-from .load import load as core_load
-from .save import SaveInfo
-from .save import save as core_save
 from .snapshot import (
     Reservation,
     SnapshotArena,
@@ -152,8 +155,8 @@ class SaveHandle:
 @dataclass
 class _Job:
     handle: SaveHandle
-    state_dict: Any  # the caller's (live) state dict, or its snapshot once taken
-    flat: Flattened | None
+    flat: Flattened | None  # the caller's state, flattened at save() (live tensors), or its
+    # snapshot once taken (host copies; the records keep the devices they were saved from)
     events: list[tuple[torch.device, Any]]  # (device, CUDA event recorded at save())
     reservation: Reservation | None = None
     remote: dict[str, Any] | None = None  # writer="process": the snapshot, described for the helper
@@ -278,7 +281,7 @@ class Checkpointer:
         self._rollback_to = None
         mode = self.mode
         handle = SaveHandle(self, step, _steps.step_path(self.root, step), mode)
-        job = _Job(handle, state_dict, flat, _record_events(flat))
+        job = _Job(handle, flat, _record_events(flat))
         with self._lock:
             self._floor = step
             self._pending.append(handle)
@@ -466,7 +469,7 @@ class Checkpointer:
         raise first
 
     def _fail(self, job: _Job, error: BaseException) -> None:
-        job.state_dict = job.flat = None
+        job.flat = None
         if error.__traceback__ is not None:  # drop the frames' references to the tensors
             traceback.clear_frames(error.__traceback__)
         self._free(job)
@@ -584,10 +587,10 @@ class Checkpointer:
                 offsets = copy_storages(f, self._arena, job.reservation)
                 job.remote = {"tree": f.tree, "tensors": f.tensors, "storages": f.storages,
                               "offsets": offsets, "arena": self._arena.shared}
-                job.state_dict = None
+                job.flat = None
             else:
-                job.state_dict = take_snapshot(job.flat, self._arena, job.reservation)
-            job.flat, job.events = None, []
+                job.flat = take_snapshot(job.flat, self._arena, job.reservation)
+            job.events = []
             h._released.set()
             self._queues["write"].put(job)
         except Exception as e:  # noqa: BLE001 - reported through the handle
@@ -613,8 +616,9 @@ class Checkpointer:
                                             "Checkpointer(timeout_s=...) if the drive is slow"
                                             ) from None
             else:
-                info = core_save(job.state_dict, h.path, **kwargs)
-            job.state_dict = job.flat = None
+                assert job.flat is not None
+                info = core_save(job.flat, h.path, **kwargs)  # flattened once, at save()
+            job.flat = None
             self._free(job)
             h._released.set()
             # Every rank's save has returned; rank 0 publishes and every rank learns the outcome,
@@ -676,7 +680,8 @@ def _close_at_exit() -> None:
 
 
 # Run before concurrent.futures refuses new work at shutdown (a save uses a thread pool):
-# threading's exit hooks run last-registered first, and .save imported concurrent.futures above.
+# threading's exit hooks run last-registered first, and ..save imported concurrent.futures above
+# (through transfer.staging).
 _register = getattr(threading, "_register_atexit", None)
 if _register is not None:
     _register(_close_at_exit)

@@ -23,8 +23,8 @@ import re
 import shutil
 import uuid
 
-from .format import MANIFEST_NAME
-from .transfer.commit import fsync_path
+from ..format import MANIFEST_NAME
+from ..transfer.commit import fsync_path
 
 LATEST = "latest"
 _STEP = re.compile(r"^step-(\d+)$")

@@ -1,18 +1,19 @@
 """The helper process of ``Checkpointer(mode="snapshot", writer="process")``.
 
-Why: a writer *thread* runs core ``save``'s Python (flatten, plan, the per-piece copy/CRC loop, the
+Why: a writer *thread* runs core ``save``'s Python (plan, the per-piece copy/CRC loop, the
 manifest) in the training process, and a training loop that is itself mostly Python (many small
 ops, or a GPU loop launching kernels) waits for the GIL meanwhile: measured at about 16 ms per
 checkpoint of ~800 small tensors (docs/TRAINING.md). In a helper process that work takes no GIL
 from training; the training process only copies the tensors into the shared snapshot arena.
 
 Protocol (pickled, over a socketpair): the Checkpointer's writer thread sends one job at a time
-(where the snapshot lies in the arena, the state dict's tree and records, the save arguments) and
+(where the snapshot lies in the arena, the flattened state's tree and records, the save
+arguments: the same description the thread writer gets as a Flattened) and
 waits, bounded and watching the process, for ``("ok", seq, SaveInfo)`` or ``("error", seq,
 exception)``. The helper drops its views of the arena before it answers, so the arena bytes can be
-reused at once. It dies with the
-training process (PR_SET_PDEATHSIG, and a watchdog on its parent pid), so that a killed trainer
-never leaves it writing into a root a restarted trainer uses.
+reused at once. It dies with the training process (PR_SET_PDEATHSIG, and a watchdog on its
+parent pid), so that a killed trainer never leaves it writing into a root a restarted trainer
+uses.
 """
 
 from __future__ import annotations
@@ -28,16 +29,18 @@ import sys
 import threading
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
-from .errors import CheckpointError, WorkerDied
+from ..errors import CheckpointError, WorkerDied
 
 
 class HelperProcess:
     """One helper process; :meth:`write` runs one job in it. Not thread-safe: one caller.
 
-    Started with ``python -m gds_persist._helper_main`` (not ``multiprocessing`` spawn, which would
-    re-run the training script's top-level code in the helper) and talked to over a socketpair.
+    Started with ``python -m gds_persist.training._helper_main`` (not ``multiprocessing`` spawn,
+    which would re-run the training script's top-level code in the helper) and talked to over a
+    socketpair.
     """
 
     def __init__(self) -> None:
@@ -55,13 +58,13 @@ class HelperProcess:
             return
         self.stop(0.0)
         ours, theirs = socket.socketpair()
-        package_parent = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        package_parent = str(Path(os.path.abspath(__file__)).parents[2])  # above gds_persist/
         env = dict(os.environ)  # the helper imports this very gds_persist
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_parent, env.get("PYTHONPATH"))
                                             if p)
         try:
             self._proc = subprocess.Popen(
-                [sys.executable, "-m", "gds_persist._helper_main", str(theirs.fileno()),
+                [sys.executable, "-m", "gds_persist.training._helper_main", str(theirs.fileno()),
                  str(os.getpid())],
                 pass_fds=[theirs.fileno()], env=env, stdin=subprocess.DEVNULL)
         finally:
@@ -153,8 +156,8 @@ def main(conn: Connection, parent: int) -> None:
     _die_with(parent)
     import torch
 
-    from .save import save
-    from .snapshot import map_shared, rebuild
+    from ..save import save
+    from .snapshot import map_shared, over_copies
 
     torch.set_num_threads(1)  # its copies must not take the training's cores
     maps: dict[tuple[int, int, int], Any] = {}
@@ -175,9 +178,9 @@ def main(conn: Connection, parent: int) -> None:
             views = [torch.frombuffer(maps[key], dtype=torch.uint8, count=s.nbytes, offset=off)
                      if s.nbytes else torch.empty(0, dtype=torch.uint8)
                      for s, off in zip(job["storages"], job["offsets"], strict=True)]
-            state = rebuild(job["tree"], job["tensors"], job["storages"], views)
-            info = save(state, job["path"], **job["kwargs"])
-            del state, views  # nothing here may touch the arena bytes once the answer is sent
+            flat = over_copies(job["tree"], job["tensors"], job["storages"], views)
+            info = save(flat, job["path"], **job["kwargs"])
+            del flat, views  # nothing here may touch the arena bytes once the answer is sent
             conn.send(("ok", job["seq"], info))
         except Exception as e:  # noqa: BLE001 - sent back to the Checkpointer
             conn.send(("error", job["seq"], _transportable(e)))

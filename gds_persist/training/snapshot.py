@@ -1,16 +1,17 @@
 """Bounded host snapshots of a state dict, for the Checkpointer's ``snapshot`` mode.
 
-A snapshot copies every distinct storage of a state dict into one :class:`SnapshotArena` (a single
-page-aligned host buffer, pinned where CUDA exists, of a fixed capacity) and rebuilds the same
-state dict over the copies: same tree, same views, storages still shared where they were (tied
-weights stay tied), each copy remembering the device it came from so that the checkpoint written
-from it is the one ``gds_persist.save`` would have written from the live tensors.
+A snapshot copies every distinct storage of a flattened state dict into one
+:class:`SnapshotArena` (a single page-aligned host buffer, pinned where CUDA exists, of a fixed
+capacity) and is the same :class:`~gds_persist.flatten.Flattened` over the copies: same tree and
+tensor records (views, tied weights), and the same storage records, so each storage keeps the
+device it was saved from and the checkpoint written from the snapshot is the one
+``gds_persist.save`` would have written from the live tensors.
 
 The arena never grows: a snapshot that does not fit yet waits (bounded) until earlier ones are
 written and freed; one that can never fit is refused with :class:`SnapshotTooLarge`, and the
 Checkpointer writes that checkpoint straight from the live tensors instead ("fence" mode).
 
-SAFETY: the tensors of a snapshot alias the arena. They must be dropped before their
+SAFETY: the storages of a snapshot alias the arena. They must be dropped before their
 :class:`Reservation` is freed and before the arena is closed.
 """
 
@@ -29,21 +30,16 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointError, SnapshotTooLarge
-from .flatten import Flattened, rebuild_tensor
-from .format import StorageRecord, TensorRecord, align_up
-from .format.tree import decode
-from .transfer.pipeline import byte_view
-from .transfer.staging import AlignedBuffer
+from ..errors import CheckpointError, SnapshotTooLarge
+from ..flatten import Flattened
+from ..format import StorageRecord, TensorRecord, align_up
+from ..transfer.pipeline import byte_view
+from ..transfer.staging import AlignedBuffer
 
 log = logging.getLogger("gds_persist")
 
 PAGE = 4096
 _ALIGN = 64  # every copied storage starts 64-byte aligned (any dtype's element size divides it)
-
-# flatten() records this attribute, when a tensor carries it, as the device a storage was saved
-# from (a snapshot's host copy of a CUDA tensor is recorded as the CUDA tensor).
-SAVED_DEVICE_ATTR = "_gds_persist_saved_device"
 
 
 def snapshot_nbytes(flat: Flattened) -> int:
@@ -192,26 +188,20 @@ def copy_storages(flat: Flattened, arena: SnapshotArena, r: Reservation) -> list
     return offsets
 
 
-def rebuild(tree: Any, tensors: list[TensorRecord], storages: list[StorageRecord],
-            views: list[torch.Tensor]) -> Any:
-    """The state dict over snapshot copies: ``views[i]`` holds storage ``i`` (its own storage);
-    each tensor records the device its storage was saved from."""
-    out = []
-    for record in tensors:
-        t = rebuild_tensor(record, views[record.storage].untyped_storage())
-        saved = storages[record.storage].device
-        if saved != "cpu":
-            setattr(t, SAVED_DEVICE_ATTR, saved)
-        out.append(t)
-    return decode(tree, out)
+def over_copies(tree: Any, tensors: list[TensorRecord], storages: list[StorageRecord],
+                views: list[torch.Tensor]) -> Flattened:
+    """The Flattened of a snapshot: ``views[i]`` holds the bytes of storage ``i`` (its own
+    storage); the tree and records are those of the live state, so each storage keeps the
+    device it was saved from."""
+    return Flattened(tree, list(tensors), list(storages), [v.untyped_storage() for v in views])
 
 
-def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Any:
-    """Copy ``flat``'s storages into ``r``; return the state dict rebuilt over the copies."""
+def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Flattened:
+    """Copy ``flat``'s storages into ``r``; return ``flat`` over the copies."""
     offsets = copy_storages(flat, arena, r)
     views = [arena.view(r, off - r.offset, s.nbytes)
              for off, s in zip(offsets, flat.storages, strict=True)]
-    return rebuild(flat.tree, flat.tensors, flat.storages, views)
+    return over_copies(flat.tree, flat.tensors, flat.storages, views)
 
 
 class SharedBuffer(AlignedBuffer):
