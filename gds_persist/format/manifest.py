@@ -251,13 +251,8 @@ class _ManifestValidator:
             tree = sec["tree"]
             if not _is_int(sec["rank"], 0, 1 << 24):
                 raise self.fail(f"sections[{i}] rank {sec['rank']!r} is not a rank")
-            if not (
-                isinstance(tree, dict)
-                and tree.get("t") == "list"
-                and set(tree) == {"t", "v"}
-                and isinstance(tree["v"], list)
-                and len(tree["v"]) == self.n_local
-            ):
+            items = _tree.list_items(tree)
+            if items is None or len(items) != self.n_local:
                 raise self.fail(
                     f"sections[{i}] tree must be a list of {self.n_local} subtrees, "
                     "one per rank-local placeholder"
@@ -394,7 +389,9 @@ def sections_tree(m: Manifest, ranks: Any = None) -> Any:
     ``ranks`` None: by ``{"t": "dict", "k": [rank, ...], "v": [subtree, ...]}`` over every
     section (all ranks' parts); an int: by that rank's subtree (ManifestError if it has none).
     """
-    by_rank = {s.rank: s.tree["v"] for s in sorted(m.sections, key=lambda s: s.rank)}
+    by_rank = {
+        s.rank: _tree.list_items(s.tree) or [] for s in sorted(m.sections, key=lambda s: s.rank)
+    }
     if (
         isinstance(ranks, int)
         and not isinstance(ranks, bool)

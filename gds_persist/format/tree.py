@@ -94,6 +94,14 @@ def children(node: Any) -> list[tuple[Any, Any]]:
     return []
 
 
+def list_items(node: Any) -> list[Any] | None:
+    """The items of a list node (exactly ``{"t": "list", "v": [...]}``); None for anything
+    else. Safe on unchecked input."""
+    if kind(node) == LIST and set(node) == {"t", "v"} and isinstance(node["v"], list):
+        return list(node["v"])
+    return None
+
+
 def walk(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     """Every node and plain value of the tree with its key path, in tree order."""
     yield path, node
