@@ -88,9 +88,7 @@ class _Flattener:
         if storage.nbytes() and key in self._storage_index:
             return self._storage_index[key]
         index = len(self.storages)
-        # A host snapshot of a CUDA tensor (gds_persist.snapshot) records the device it came from.
-        device = getattr(t, "_gds_persist_saved_device", None) or str(t.device)
-        self.storages.append(StorageRecord(nbytes=storage.nbytes(), device=device))
+        self.storages.append(StorageRecord(nbytes=storage.nbytes(), device=str(t.device)))
         self.storage_objects.append(storage)
         if storage.nbytes():
             self._storage_index[key] = index
