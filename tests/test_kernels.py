@@ -320,6 +320,33 @@ def test_wheel_ships_the_kernel_source(tmp_path):
     assert not any(n.startswith("kernels/") for n in names)  # no stray top-level package
 
 
+# --- the host/device dispatch (CPU side) ----------------------------------------------------------
+
+def test_dispatch_of_host_tensors_is_the_host_crc():
+    import torch
+
+    from gds_persist.transfer.crc import device_crc32c, device_crc32c_many
+
+    x = torch.randn(1000, 3, dtype=torch.bfloat16)  # any dtype: its bytes are checksummed
+    assert device_crc32c(x) == crc32c(x.view(torch.uint8).numpy())
+    assert device_crc32c_many([torch.zeros(0, dtype=torch.uint8), torch.arange(7).to(torch.uint8)]
+                              ) == [0, crc32c(bytes(range(7)))]
+
+
+def test_an_unusable_kernel_raises_its_reason(monkeypatch):
+    import torch
+
+    from gds_persist import BackendError
+    from gds_persist.transfer import device_crc
+
+    with pytest.raises(TypeError, match="takes CUDA tensors"):
+        device_crc.cuda_crc32c_many([torch.zeros(4, dtype=torch.uint8)])
+    monkeypatch.setattr(device_crc, "_unavailable", "device CRC32C kernel unusable (test)")
+    with pytest.raises(BackendError, match=r"unusable \(test\)"):
+        device_crc.cuda_crc32c_many([])
+    assert device_crc.device_crc_status() == (False, "device CRC32C kernel unusable (test)")
+
+
 # --- on a GPU -------------------------------------------------------------------------------------
 
 def _cuda_or_skip():
