@@ -46,6 +46,7 @@ from .format.tree import decode, tensor_indices
 from .progress import ByteCounter, ProgressCallback
 from .results import VerifyReport
 from .schedule import plan_reads
+from .stages import stage
 from .transfer.commit import is_temporary
 from .transfer.reader import (
     Describe,
@@ -125,8 +126,10 @@ def read_extents(path: str, m: Manifest, extents: Sequence[Extent], dests: Dests
             directory = os.path.dirname(full)
             check_file(directory, m.files[index])
             if directory not in chosen:
-                chosen[directory] = choose_backend(cfg.backend, directory, wants_device,
-                                                   cfg.io_threads, cfg.block_bytes)[0]
+                with stage("choose backend"):
+                    chosen[directory] = choose_backend(
+                        cfg.backend, directory, wants_device, cfg.io_threads, cfg.block_bytes
+                    )[0]
             reader = FileReader(chosen[directory], ring, pool, cfg.io_timeout_s, verify=verify,
                                 describe=describe, on_checksum=on_checksum, on_bytes=on_bytes,
                                 progress=progress)
@@ -199,7 +202,8 @@ def load(
     holder: dict[str, Manifest] = {}
 
     def open_manifest() -> None:
-        holder["m"] = read_manifest(path)
+        with stage("manifest"):
+            holder["m"] = read_manifest(path)
 
     comm.agree("manifest", open_manifest, what)
     m = holder["m"]
@@ -232,10 +236,11 @@ def load(
         for index in sorted({e.file for e in m.extents if e.storage in wanted_storages}):
             full = data_file_path(path, m, index, roots)  # fail before allocating memory
             check_file(os.path.dirname(full), m.files[index])
-        for s in needed:
-            rec = m.storages[s]
-            device = _target_device(rec.device, map_location, distributed)
-            dests[s] = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
+        with stage("allocate destinations"):
+            for s in needed:
+                rec = m.storages[s]
+                device = _target_device(rec.device, map_location, distributed)
+                dests[s] = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
         if not share:
             mine = [e for e in m.extents if e.storage in wanted_storages]
             counter = ByteCounter(progress, sum(align_up(e.length) for e in mine))
@@ -271,11 +276,12 @@ def load(
     if callable(map_location) and not isinstance(map_location, dict):
         storages = [_apply_callable(map_location, s, rec.device) if s is not None else None
                     for s, rec in zip(storages, m.storages, strict=True)]
-    tensors: list[Any] = [None] * len(m.tensors)  # only those in ``tree`` are needed
-    for i in wanted:
-        t = m.tensors[i]
-        tensors[i] = rebuild_tensor(t, storages[t.storage])  # type: ignore[arg-type]
-    return decode(tree, tensors)
+    with stage("rebuild tensors"):
+        tensors: list[Any] = [None] * len(m.tensors)  # only those in ``tree`` are needed
+        for i in wanted:
+            t = m.tensors[i]
+            tensors[i] = rebuild_tensor(t, storages[t.storage])  # type: ignore[arg-type]
+        return decode(tree, tensors)
 
 
 def _my_pieces(m: Manifest, replicated: set[int],

@@ -16,11 +16,12 @@ from ._version import __version__
 from .backends import choose_backend
 from .errors import DiskFullError
 from .flatten import Flattened, flatten
-from .format import Manifest, dump_manifest
-from .layout import plan_single_writer
+from .format import Extent, Manifest, dump_manifest
+from .layout import SavePlan, plan_single_writer
 from .parallel_save import save_parallel
 from .progress import ByteCounter, ProgressCallback
 from .results import SaveInfo
+from .stages import stage
 from .transfer.commit import abort, check_replaceable, commit, make_temporary, write_manifest
 from .transfer.writer import write_plan
 
@@ -88,7 +89,8 @@ def save(
     cfg = settings.current(
         backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes, io_threads=io_threads
     )
-    flat = state_dict if isinstance(state_dict, Flattened) else flatten(state_dict)
+    with stage("flatten"):
+        flat = state_dict if isinstance(state_dict, Flattened) else flatten(state_dict)
     return _save_single(flat, os.fspath(path), cfg, progress, t0)
 
 
@@ -99,17 +101,19 @@ def _save_single(
     progress: ProgressCallback | None,
     t0: float,
 ) -> SaveInfo:
-    plan = plan_single_writer([s.nbytes for s in flat.storages])
-    check_replaceable(path)
-    tmp = make_temporary(path)
+    with stage("plan + temporary directory"):
+        plan = plan_single_writer([s.nbytes for s in flat.storages])
+        check_replaceable(path)
+        tmp = make_temporary(path)
     try:
-        be, reason = choose_backend(
-            cfg.backend,
-            tmp,
-            any(s.is_cuda for s in flat.storage_objects),
-            cfg.io_threads,
-            cfg.block_bytes,
-        )
+        with stage("choose backend"):
+            be, reason = choose_backend(
+                cfg.backend,
+                tmp,
+                any(s.is_cuda for s in flat.storage_objects),
+                cfg.io_threads,
+                cfg.block_bytes,
+            )
         counter = ByteCounter(progress, plan.total_bytes)
         extents = write_plan(be, tmp, plan.files, flat.storage_objects, cfg, counter.hook)
         if getattr(be, "fallback_reason", None):  # kvikio switched to POSIX I/O mid-save
@@ -122,20 +126,8 @@ def _save_single(
             "host": socket.gethostname(),
             "world_size": 1,
         }
-        write_manifest(
-            tmp,
-            dump_manifest(
-                Manifest(
-                    [f.data_file for f in plan.files],
-                    flat.storages,
-                    flat.tensors,
-                    extents,
-                    flat.tree,
-                    writer,
-                )
-            ),
-        )
-        commit(tmp, path)
+        with stage("commit (manifest, fsync, rename)"):
+            _commit_single(tmp, path, plan, flat, extents, writer)
         counter.finish()
     except OSError as e:
         abort(tmp)
@@ -162,3 +154,12 @@ def _save_single(
         len(flat.storages),
         [f.name for f in plan.files],
     )
+
+
+def _commit_single(tmp: str, path: str, plan: SavePlan, flat: Flattened, extents: list[Extent],
+                   writer: dict[str, Any]) -> None:
+    """Seal the written files with the manifest and swap the temporary directory into place."""
+    files = [f.data_file for f in plan.files]
+    manifest = Manifest(files, flat.storages, flat.tensors, extents, flat.tree, writer)
+    write_manifest(tmp, dump_manifest(manifest))
+    commit(tmp, path)

@@ -156,3 +156,21 @@ def test_a_failing_method_is_reported_and_the_rest_still_run(tmp_path, capsys, m
     assert {r["key"] for r in data["rows"]} == {"drive", "torch"}
     assert all(r["runs"] == 2 for r in data["rows"])
     assert data["order"][1] == ["torch", "drive"]  # dropped from the later repetitions
+
+
+def test_stage_profile_runs_tiny_and_names_the_stages(tmp_path, capsys):
+    """bench/profile_stages.py: every stage of a save and a load is timed and printed."""
+    from bench import profile_stages
+
+    out = tmp_path / "profile.json"
+    assert profile_stages.main(["--size", "2MiB", "--dir", str(tmp_path), "--runs", "1",
+                                "--cache-drop", "per-file", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    save_stages = {r["stage"] for r in data["save"]["stages"]}
+    load_stages = {r["stage"] for r in data["load"]["stages"]}
+    assert {"flatten", "checksum", "write", "fsync"} <= save_stages, save_stages
+    assert {"manifest", "read", "checksum"} <= load_stages, load_stages
+    assert all(r["thread_s"] >= 0 and r["calls"] >= 1 for r in data["save"]["stages"])
+    assert "lowest bound:" in printed
+    assert list(tmp_path.iterdir()) == [out]  # the checkpoints it wrote are gone

@@ -27,6 +27,7 @@ LAYERS: dict[str, int] = {
     "gds_persist.settings": 0,
     "gds_persist.progress": 0,
     "gds_persist.results": 0,
+    "gds_persist.stages": 0,
     # 1 format: the only code that knows what is on disk
     "gds_persist.format": 1,
     # 2 transfer: moving and checksumming bytes, committing; backends beside it

@@ -24,6 +24,7 @@ import torch
 
 from ..errors import ChecksumError, TruncatedError
 from ..format import DataFile, Extent, align_up, crc32c
+from ..stages import stage
 from .crc import device_crc32c_many
 from .cuda_copy import StreamCopier, copier_for
 from .pipeline import FilePipeline, block_pieces, drain_quietly, next_first, result_within
@@ -128,7 +129,8 @@ class FileReader(FilePipeline):
             dest = dests[e.storage]
             assert dest is not None
             piece = dest[e.start : e.start + e.length]
-            got = self.backend.pread(handle, piece, e.offset)
+            with stage("read (to device)", e.length):
+                got = self.backend.pread(handle, piece, e.offset)
             if got != e.length:
                 raise TruncatedError(
                     f"{path}: short read at offset {e.offset} ({got} of {e.length} bytes)"
@@ -137,7 +139,9 @@ class FileReader(FilePipeline):
             if self.progress is not None:
                 self.progress(e.length)
         if self.checksums:  # on the device (kernels/crc32c.cu), before the data is handed back
-            for e, crc in zip(extents, device_crc32c_many(pieces), strict=True):
+            with stage("checksum (device)", sum(e.length for e in extents)):
+                crcs = device_crc32c_many(pieces)
+            for e, crc in zip(extents, crcs, strict=True):
                 self._on_checksum(path, e, crc)
 
     def _read_staged(
@@ -155,7 +159,7 @@ class FileReader(FilePipeline):
                 while next_block < len(blocks) and len(in_flight) < self.ring.count:
                     lo, hi = blocks[next_block]
                     buf = self.ring.acquire()
-                    fut = self.pool.submit(self.backend.pread, handle, buf.view[: hi - lo], lo)
+                    fut = self.pool.submit(self._pread, handle, buf.view[: hi - lo], lo)
                     in_flight.append((buf, lo, hi, fut))
                     next_block += 1
                 buf, lo, hi, fut = in_flight.popleft()
@@ -177,6 +181,10 @@ class FileReader(FilePipeline):
                     self.ring.release(buf)
             raise
 
+    def _pread(self, handle: object, view: memoryview, offset: int) -> int:
+        with stage("read", view.nbytes):
+            return self.backend.pread(handle, view, offset)
+
     def _consume(
         self,
         path: str,
@@ -197,17 +205,20 @@ class FileReader(FilePipeline):
                 if dest is not None:
                     dst = dest[at : at + end - start]
                     src = buf.tensor[start - lo : end - lo]
-                    if copier is None:
-                        dst.copy_(src)
-                    else:
-                        copier.copy(dst, src)  # host-to-device on the side stream, under the CRC
+                    with stage("copy from staging" if copier is None else "queue H2D", end - start):
+                        if copier is None:
+                            dst.copy_(src)
+                        else:
+                            copier.copy(dst, src)  # host-to-device on the side stream
                 if self.on_bytes is not None:
                     with buf.view[start - lo : end - lo] as piece:
                         self.on_bytes(e, at, piece)
                 if self.checksums:
-                    crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
+                    with stage("checksum", end - start):
+                        crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
                     if end == e.offset + e.length:
                         self._on_checksum(path, e, crcs[k])
         finally:
             if copier is not None:
-                copier.wait()  # the buffer goes back to the ring only once it was copied out
+                with stage("wait H2D"):
+                    copier.wait()  # the buffer goes back to the ring only once it was copied out

@@ -23,6 +23,7 @@ import torch
 from ..backends.base import Backend
 from ..format import Extent, crc32c
 from ..settings import Settings
+from ..stages import stage
 from .crc import device_crc32c_many
 from .cuda_copy import StreamCopier, copier_for
 from .pipeline import (
@@ -56,7 +57,8 @@ class FileWriter(FilePipeline):
     def write(self, path: str, plan: FileLayout, sources: Sequence[torch.Tensor]) -> list[int]:
         """Write ``plan``'s extents of ``sources`` (flat uint8 tensors, by storage) to ``path``
         and fsync it."""
-        handle = self.backend.open(path, write=True, size=plan.size)
+        with stage("open + preallocate"):
+            handle = self.backend.open(path, write=True, size=plan.size)
         try:
             if self.backend.accepts_device and all(
                 sources[e.storage].is_cuda for e in plan.extents
@@ -64,7 +66,8 @@ class FileWriter(FilePipeline):
                 crcs = self._write_from_device(handle, plan, sources)
             else:
                 crcs = self._write_staged(handle, plan, sources)
-            self.backend.sync(handle)
+            with stage("fsync"):
+                self.backend.sync(handle)
             return crcs
         finally:
             self.backend.close(handle)
@@ -73,9 +76,11 @@ class FileWriter(FilePipeline):
         self, handle: object, plan: FileLayout, sources: Sequence[torch.Tensor]
     ) -> list[int]:
         pieces = [sources[e.storage][e.start : e.start + e.length] for e in plan.extents]
-        crcs = device_crc32c_many(pieces)  # on the device, no host copy; one stream sync
+        with stage("checksum (device)", sum(e.length for e in plan.extents)):
+            crcs = device_crc32c_many(pieces)  # on the device, no host copy; one stream sync
         for e, piece in zip(plan.extents, pieces, strict=True):
-            self.backend.pwrite(handle, piece, e.offset)
+            with stage("write (from device)", e.length):
+                self.backend.pwrite(handle, piece, e.offset)
             if self.progress is not None:
                 self.progress(e.length)
         return crcs
@@ -91,7 +96,8 @@ class FileWriter(FilePipeline):
         try:
             for lo in range(0, plan.size, self.ring.block_bytes):
                 hi = min(lo + self.ring.block_bytes, plan.size)
-                buf = self.ring.acquire()
+                with stage("wait for a staging buffer"):
+                    buf = self.ring.acquire()
                 try:
                     self._fill(buf, lo, hi, plan.extents, first, sources, crcs, copier)
                 except BaseException:
@@ -120,8 +126,27 @@ class FileWriter(FilePipeline):
         crcs: list[int],
         copier: StreamCopier | None = None,
     ) -> None:
-        cursor = lo
         pieces = list(block_pieces(extents, first, lo, hi))
+        with stage("copy to staging" if copier is None else "queue D2H", hi - lo):
+            FileWriter._copy_pieces(buf, lo, hi, extents, pieces, sources, copier)
+        if copier is not None:
+            with stage("wait D2H", hi - lo):
+                copier.wait()  # this buffer's device-to-host copies are done
+        with stage("checksum", sum(end - start for _, start, end in pieces)):
+            for k, start, end in pieces:
+                crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
+
+    @staticmethod
+    def _copy_pieces(
+        buf: AlignedBuffer,
+        lo: int,
+        hi: int,
+        extents: Sequence[Extent],
+        pieces: list[tuple[int, int, int]],
+        sources: Sequence[torch.Tensor],
+        copier: StreamCopier | None,
+    ) -> None:
+        cursor = lo
         for k, start, end in pieces:
             if start > cursor:
                 buf.tensor[cursor - lo : start - lo].zero_()
@@ -136,10 +161,6 @@ class FileWriter(FilePipeline):
             cursor = end
         if cursor < hi:
             buf.tensor[cursor - lo : hi - lo].zero_()
-        if copier is not None:
-            copier.wait()  # this buffer's device-to-host copies are done
-        for k, start, end in pieces:
-            crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
 
     def _releaser(self, buf: AlignedBuffer) -> Callable[[Future[None]], None]:
         def release_if_cancelled(fut: Future[None]) -> None:
@@ -150,7 +171,8 @@ class FileWriter(FilePipeline):
 
     def _write_block(self, handle: object, buf: AlignedBuffer, length: int, offset: int) -> None:
         try:
-            self.backend.pwrite(handle, buf.view[:length], offset)
+            with stage("write", length):
+                self.backend.pwrite(handle, buf.view[:length], offset)
             if self.progress is not None:
                 self.progress(length)
         finally:
