@@ -147,9 +147,10 @@ def main(argv: list[str] | None = None) -> int:
                     for _ in range(args.runs)]
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
+    fstype = record["machine"]["filesystem"]["fstype"]
     print(f"gds_persist stage profile: {nbytes / 2**30:.2f} GiB on {args.device}, "
-          f"{args.runs} run(s), {cores} cores, directory {parent} "
-          f"({record['machine']['filesystem']['fstype']}), settings {gds_persist.settings.current()}")
+          f"{args.runs} run(s), {cores} cores, directory {parent} ({fstype}), "
+          f"settings {gds_persist.settings.current()}")
     for op in OPS:
         walls = [r[op][0] for r in runs]
         rows = _rows([r[op][1] for r in runs], walls, nbytes, cores)
