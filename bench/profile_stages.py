@@ -124,7 +124,7 @@ def report_lines(op: str, walls: list[float], nbytes: int, rows: list[dict[str, 
         lines.append(f"  {r['stage']:34s} {r['thread_s']:9.3f} {100 * r['share']:6.1f}% "
                      f"{one:>10s} {r['threads']:7d} {bound:>10s} {r['calls']:7.0f} "
                      f"{r['faults']:8.0f}")
-    limited = [r for r in rows if r["bytes"] and r["bound_gbps"]]
+    limited = [r for r in rows if r["bound_gbps"] and r["bytes"] >= nbytes / 10]  # bulk stages
     if limited:
         worst = min(limited, key=lambda r: r["bound_gbps"])
         lines.append(f"  lowest bound: {worst['stage']} ({worst['bound_gbps']:.2f} GB/s)")

@@ -10,7 +10,17 @@ from __future__ import annotations
 from ..errors import BackendError
 from ..settings import BACKEND_NAMES
 from .base import Backend
-from .posix import BufferedBackend, DirectBackend, require_o_direct, supports_o_direct
+from .posix import (
+    BufferedBackend,
+    DirectBackend,
+    o_direct_host_alignment,
+    require_o_direct,
+    supports_o_direct,
+)
+
+
+def _direct(directory: str) -> DirectBackend:
+    return DirectBackend(host_alignment=o_direct_host_alignment(directory))
 
 
 def _kvikio(directory: str, io_threads: int, block_bytes: int, why: str) -> tuple[Backend, str]:
@@ -23,7 +33,7 @@ def _kvikio(directory: str, io_threads: int, block_bytes: int, why: str) -> tupl
     if ok:
         return be, f"{why}; {probe}"
     direct, o_direct_why = supports_o_direct(directory)
-    fallback: Backend = DirectBackend() if direct else BufferedBackend()
+    fallback: Backend = _direct(directory) if direct else BufferedBackend()
     return fallback, (
         f"{why}, but kvikio cannot work here ({probe}); fell back to "
         f"{fallback.name} ({o_direct_why})"
@@ -48,7 +58,7 @@ def choose_backend(
         return _kvikio(directory, io_threads, block_bytes, "requested explicitly")
     if requested == "direct":
         require_o_direct(directory)
-        return DirectBackend(), "requested explicitly"
+        return _direct(directory), "requested explicitly"
     if requested == "buffered":
         return BufferedBackend(), "requested explicitly"
     reasons = []
@@ -63,7 +73,7 @@ def choose_backend(
         reasons.append("kvikio not used (no CUDA tensors)")
     ok, why = supports_o_direct(directory)
     if ok:
-        return DirectBackend(), f"auto: {why}; " + "; ".join(reasons)
+        return _direct(directory), f"auto: {why}; " + "; ".join(reasons)
     return BufferedBackend(), f"auto: {why}; " + "; ".join(reasons)
 
 

@@ -31,6 +31,9 @@ class Backend(ABC):
     name: str = ""
     alignment: int = 4096
     accepts_device: bool = False  # True: pwrite/pread take CUDA tensors directly (no host bounce)
+    # The address alignment host memory given to pwrite/pread needs (offsets and lengths always
+    # need ``alignment``); None: hand it only staging buffers, never a tensor's own memory.
+    host_alignment: int | None = 4096
 
     @abstractmethod
     def open(self, path: str, *, write: bool, size: int = 0) -> Any: ...

@@ -40,16 +40,22 @@ class PosixBackend(Backend):
 
 
 class DirectBackend(PosixBackend):
-    """O_DIRECT writes/reads of large aligned blocks from page-aligned (pinned) staging buffers."""
+    """O_DIRECT writes/reads of large aligned blocks from page-aligned (pinned) staging buffers,
+    or from a tensor's own memory where its address meets ``host_alignment`` (probed per
+    filesystem: :func:`o_direct_host_alignment`)."""
 
     name = "direct"
     extra_flags = _O_DIRECT
+
+    def __init__(self, host_alignment: int = 4096):
+        self.host_alignment = host_alignment
 
 
 class BufferedBackend(PosixBackend):
     """Plain POSIX I/O through the page cache, fsynced; for filesystems without O_DIRECT."""
 
     name = "buffered"
+    host_alignment = 1
 
 
 def open_fd(path: str, write: bool, size: int, flags: int = 0) -> int:
@@ -94,8 +100,19 @@ def pread_all(fd: int, view: memoryview, offset: int) -> int:
 
 
 def _preallocate(fd: int, path: str, size: int) -> None:
-    """Reserve the whole file up front, so a full disk fails before any data moves."""
+    """Reserve the whole file up front, so a full disk fails before any data moves.
+
+    On a memory-backed filesystem (tmpfs) reserving means allocating and zeroing every page, a
+    pass over the whole file that the writes then repeat (measured: it cost more than the writes
+    themselves); there the free space is checked instead, and a write that still meets a full
+    filesystem fails the save with :class:`DiskFullError` as well.
+    """
     try:
+        if _memory_backed(fd):
+            st = os.fstatvfs(fd)
+            if st.f_blocks and st.f_bavail * st.f_frsize < size:  # f_blocks 0: no size limit
+                raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+            return
         os.posix_fallocate(fd, 0, size)
     except OSError as e:
         if e.errno == errno.ENOSPC:
@@ -106,6 +123,32 @@ def _preallocate(fd: int, path: str, size: int) -> None:
             ) from e
         if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
+
+
+_MEMORY_FILESYSTEMS = ("tmpfs",)
+_fstype: dict[int, str] = {}  # st_dev -> filesystem type
+
+
+def filesystem_type(fd: int) -> str:
+    """The type of the filesystem holding open file ``fd`` (from /proc/self/mountinfo; "" when
+    unknown), cached per device."""
+    dev = os.fstat(fd).st_dev
+    if dev not in _fstype:
+        wanted = f"{os.major(dev)}:{os.minor(dev)}"
+        found = ""
+        with contextlib.suppress(OSError), open("/proc/self/mountinfo") as f:
+            for line in f:
+                left, _, right = line.partition(" - ")
+                fields = left.split()
+                if len(fields) > 2 and fields[2] == wanted and right:
+                    found = right.split()[0]
+                    break
+        _fstype[dev] = found
+    return _fstype[dev]
+
+
+def _memory_backed(fd: int) -> bool:
+    return filesystem_type(fd) in _MEMORY_FILESYSTEMS
 
 
 def supports_o_direct(directory: str) -> tuple[bool, str]:
@@ -131,6 +174,43 @@ def supports_o_direct(directory: str) -> tuple[bool, str]:
         return True, f"{directory} accepts O_DIRECT"
     except OSError as e:
         return False, f"aligned O_DIRECT write failed on {directory}: {os.strerror(e.errno or 0)}"
+    finally:
+        os.close(fd)
+        os.unlink(probe)
+
+
+_HOST_OFFSETS = (64, 512)  # torch aligns host allocations to 64 bytes; block devices to 512
+_host_alignment: dict[int, int] = {}  # st_dev -> probed alignment
+
+
+def o_direct_host_alignment(directory: str) -> int:
+    """The smallest memory address alignment (64, 512 or 4096) that O_DIRECT writes on
+    ``directory``'s filesystem accept, probed once per filesystem with a real write (4096 where
+    nothing can be written there, e.g. a read-only checkpoint)."""
+    try:
+        dev = os.stat(directory).st_dev
+    except OSError:
+        return 4096
+    if dev not in _host_alignment:
+        _host_alignment[dev] = _probe_host_alignment(directory)
+    return _host_alignment[dev]
+
+
+def _probe_host_alignment(directory: str) -> int:
+    probe = os.path.join(directory, f".o_direct_probe-{uuid.uuid4().hex}")
+    try:
+        fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_DIRECT, 0o600)
+    except OSError:
+        return 4096
+    try:
+        with AlignedBuffer(8192, pin=False) as buf:
+            for offset in _HOST_OFFSETS:
+                try:
+                    os.pwrite(fd, buf.view[offset : offset + 4096], 0)
+                    return offset
+                except OSError:
+                    continue
+        return 4096
     finally:
         os.close(fd)
         os.unlink(probe)

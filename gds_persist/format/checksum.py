@@ -8,6 +8,7 @@ CRCs of device memory: :mod:`gds_persist.transfer.crc`.
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import crc32c as _crc32c_impl
@@ -60,6 +61,7 @@ def _x_pow_2k_table(count: int = 64) -> tuple[int, ...]:
 X_POW_2K: tuple[int, ...] = _x_pow_2k_table()  # X_POW_2K[k] = x^(2^k) mod P, k = 0..63
 
 
+@functools.lru_cache(maxsize=1024)  # joins repeat the same lengths (whole blocks)
 def x_pow_8n(nbytes: int) -> int:
     """``x^(8 * nbytes) mod P``: the factor that moves a CRC register past ``nbytes`` bytes."""
     if nbytes < 0:

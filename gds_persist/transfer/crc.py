@@ -45,6 +45,16 @@ def device_crc32c_many(pieces: list[torch.Tensor]) -> list[int]:
     return result
 
 
+def device_crc32c_or_none(pieces: list[torch.Tensor]) -> list[int] | None:
+    """CRC32C of CUDA tensors on the device, or None where the kernel cannot run (the reason is
+    logged once): for callers that can checksum a bounded host copy they make anyway."""
+    try:
+        return cuda_crc32c_many([as_bytes(p) for p in pieces])
+    except BackendError as e:
+        _log_fallback(e)
+        return None
+
+
 def _log_fallback(e: BackendError) -> None:
     global _fallback_logged
     if not _fallback_logged:

@@ -1,11 +1,11 @@
-"""What the writer and the reader of a data file share: the pieces of a block, bounded waits on
-I/O futures, and the I/O resources of one file's pipeline."""
+"""What the writer and the reader of data files share: bounded waits on I/O futures and the I/O
+resources of a pipeline."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
@@ -15,7 +15,6 @@ import torch
 
 from ..backends.base import Backend
 from ..errors import CheckpointError
-from ..format import Extent
 from .staging import StagingRing
 
 T = TypeVar("T")
@@ -24,29 +23,6 @@ T = TypeVar("T")
 def byte_view(storage: torch.UntypedStorage) -> torch.Tensor:
     """A flat uint8 tensor over the whole storage (no copy)."""
     return torch.empty(0, dtype=torch.uint8, device=storage.device).set_(storage)
-
-
-def block_pieces(
-    extents: Sequence[Extent], first: int, lo: int, hi: int
-) -> Iterator[tuple[int, int, int]]:
-    """Yield ``(extent index, file_lo, file_hi)`` for extent bytes inside ``[lo, hi)``.
-
-    ``first`` is the index of the first extent that may overlap; extents are sorted by offset.
-    """
-    for k in range(first, len(extents)):
-        e = extents[k]
-        if e.offset >= hi:
-            return
-        start, end = max(e.offset, lo), min(e.offset + e.length, hi)
-        if start < end:
-            yield k, start, end
-
-
-def next_first(extents: Sequence[Extent], first: int, hi: int) -> int:
-    """The first extent that may still overlap bytes at or after ``hi``."""
-    while first < len(extents) and extents[first].offset + extents[first].length <= hi:
-        first += 1
-    return first
 
 
 def result_within(fut: Future[T], timeout_s: float, what: str) -> T:

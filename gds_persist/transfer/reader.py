@@ -1,39 +1,59 @@
-"""Reading: the extents of one data file into destination storages, checksumming as they pass.
+"""Reading: extents of data files into destination storages, checksumming as they pass.
 
-Staged path: up to ``ring`` buffers of the file are being read by the I/O pool while the calling
-thread copies finished blocks into the destination tensors and checksums them, in file order.
-Device path (``accepts_device`` backend, CUDA destination): extents are read straight into
-device memory and checksummed there.
+Every file's needed byte ranges are cut into requests (:mod:`.segments`) and all of them run on
+the I/O threads at once, each doing its whole share of the work:
 
-Checksums: once every byte of an extent has passed, its CRC32C goes to the ``on_checksum`` hook
+* a **direct** request reads a run of one extent straight into its destination's memory (no
+  copy) and checksums it there: a host destination whose address meets the backend's
+  ``host_alignment`` (the loader allocates large ones page-aligned);
+* a **staged** request reads a window of the file into a staging buffer (bounded memory: the
+  submitting thread waits for a free one), then copies each piece out, checksumming it right
+  after (while it is in cache); pieces for CUDA destinations go host-to-device on a side stream
+  and are checksummed on the device afterwards, in one batch (a host CRC of the buffer where the
+  device kernel cannot run).
+
+Checksums: once every byte of an extent has been read, its CRC32C (joined from its pieces with
+:func:`~gds_persist.format.checksum.crc32c_combine`) goes to the ``on_checksum`` hook
 ``(path, extent, actual)``. The default hook compares it with the recorded CRC32C and raises
 :func:`checksum_mismatch`; others collect mismatches (``verify``) or record the CRC of a piece of
 an extent to combine with other ranks' pieces (a shared load). ``on_bytes`` receives the bytes
-of every piece as they pass, for readers that stream them elsewhere (an export).
+of every piece as they pass (one call at a time, in no particular order), for readers that
+stream them elsewhere (an export).
+
+Device path (``accepts_device`` backend, CUDA destinations only): extents are read straight into
+device memory and checksummed there.
 """
 
 from __future__ import annotations
 
 import os
+import threading
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
+from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import ChecksumError, TruncatedError
-from ..format import DataFile, Extent, align_up, crc32c
+from ..format import DataFile, Extent, crc32c, crc32c_combine
 from ..stages import stage
-from .crc import device_crc32c_many
+from .crc import device_crc32c_many, device_crc32c_or_none
 from .cuda_copy import StreamCopier, copier_for
-from .pipeline import FilePipeline, block_pieces, drain_quietly, next_first, result_within
+from .pipeline import FilePipeline, drain_quietly, result_within, wait_all
+from .segments import Segment, cut, extent_spans, whole_blocks
 from .staging import AlignedBuffer
 
 Describe = Callable[[int], str]  # storage index -> the key path(s) of its tensors
 OnChecksum = Callable[[str, Extent, int], None]  # (file path, extent, CRC32C of the bytes read)
 OnBytes = Callable[[Extent, int, memoryview], None]  # (extent, offset in its storage, bytes)
 Dests = Sequence[torch.Tensor | None]  # flat uint8 destination per storage; None: not read
+DIRECT_MIN = 1 << 20  # an extent this large is read into its destination directly when aligned
+CACHE_CHUNK = 1 << 20  # copy out and checksum this much at a time
+
+PieceCrc = tuple[int, int, int, int]  # (extent index, file offset, length, CRC32C)
 
 
 def checksum_mismatch(what: str, path: str, e: Extent, actual: int) -> ChecksumError:
@@ -61,27 +81,18 @@ def check_file(directory: str, f: DataFile) -> str:
     return path
 
 
-def blocks_to_read(extents: Sequence[Extent], block_bytes: int) -> list[tuple[int, int]]:
-    """Aligned ``[lo, hi)`` ranges covering every extent (sorted by offset), each at most
-    ``block_bytes``; nearby extents share blocks, so the reads stay large."""
-    spans: list[list[int]] = []
-    for e in extents:
-        hi = align_up(e.offset + e.length)
-        if spans and spans[-1][1] >= e.offset:
-            spans[-1][1] = max(spans[-1][1], hi)
-        else:
-            spans.append([e.offset, hi])
-    blocks = []
-    for span_lo, span_hi in spans:
-        for lo in range(span_lo, span_hi, block_bytes):
-            blocks.append((lo, min(lo + block_bytes, span_hi)))
-    return blocks
+@dataclass
+class _OpenFile:
+    path: str
+    extents: list[Extent]  # sorted by offset
+    handle: Any
+    pieces: list[PieceCrc] = field(default_factory=list)  # host CRCs of pieces, any order
 
 
 @dataclass
 class FileReader(FilePipeline):
-    """Reads extents of one data file (backend calls: open, pread..., close; close also after
-    an error).
+    """Reads extents of data files (backend calls per file: open, pread..., close; close also
+    after an error).
 
     ``verify``: compute each extent's CRC32C and hand it to ``on_checksum`` (default: compare,
     and raise :func:`checksum_mismatch` naming ``describe(storage)``); with an ``on_checksum``
@@ -96,6 +107,7 @@ class FileReader(FilePipeline):
     def __post_init__(self) -> None:
         self.checksums = self.verify or self.on_checksum is not None
         self._on_checksum: OnChecksum = self.on_checksum or self.check
+        self._bytes_lock = threading.Lock()
 
     def check(self, path: str, e: Extent, actual: int) -> None:
         """The default ``on_checksum``: raise if ``actual`` is not the recorded CRC32C."""
@@ -105,120 +117,202 @@ class FileReader(FilePipeline):
     def read(self, path: str, extents: Sequence[Extent], dests: Dests | None) -> None:
         """Read ``extents`` of ``path`` into ``dests`` (per storage); ``None``: no copy (only
         the hooks see the bytes)."""
-        extents = sorted(extents, key=lambda e: e.offset)
-        handle = self.backend.open(path, write=False)
-        try:
-            targets = [dests[e.storage] for e in extents] if dests is not None else []
-            if (
-                dests is not None
-                and self.on_bytes is None
-                and self.backend.accepts_device
-                and all(t is not None and t.is_cuda for t in targets)
-            ):
-                self._read_to_device(handle, path, extents, dests)
-            else:
-                self._read_staged(handle, path, extents, dests)
-        finally:
-            self.backend.close(handle)
+        self.read_files([(path, extents)], dests)
 
-    def _read_to_device(
-        self, handle: object, path: str, extents: Sequence[Extent], dests: Dests
-    ) -> None:
+    def read_files(self, files: Sequence[tuple[str, Sequence[Extent]]],
+                   dests: Dests | None) -> None:
+        """Read the extents of several files, all of them concurrently."""
+        opened: list[_OpenFile] = []
+        try:
+            for path, extents in files:
+                with stage("open"):
+                    opened.append(_OpenFile(path, sorted(extents, key=lambda e: e.offset),
+                                            self.backend.open(path, write=False)))
+            device = [f for f in opened if self._to_device(f, dests)]
+            for f in device:
+                assert dests is not None
+                self._read_to_device(f, dests)
+            staged = [f for f in opened if f not in device]
+            if staged:
+                self._read_staged(staged, dests)
+        finally:
+            for f in opened:
+                self.backend.close(f.handle)
+
+    def _to_device(self, f: _OpenFile, dests: Dests | None) -> bool:
+        return (dests is not None and self.on_bytes is None and self.backend.accepts_device
+                and all((t := dests[e.storage]) is not None and t.is_cuda for e in f.extents))
+
+    def _read_to_device(self, f: _OpenFile, dests: Dests) -> None:
         pieces = []
-        for e in extents:
+        for e in f.extents:
             dest = dests[e.storage]
             assert dest is not None
             piece = dest[e.start : e.start + e.length]
             with stage("read (to device)", e.length):
-                got = self.backend.pread(handle, piece, e.offset)
+                got = self.backend.pread(f.handle, piece, e.offset)
             if got != e.length:
                 raise TruncatedError(
-                    f"{path}: short read at offset {e.offset} ({got} of {e.length} bytes)"
+                    f"{f.path}: short read at offset {e.offset} ({got} of {e.length} bytes)"
                 )
             pieces.append(piece)
             if self.progress is not None:
                 self.progress(e.length)
         if self.checksums:  # on the device (kernels/crc32c.cu), before the data is handed back
-            with stage("checksum (device)", sum(e.length for e in extents)):
+            with stage("checksum (device)", sum(e.length for e in f.extents)):
                 crcs = device_crc32c_many(pieces)
-            for e, crc in zip(extents, crcs, strict=True):
-                self._on_checksum(path, e, crc)
+            for e, crc in zip(f.extents, crcs, strict=True):
+                self._on_checksum(f.path, e, crc)
 
-    def _read_staged(
-        self, handle: object, path: str, extents: Sequence[Extent], dests: Dests | None
-    ) -> None:
+    def _read_staged(self, files: list[_OpenFile], dests: Dests | None) -> None:
         assert self.ring is not None
-        blocks = blocks_to_read(extents, self.ring.block_bytes)
-        crcs = [0] * len(extents)
-        in_flight: deque[tuple[AlignedBuffer, int, int, Future[int]]] = deque()
-        next_block = first = 0
-        targets = [dests[e.storage] for e in extents] if dests is not None else []
-        copier = copier_for([t for t in targets if t is not None])
+        hosts = [_host_array(d) for d in dests] if dests is not None else []
+        cuda = [t for t in dests or () if t is not None and t.is_cuda]
+        copier = copier_for(cuda)
+        on_device = self.checksums and bool(cuda) and device_crc32c_or_none(
+            [cuda[0][:1]]) is not None  # the kernel runs: CUDA pieces are checked there
+        requests = [(f, seg) for f in files for seg in self._segments(f, hosts)]
+        in_flight: deque[Future[None]] = deque()
+        window = 2 * self.ring.count  # requests queued at once (direct ones hold no buffer)
         try:
-            while next_block < len(blocks) or in_flight:
-                while next_block < len(blocks) and len(in_flight) < self.ring.count:
-                    lo, hi = blocks[next_block]
-                    buf = self.ring.acquire()
-                    fut = self.pool.submit(self._pread, handle, buf.view[: hi - lo], lo)
-                    in_flight.append((buf, lo, hi, fut))
-                    next_block += 1
-                buf, lo, hi, fut = in_flight.popleft()
-                try:
-                    got = result_within(fut, self.timeout_s, f"reading {path}")
-                    if got != hi - lo:
-                        raise TruncatedError(
-                            f"{path}: short read at offset {lo} ({got} of {hi - lo} bytes)"
-                        )
-                    self._consume(path, buf, lo, hi, extents, first, dests, crcs, copier)
-                    if self.progress is not None:
-                        self.progress(hi - lo)
-                finally:
-                    self.ring.release(buf)
-                first = next_first(extents, first, hi)
+            for f, seg in sorted(requests, key=lambda r: r[1].lo):  # every file at once
+                in_flight.append(self._submit(f, seg, dests, hosts, copier, on_device))
+                while len(in_flight) > window or (in_flight and in_flight[0].done()):
+                    result_within(in_flight.popleft(), self.timeout_s, f"reading {f.path}")
+            wait_all(in_flight, self.timeout_s, f"reading {files[0].path}")
         except BaseException:
-            if drain_quietly(deque(f for *_, f in in_flight), self.timeout_s):
-                for buf, *_ in in_flight:  # stuck reads keep theirs: the ring is then dropped
-                    self.ring.release(buf)
+            drain_quietly(in_flight, self.timeout_s)
             raise
+        for f in files:
+            self._check_extents(f, dests, on_device)
 
-    def _pread(self, handle: object, view: memoryview, offset: int) -> int:
-        with stage("read", view.nbytes):
-            return self.backend.pread(handle, view, offset)
+    def _segments(self, f: _OpenFile, hosts: Sequence[np.ndarray | None]) -> list[Segment]:
+        align = self.backend.host_alignment
 
-    def _consume(
-        self,
-        path: str,
-        buf: AlignedBuffer,
-        lo: int,
-        hi: int,
-        extents: Sequence[Extent],
-        first: int,
-        dests: Dests | None,
-        crcs: list[int],
-        copier: StreamCopier | None = None,
-    ) -> None:
+        def direct_bytes(e: Extent) -> int:
+            dest = hosts[e.storage] if hosts else None
+            if align is None or dest is None or e.length < DIRECT_MIN or self.on_bytes:
+                return 0
+            return whole_blocks(e.length) if (dest.ctypes.data + e.start) % align == 0 else 0
+
+        return cut(f.extents, extent_spans(f.extents), self.ring.block_bytes,  # type: ignore
+                   direct_bytes)
+
+    def _submit(self, f: _OpenFile, seg: Segment, dests: Dests | None,
+                hosts: Sequence[np.ndarray | None], copier: StreamCopier | None,
+                on_device: bool) -> Future[None]:
+        if seg.direct:
+            return self.pool.submit(self._read_direct, f, seg, hosts)
+        with stage("wait for a staging buffer"):
+            buf = self.ring.acquire()  # type: ignore[union-attr]
         try:
-            for k, start, end in block_pieces(extents, first, lo, hi):
-                e = extents[k]
-                at = e.start + start - e.offset  # where the piece belongs in its storage
+            fut = self.pool.submit(self._read_buffer, f, seg, buf, dests, hosts, copier,
+                                   on_device)
+        except BaseException:
+            self.ring.release(buf)  # type: ignore[union-attr]
+            raise
+        fut.add_done_callback(self._releaser(buf))  # a cancelled read frees its buffer
+        return fut
+
+    def _pread(self, f: _OpenFile, view: memoryview, offset: int, what: str = "read") -> None:
+        with stage(what, view.nbytes):
+            got = self.backend.pread(f.handle, view, offset)
+        if got != view.nbytes:
+            raise TruncatedError(
+                f"{f.path}: short read at offset {offset} ({got} of {view.nbytes} bytes)"
+            )
+        if self.progress is not None:
+            self.progress(view.nbytes)
+
+    def _read_direct(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None]) -> None:
+        (k, lo, hi), = seg.pieces
+        e = f.extents[k]
+        dest = hosts[e.storage]
+        assert dest is not None
+        at = e.start + lo - e.offset
+        data = dest[at : at + hi - lo]
+        self._pread(f, data.data, lo, "read (into the tensor)")
+        if self.checksums:
+            with stage("checksum", hi - lo):
+                f.pieces.append((k, lo, hi - lo, crc32c(data)))
+
+    def _read_buffer(self, f: _OpenFile, seg: Segment, buf: AlignedBuffer, dests: Dests | None,
+                     hosts: Sequence[np.ndarray | None], copier: StreamCopier | None,
+                     on_device: bool) -> None:
+        try:
+            self._pread(f, buf.view[: seg.nbytes], seg.lo)
+            for k, lo, hi in seg.pieces:
+                e = f.extents[k]
+                at = e.start + lo - e.offset  # where the piece belongs in its storage
+                src = buf.array[lo - seg.lo : hi - seg.lo]
                 dest = dests[e.storage] if dests is not None else None
-                if dest is not None:
-                    dst = dest[at : at + end - start]
-                    src = buf.tensor[start - lo : end - lo]
-                    with stage("copy from staging" if copier is None else "queue H2D", end - start):
-                        if copier is None:
-                            dst.copy_(src)
-                        else:
-                            copier.copy(dst, src)  # host-to-device on the side stream
                 if self.on_bytes is not None:
-                    with buf.view[start - lo : end - lo] as piece:
+                    with self._bytes_lock, buf.view[lo - seg.lo : hi - seg.lo] as piece:
                         self.on_bytes(e, at, piece)
-                if self.checksums:
-                    with stage("checksum", end - start):
-                        crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
-                    if end == e.offset + e.length:
-                        self._on_checksum(path, e, crcs[k])
+                if dest is not None and dest.is_cuda:
+                    assert copier is not None
+                    with stage("copy to device", hi - lo):
+                        copier.copy_and_wait(dest[at : at + hi - lo], buf.tensor[lo - seg.lo :
+                                                                                 hi - seg.lo])
+                    if on_device:
+                        continue
+                    dest_host = None
+                else:
+                    dest_host = hosts[e.storage] if hosts else None
+                crc = _copy_out_and_checksum(
+                    src, dest_host[at : at + hi - lo] if dest_host is not None else None,
+                    self.checksums)
+                f.pieces.append((k, lo, hi - lo, crc))
         finally:
-            if copier is not None:
-                with stage("wait H2D"):
-                    copier.wait()  # the buffer goes back to the ring only once it was copied out
+            self.ring.release(buf)  # type: ignore[union-attr]
+
+    def _releaser(self, buf: AlignedBuffer) -> Callable[[Future[None]], None]:
+        def release_if_cancelled(fut: Future[None]) -> None:
+            if fut.cancelled():
+                self.ring.release(buf)  # type: ignore[union-attr]
+
+        return release_if_cancelled
+
+    def _check_extents(self, f: _OpenFile, dests: Dests | None, on_device: bool) -> None:
+        """Hand every extent's CRC32C to ``on_checksum``, in file order."""
+        if not self.checksums:
+            return
+        by_extent: dict[int, list[PieceCrc]] = {}
+        for p in f.pieces:
+            by_extent.setdefault(p[0], []).append(p)
+        device = {}
+        if on_device and dests is not None:
+            cuda = [k for k, e in enumerate(f.extents)
+                    if (t := dests[e.storage]) is not None and t.is_cuda]
+            pieces = []
+            for k in cuda:
+                e = f.extents[k]
+                pieces.append(dests[e.storage][e.start : e.start + e.length])  # type: ignore
+            with stage("checksum (device)", sum(p.numel() for p in pieces)):
+                device = dict(zip(cuda, device_crc32c_many(pieces), strict=True))
+        for k, e in enumerate(f.extents):
+            crc = device.get(k)
+            if crc is None:
+                crc = 0
+                for _, _, length, piece in sorted(by_extent.get(k, []), key=lambda p: p[1]):
+                    crc = crc32c_combine(crc, piece, length)
+            self._on_checksum(f.path, e, crc)
+
+
+def _host_array(t: torch.Tensor | None) -> np.ndarray | None:
+    return t.numpy() if t is not None and not t.is_cuda else None
+
+
+def _copy_out_and_checksum(src: np.ndarray, dst: np.ndarray | None, checksums: bool) -> int:
+    """Copy ``src`` to ``dst`` (if any) and return the CRC32C of ``src`` (0 without
+    ``checksums``), a cache-sized chunk at a time."""
+    crc = 0
+    for lo in range(0, src.nbytes, CACHE_CHUNK):
+        chunk = src[lo : lo + CACHE_CHUNK]
+        if dst is not None:
+            with stage("copy from staging", chunk.nbytes):
+                np.copyto(dst[lo : lo + CACHE_CHUNK], chunk)
+        if checksums:
+            with stage("checksum", chunk.nbytes):
+                crc = crc32c(chunk, crc)
+    return crc

@@ -40,6 +40,7 @@ class AlignedBuffer:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # frombuffer warns about writability we do have
             self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
+        self.array = self.tensor.numpy()  # numpy copies release the GIL and use one core
         self.pinned = False
         if pin if pin is not None else _cuda_usable():
             self._pin()
@@ -57,7 +58,7 @@ class AlignedBuffer:
         if self.pinned:
             torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
             self.pinned = False
-        del self.tensor
+        del self.tensor, self.array
         try:
             self.view.release()
             self._mmap.close()
@@ -71,6 +72,17 @@ class AlignedBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def page_aligned_tensor(nbytes: int) -> torch.Tensor:
+    """A flat uint8 host tensor of ``nbytes`` at a page-aligned address (anonymous memory that
+    lives as long as the tensor), so O_DIRECT can read straight into it."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # frombuffer warns about writability we do have
+        return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)
 
 
 class StagingRing:

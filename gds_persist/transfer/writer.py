@@ -1,12 +1,24 @@
-"""Writing: move the planned bytes into data files, checksumming as they pass.
+"""Writing: the planned bytes of one or more data files, checksummed as they pass.
 
-Staged path (``direct`` and ``buffered``): the calling thread fills one staging buffer at a time
-with the file's next block (tensor bytes plus the zero gaps between extents) and CRCs each piece
-in the buffer, while up to ``io_threads`` earlier buffers are being written by the pool. The ring
-bounds memory: when every buffer is in flight the filler waits for one to come back.
+Every data file of a save is cut into requests (:mod:`.segments`) and all of them, across all
+files, run on the I/O threads at once, each doing its whole share of the work:
 
-Device path (a backend with ``accepts_device``, all sources on CUDA): each extent goes straight
-from device memory to the file; no host staging.
+* a **direct** request checksums a run of a host tensor's own bytes and writes it from there
+  (no copy): where the tensor's address meets the backend's ``host_alignment``;
+* a **staged** request takes a staging buffer from the ring (bounded memory: the submitting thread
+  waits for a free one), copies its extents' bytes in and zeroes the gaps, checksumming each piece
+  right after copying it (while it is still in cache), then writes the buffer.
+
+So copies, checksums and writes of different requests overlap on every core, instead of one
+thread filling buffers while only the writes run in parallel. CUDA sources are checksummed on the
+device up front (one batch, ``kernels/crc32c.cu``; a host CRC of the staged copy where the kernel
+cannot run), and their device-to-host copies are queued on a side stream by the submitting thread,
+as many buffers ahead as the ring holds, each request waiting only for its own buffer's copies.
+The CRC32C of an extent cut into several requests is joined from its pieces
+(:func:`~gds_persist.format.checksum.crc32c_combine`).
+
+Device path (a backend with ``accepts_device``, a file whose sources are all on CUDA): each extent
+goes straight from device memory to the file; no host staging.
 """
 
 from __future__ import annotations
@@ -15,26 +27,26 @@ import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
-from dataclasses import replace
-from typing import Protocol
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
 
+import numpy as np
 import torch
 
 from ..backends.base import Backend
-from ..format import Extent, crc32c
+from ..format import Extent, crc32c, crc32c_combine
 from ..settings import Settings
 from ..stages import stage
-from .crc import device_crc32c_many
+from .crc import device_crc32c_many, device_crc32c_or_none
 from .cuda_copy import StreamCopier, copier_for
-from .pipeline import (
-    FilePipeline,
-    block_pieces,
-    byte_view,
-    drain_quietly,
-    next_first,
-    wait_all,
-)
+from .pipeline import FilePipeline, byte_view, drain_quietly, result_within, wait_all
+from .segments import Segment, cut, whole_blocks
 from .staging import AlignedBuffer, io_session
+
+DIRECT_MIN = 1 << 20  # a host extent this large is written from its own memory when aligned
+CACHE_CHUNK = 1 << 20  # copy then checksum this much at a time, so the CRC reads cached bytes
+
+PieceCrc = tuple[int, int, int, int]  # (extent index, file offset, length, CRC32C)
 
 
 class FileLayout(Protocol):
@@ -50,117 +62,159 @@ class FileLayout(Protocol):
     def extents(self) -> tuple[Extent, ...]: ...  # sorted by offset
 
 
+@dataclass
+class _OpenFile:
+    path: str
+    plan: FileLayout
+    handle: Any
+    device_crcs: dict[int, int] = field(default_factory=dict)  # extent index -> CRC (device)
+    pieces: list[PieceCrc] = field(default_factory=list)  # host CRCs of pieces, any order
+
+
 class FileWriter(FilePipeline):
-    """Writes one planned data file; returns the CRC32C of every extent. Calls the backend in
-    the documented order (open, pwrite..., sync, close; close also after an error)."""
+    """Writes planned data files; returns the CRC32C of every extent. Calls the backend in the
+    documented order (open, pwrite..., sync, close; close also after an error)."""
 
     def write(self, path: str, plan: FileLayout, sources: Sequence[torch.Tensor]) -> list[int]:
         """Write ``plan``'s extents of ``sources`` (flat uint8 tensors, by storage) to ``path``
         and fsync it."""
-        with stage("open + preallocate"):
-            handle = self.backend.open(path, write=True, size=plan.size)
-        try:
-            if self.backend.accepts_device and all(
-                sources[e.storage].is_cuda for e in plan.extents
-            ):
-                crcs = self._write_from_device(handle, plan, sources)
-            else:
-                crcs = self._write_staged(handle, plan, sources)
-            with stage("fsync"):
-                self.backend.sync(handle)
-            return crcs
-        finally:
-            self.backend.close(handle)
+        return self.write_files([path], [plan], sources)[0]
 
-    def _write_from_device(
-        self, handle: object, plan: FileLayout, sources: Sequence[torch.Tensor]
-    ) -> list[int]:
-        pieces = [sources[e.storage][e.start : e.start + e.length] for e in plan.extents]
-        with stage("checksum (device)", sum(e.length for e in plan.extents)):
-            crcs = device_crc32c_many(pieces)  # on the device, no host copy; one stream sync
-        for e, piece in zip(plan.extents, pieces, strict=True):
+    def write_files(self, paths: Sequence[str], plans: Sequence[FileLayout],
+                    sources: Sequence[torch.Tensor]) -> list[list[int]]:
+        """Write every file of ``plans`` (to ``paths``) concurrently and fsync them; return the
+        extents' CRC32C, file by file."""
+        files: list[_OpenFile] = []
+        try:
+            for path, plan in zip(paths, plans, strict=True):
+                with stage("open + preallocate"):
+                    files.append(_OpenFile(path, plan,
+                                           self.backend.open(path, write=True, size=plan.size)))
+            device = [f for f in files if self._from_device(f, sources)]
+            for f in device:
+                self._write_from_device(f, sources)
+            staged = [f for f in files if f not in device]
+            if staged:
+                self._write_staged(staged, sources)
+            self._sync(files)
+            return [_extent_crcs(f) for f in files]
+        finally:
+            for f in files:
+                self.backend.close(f.handle)
+
+    def _from_device(self, f: _OpenFile, sources: Sequence[torch.Tensor]) -> bool:
+        return self.backend.accepts_device and all(
+            sources[e.storage].is_cuda for e in f.plan.extents)
+
+    def _write_from_device(self, f: _OpenFile, sources: Sequence[torch.Tensor]) -> None:
+        extents = f.plan.extents
+        pieces = [sources[e.storage][e.start : e.start + e.length] for e in extents]
+        with stage("checksum (device)", sum(e.length for e in extents)):
+            f.device_crcs = dict(enumerate(device_crc32c_many(pieces)))  # one stream sync
+        for e, piece in zip(extents, pieces, strict=True):
             with stage("write (from device)", e.length):
-                self.backend.pwrite(handle, piece, e.offset)
+                self.backend.pwrite(f.handle, piece, e.offset)
             if self.progress is not None:
                 self.progress(e.length)
-        return crcs
 
-    def _write_staged(
-        self, handle: object, plan: FileLayout, sources: Sequence[torch.Tensor]
-    ) -> list[int]:
+    def _write_staged(self, files: list[_OpenFile], sources: Sequence[torch.Tensor]) -> None:
         assert self.ring is not None
-        crcs = [0] * len(plan.extents)
+        hosts = [s.numpy() if not s.is_cuda else None for s in sources]
+        copier = copier_for([sources[e.storage] for f in files for e in f.plan.extents])
+        if copier is not None:
+            for f in files:
+                _checksum_on_device(f, sources)
+        requests = _interleave([(f, seg) for seg in self._segments(f, hosts)] for f in files)
         in_flight: deque[Future[None]] = deque()
-        first = 0
-        copier = copier_for([sources[e.storage] for e in plan.extents])  # CUDA: side-stream D2H
+        window = 2 * self.ring.count  # requests queued at once (direct ones hold no buffer)
         try:
-            for lo in range(0, plan.size, self.ring.block_bytes):
-                hi = min(lo + self.ring.block_bytes, plan.size)
-                with stage("wait for a staging buffer"):
-                    buf = self.ring.acquire()
-                try:
-                    self._fill(buf, lo, hi, plan.extents, first, sources, crcs, copier)
-                except BaseException:
-                    self.ring.release(buf)
-                    raise
-                first = next_first(plan.extents, first, hi)
-                fut = self.pool.submit(self._write_block, handle, buf, hi - lo, lo)
-                fut.add_done_callback(self._releaser(buf))  # a cancelled write frees its buffer
-                in_flight.append(fut)
-                while in_flight and in_flight[0].done():
-                    in_flight.popleft().result()  # surface a failed write early
-            wait_all(in_flight, self.timeout_s, f"writing {plan.name}")
+            for f, seg in requests:
+                in_flight.append(self._submit(f, seg, sources, hosts, copier))
+                while len(in_flight) > window or (in_flight and in_flight[0].done()):
+                    result_within(in_flight.popleft(), self.timeout_s, f"writing {f.path}")
+            wait_all(in_flight, self.timeout_s, f"writing {files[0].path}")
         except BaseException:
             drain_quietly(in_flight, self.timeout_s)
             raise
-        return crcs
 
-    @staticmethod
-    def _fill(
-        buf: AlignedBuffer,
-        lo: int,
-        hi: int,
-        extents: Sequence[Extent],
-        first: int,
-        sources: Sequence[torch.Tensor],
-        crcs: list[int],
-        copier: StreamCopier | None = None,
-    ) -> None:
-        pieces = list(block_pieces(extents, first, lo, hi))
-        with stage("copy to staging" if copier is None else "queue D2H", hi - lo):
-            FileWriter._copy_pieces(buf, lo, hi, extents, pieces, sources, copier)
-        if copier is not None:
-            with stage("wait D2H", hi - lo):
-                copier.wait()  # this buffer's device-to-host copies are done
-        with stage("checksum", sum(end - start for _, start, end in pieces)):
-            for k, start, end in pieces:
-                crcs[k] = crc32c(buf.view[start - lo : end - lo], crcs[k])
+    def _segments(self, f: _OpenFile, hosts: Sequence[np.ndarray | None]) -> list[Segment]:
+        align = self.backend.host_alignment
 
-    @staticmethod
-    def _copy_pieces(
-        buf: AlignedBuffer,
-        lo: int,
-        hi: int,
-        extents: Sequence[Extent],
-        pieces: list[tuple[int, int, int]],
-        sources: Sequence[torch.Tensor],
-        copier: StreamCopier | None,
-    ) -> None:
-        cursor = lo
-        for k, start, end in pieces:
-            if start > cursor:
-                buf.tensor[cursor - lo : start - lo].zero_()
-            e = extents[k]
-            src_lo = e.start + start - e.offset
-            dst = buf.tensor[start - lo : end - lo]
-            src = sources[e.storage][src_lo : src_lo + end - start]
-            if copier is None:
-                dst.copy_(src)
-            else:  # queued on the side stream while earlier buffers are being written
-                copier.copy(dst, src)
-            cursor = end
-        if cursor < hi:
-            buf.tensor[cursor - lo : hi - lo].zero_()
+        def direct_bytes(e: Extent) -> int:
+            src = hosts[e.storage]
+            if align is None or src is None or e.length < DIRECT_MIN:
+                return 0
+            address = src.ctypes.data + e.start
+            return whole_blocks(e.length) if address % align == 0 else 0
+
+        return cut(f.plan.extents, [(0, f.plan.size)], self.ring.block_bytes,  # type: ignore
+                   direct_bytes)
+
+    def _submit(self, f: _OpenFile, seg: Segment, sources: Sequence[torch.Tensor],
+                hosts: Sequence[np.ndarray | None], copier: StreamCopier | None) -> Future[None]:
+        if seg.direct:
+            return self.pool.submit(self._write_direct, f, seg, hosts)
+        with stage("wait for a staging buffer"):
+            buf = self.ring.acquire()  # type: ignore[union-attr]
+        events: list[Any] = []
+        try:
+            if copier is not None:  # queued now, several buffers ahead of the writes
+                with stage("queue D2H", seg.nbytes):
+                    for k, lo, hi in seg.pieces:
+                        e = f.plan.extents[k]
+                        if sources[e.storage].is_cuda:
+                            at = e.start + lo - e.offset
+                            copier.copy(buf.tensor[lo - seg.lo : hi - seg.lo],
+                                        sources[e.storage][at : at + hi - lo])
+                    events = copier.record()
+            fut = self.pool.submit(self._write_buffer, f, seg, buf, hosts, events)
+        except BaseException:
+            self.ring.release(buf)  # type: ignore[union-attr]
+            raise
+        fut.add_done_callback(self._releaser(buf))  # a cancelled write frees its buffer
+        return fut
+
+    def _write_direct(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None]) -> None:
+        (k, lo, hi), = seg.pieces
+        e = f.plan.extents[k]
+        src = hosts[e.storage]
+        assert src is not None
+        at = e.start + lo - e.offset
+        data = src[at : at + hi - lo]
+        with stage("checksum", hi - lo):
+            crc = crc32c(data)
+        with stage("write (from the tensor)", hi - lo):
+            self.backend.pwrite(f.handle, data.data, lo)
+        f.pieces.append((k, lo, hi - lo, crc))  # list.append is atomic under the GIL
+        if self.progress is not None:
+            self.progress(hi - lo)
+
+    def _write_buffer(self, f: _OpenFile, seg: Segment, buf: AlignedBuffer,
+                      hosts: Sequence[np.ndarray | None], events: list[Any]) -> None:
+        try:
+            if events:
+                with stage("wait D2H", seg.nbytes):
+                    StreamCopier.wait_events(events)
+            out = buf.array
+            cursor = seg.lo
+            for k, lo, hi in seg.pieces:
+                out[cursor - seg.lo : lo - seg.lo] = 0
+                e = f.plan.extents[k]
+                src = hosts[e.storage]
+                if src is not None or k not in f.device_crcs:
+                    at = e.start + lo - e.offset
+                    piece = out[lo - seg.lo : hi - seg.lo]
+                    crc = _copy_and_checksum(piece, src[at : at + hi - lo] if src is not None
+                                             else None)
+                    f.pieces.append((k, lo, hi - lo, crc))
+                cursor = hi
+            out[cursor - seg.lo : seg.nbytes] = 0
+            with stage("write", seg.nbytes):
+                self.backend.pwrite(f.handle, buf.view[: seg.nbytes], seg.lo)
+            if self.progress is not None:
+                self.progress(seg.nbytes)
+        finally:
+            self.ring.release(buf)  # type: ignore[union-attr]
 
     def _releaser(self, buf: AlignedBuffer) -> Callable[[Future[None]], None]:
         def release_if_cancelled(fut: Future[None]) -> None:
@@ -169,14 +223,67 @@ class FileWriter(FilePipeline):
 
         return release_if_cancelled
 
-    def _write_block(self, handle: object, buf: AlignedBuffer, length: int, offset: int) -> None:
-        try:
-            with stage("write", length):
-                self.backend.pwrite(handle, buf.view[:length], offset)
-            if self.progress is not None:
-                self.progress(length)
-        finally:
-            self.ring.release(buf)  # type: ignore[union-attr]
+    def _sync(self, files: list[_OpenFile]) -> None:
+        """fsync every file, concurrently: the data is durable before the manifest is written."""
+        with stage("fsync"):
+            syncs = deque(self.pool.submit(self.backend.sync, f.handle) for f in files)
+            try:
+                wait_all(syncs, self.timeout_s, f"fsync of {files[0].path}")
+            except BaseException:
+                drain_quietly(syncs, self.timeout_s)
+                raise
+
+
+def _copy_and_checksum(dst: np.ndarray, src: np.ndarray | None) -> int:
+    """Copy ``src`` into ``dst`` (None: ``dst`` already holds the bytes) and return their CRC32C,
+    a cache-sized chunk at a time so the checksum reads bytes that were just copied."""
+    crc = 0
+    for lo in range(0, dst.nbytes, CACHE_CHUNK):
+        chunk = dst[lo : lo + CACHE_CHUNK]
+        if src is not None:
+            with stage("copy to staging", chunk.nbytes):
+                np.copyto(chunk, src[lo : lo + CACHE_CHUNK])
+        with stage("checksum", chunk.nbytes):
+            crc = crc32c(chunk, crc)
+    return crc
+
+
+def _checksum_on_device(f: _OpenFile, sources: Sequence[torch.Tensor]) -> None:
+    cuda = [k for k, e in enumerate(f.plan.extents) if sources[e.storage].is_cuda]
+    pieces = []
+    for k in cuda:
+        e = f.plan.extents[k]
+        pieces.append(sources[e.storage][e.start : e.start + e.length])
+    with stage("checksum (device)", sum(p.numel() for p in pieces)):
+        crcs = device_crc32c_or_none(pieces) if pieces else []
+    if crcs is not None:  # else the staged copies are checksummed on the host
+        f.device_crcs = dict(zip(cuda, crcs, strict=True))
+
+
+def _extent_crcs(f: _OpenFile) -> list[int]:
+    """Each extent's CRC32C: from the device, or joined from its pieces in file order."""
+    by_extent: dict[int, list[PieceCrc]] = {}
+    for p in f.pieces:
+        by_extent.setdefault(p[0], []).append(p)
+    crcs = []
+    for k in range(len(f.plan.extents)):
+        if k in f.device_crcs:
+            crcs.append(f.device_crcs[k])
+            continue
+        crc = 0
+        for _, _, length, piece in sorted(by_extent.get(k, []), key=lambda p: p[1]):
+            crc = crc32c_combine(crc, piece, length)
+        crcs.append(crc)
+    return crcs
+
+
+def _interleave(groups: Sequence[list[Any]] | Any) -> list[Any]:
+    """Round-robin over the lists, so every file of a save makes progress at once."""
+    lists = [list(g) for g in groups]
+    out = []
+    for i in range(max((len(g) for g in lists), default=0)):
+        out += [g[i] for g in lists if i < len(g)]
+    return out
 
 
 def write_plan(
@@ -190,12 +297,13 @@ def write_plan(
     """Write every planned file into ``directory`` from ``storages`` (indexed by the extents'
     ``storage``); return the sealed extents (with their CRC32C), file by file."""
     sources = [byte_view(s) for s in storages]
-    sealed: list[Extent] = []
     with io_session(
         cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
     ) as (ring, pool):
         writer = FileWriter(backend, ring, pool, cfg.io_timeout_s, progress)
-        for f in files:
-            crcs = writer.write(os.path.join(directory, f.name), f, sources)
-            sealed += [replace(e, crc32c=c) for e, c in zip(f.extents, crcs, strict=True)]
+        crcs = writer.write_files([os.path.join(directory, f.name) for f in files], files,
+                                  sources)
+    sealed: list[Extent] = []
+    for f, file_crcs in zip(files, crcs, strict=True):
+        sealed += [replace(e, crc32c=c) for e, c in zip(f.extents, file_crcs, strict=True)]
     return sealed

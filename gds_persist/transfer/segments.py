@@ -1,0 +1,108 @@
+"""How the bytes of one data file are cut into I/O requests: pure data, no I/O.
+
+A request (:class:`Segment`) is either
+
+* **direct**: an aligned run of one extent's bytes that moves straight between the file and the
+  tensor's own memory (no staging copy): where the memory meets the backend's alignment, the
+  extent is large enough to be worth a request of its own, and (writes) the run stops at the
+  extent's last whole ``ALIGNMENT`` block, since the bytes after a tensor are not ours to write;
+* **staged**: a ``block_bytes`` window of the file that goes through a staging buffer: small
+  extents, the tails of large ones, the zero gaps between them.
+
+Both kinds are at most ``block_bytes`` long and start at ``ALIGNMENT``-aligned file offsets.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from ..format import ALIGNMENT, Extent, align_up
+
+Piece = tuple[int, int, int]  # (extent index, file offset of its first byte, file offset past it)
+DirectBytes = Callable[[Extent], int]  # leading bytes of an extent that may move directly
+
+
+@dataclass(frozen=True)
+class Segment:
+    lo: int  # file offsets [lo, hi), aligned
+    hi: int
+    pieces: tuple[Piece, ...]  # extent bytes inside [lo, hi), by offset (gaps are zeros)
+    direct: bool = False  # one piece, moved straight to / from the tensor's memory
+
+    @property
+    def nbytes(self) -> int:
+        return self.hi - self.lo
+
+
+def pieces_in(extents: Sequence[Extent], lo: int, hi: int, first: int = 0) -> Iterator[Piece]:
+    """``(extent index, file_lo, file_hi)`` of extent bytes inside ``[lo, hi)``; extents are
+    sorted by offset and none before ``first`` reaches ``lo``."""
+    for k in range(first, len(extents)):
+        e = extents[k]
+        if e.offset >= hi:
+            return
+        start, end = max(e.offset, lo), min(e.offset + e.length, hi)
+        if start < end:
+            yield k, start, end
+
+
+def extent_spans(extents: Sequence[Extent]) -> list[tuple[int, int]]:
+    """The aligned file ranges that hold ``extents`` (sorted by offset); neighbours merge."""
+    spans: list[list[int]] = []
+    for e in extents:
+        hi = align_up(e.offset + e.length)
+        if spans and spans[-1][1] >= e.offset:
+            spans[-1][1] = max(spans[-1][1], hi)
+        else:
+            spans.append([e.offset, hi])
+    return [(lo, hi) for lo, hi in spans]
+
+
+def cut(
+    extents: Sequence[Extent],
+    spans: Sequence[tuple[int, int]],
+    block_bytes: int,
+    direct_bytes: DirectBytes | None = None,
+) -> list[Segment]:
+    """Cut the file ranges ``spans`` into requests of at most ``block_bytes``.
+
+    ``direct_bytes(extent)`` says how many leading bytes of an extent may move directly (a
+    multiple of ``ALIGNMENT``; 0 for none); everything else is staged.
+    """
+    out: list[Segment] = []
+    first = 0
+    for span_lo, span_hi in spans:
+        cursor = span_lo
+        while first < len(extents) and extents[first].offset + extents[first].length <= span_lo:
+            first += 1
+        for k in range(first, len(extents)):
+            e = extents[k]
+            if e.offset >= span_hi:
+                break
+            n = direct_bytes(e) if direct_bytes is not None else 0
+            if n <= 0 or e.offset < cursor:
+                continue
+            out += _staged(extents, cursor, e.offset, block_bytes, first)
+            for lo in range(e.offset, e.offset + n, block_bytes):
+                hi = min(lo + block_bytes, e.offset + n)
+                out.append(Segment(lo, hi, ((k, lo, hi),), direct=True))
+            cursor = e.offset + n
+        out += _staged(extents, cursor, span_hi, block_bytes, first)
+    return out
+
+
+def _staged(extents: Sequence[Extent], lo: int, hi: int, block_bytes: int,
+            first: int) -> list[Segment]:
+    out = []
+    for a in range(lo, hi, block_bytes):
+        b = min(a + block_bytes, hi)
+        while first < len(extents) and extents[first].offset + extents[first].length <= a:
+            first += 1
+        out.append(Segment(a, b, tuple(pieces_in(extents, a, b, first))))
+    return out
+
+
+def whole_blocks(nbytes: int) -> int:
+    """The bytes of ``nbytes`` that fill whole ``ALIGNMENT`` blocks."""
+    return nbytes - nbytes % ALIGNMENT

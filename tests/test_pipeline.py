@@ -1,0 +1,182 @@
+"""The write/read pipeline: how files are cut into requests, direct requests to and from a
+tensor's own memory, checksums joined from pieces, page-aligned load destinations."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import gds_persist
+from gds_persist import ChecksumError
+from gds_persist.backends.posix import filesystem_type, o_direct_host_alignment
+from gds_persist.format import ALIGNMENT, Extent, align_up
+from gds_persist.stages import profiling
+from gds_persist.transfer.reader import DIRECT_MIN
+from gds_persist.transfer.segments import cut, extent_spans
+from tests.helpers import assert_tree_equal, random_tensor
+
+
+def _layout(lengths: list[int]) -> tuple[list[Extent], int]:
+    extents, offset = [], 0
+    for i, n in enumerate(lengths):
+        extents.append(Extent(i, 0, n, 0, offset))
+        offset = align_up(offset + n)
+    return extents, offset
+
+
+lengths_st = st.lists(st.integers(1, 5 * ALIGNMENT + 7), min_size=1, max_size=12)
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=lengths_st, blocks=st.integers(1, 4), direct=st.lists(st.booleans(), min_size=12,
+                                                                       max_size=12))
+def test_write_cut_covers_the_file_once_in_aligned_requests(lengths, blocks, direct):
+    extents, size = _layout(lengths)
+    block = blocks * ALIGNMENT
+
+    def direct_bytes(e: Extent) -> int:
+        return e.length - e.length % ALIGNMENT if direct[e.storage] else 0
+
+    segments = cut(extents, [(0, size)], block, direct_bytes)
+    cursor, seen = 0, {i: 0 for i in range(len(extents))}
+    for seg in segments:
+        assert seg.lo == cursor and seg.lo % ALIGNMENT == 0 and 0 < seg.nbytes <= block
+        cursor = seg.hi
+        for k, lo, hi in seg.pieces:
+            e = extents[k]
+            assert seg.lo <= lo < hi <= seg.hi and e.offset <= lo and hi <= e.offset + e.length
+            seen[k] += hi - lo
+        if seg.direct:
+            ((k, lo, hi),) = seg.pieces
+            assert (lo, hi) == (seg.lo, seg.hi) and hi <= extents[k].offset + direct_bytes(
+                extents[k])
+    assert cursor == size
+    assert seen == {i: e.length for i, e in enumerate(extents)}
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=lengths_st, pick=st.lists(st.booleans(), min_size=12, max_size=12))
+def test_read_cut_covers_exactly_the_wanted_extents(lengths, pick):
+    extents, _ = _layout(lengths)
+    wanted = [e for e in extents if pick[e.storage]] or extents[:1]
+    segments = cut(wanted, extent_spans(wanted), 2 * ALIGNMENT)
+    got: dict[int, int] = {}
+    for seg in segments:
+        assert seg.lo % ALIGNMENT == 0 and seg.hi % ALIGNMENT == 0
+        for k, lo, hi in seg.pieces:
+            got[wanted[k].storage] = got.get(wanted[k].storage, 0) + hi - lo
+    assert got == {e.storage: e.length for e in wanted}
+    read = sum(seg.nbytes for seg in segments)
+    assert read == sum(align_up(e.length) for e in wanted)  # nothing between them is read
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on /dev/shm (tmpfs, which takes O_DIRECT from any address on these kernels)."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    path = Path("/dev/shm") / f"gdsp-test-{os.getpid()}-{tmp_path.name}"
+    path.mkdir()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if filesystem_type(fd) != "tmpfs":
+                pytest.skip(f"/dev/shm is {filesystem_type(fd)!r}, not tmpfs")
+        finally:
+            os.close(fd)
+        if o_direct_host_alignment(str(path)) > 64:
+            pytest.skip("O_DIRECT on /dev/shm needs aligned memory on this kernel")
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def _big_state() -> dict[str, torch.Tensor]:
+    base = random_tensor(torch.float32, (3 * DIRECT_MIN) // 4 + 1001, seed=7)
+    return {
+        "exact": random_tensor(torch.uint8, DIRECT_MIN, seed=1),
+        "odd": random_tensor(torch.bfloat16, DIRECT_MIN // 2 + 12345, seed=2),
+        "view": base[1001:],  # starts 4004 bytes into its storage
+        "base": base,
+        "small": random_tensor(torch.int64, 17, seed=3),
+    }
+
+
+def _data(path: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir()) if p.name != "manifest.json"}
+
+
+def test_direct_requests_write_and_read_tensor_memory_and_match_staged_files(
+        shm_dir: Path, tmp_path: Path) -> None:
+    sd = _big_state()
+    with profiling() as saved:
+        gds_persist.save(sd, shm_dir / "ck", backend="direct")
+    assert saved.stages["write (from the tensor)"].nbytes >= 2 * DIRECT_MIN
+    gds_persist.save(sd, tmp_path / "staged", backend="buffered", block_bytes=8192,
+                     staging_bytes=16384, io_threads=3)
+    assert _data(shm_dir / "ck") == _data(tmp_path / "staged")  # byte-identical files
+    with profiling() as loaded:
+        got = gds_persist.load(shm_dir / "ck", backend="direct")
+    assert loaded.stages["read (into the tensor)"].nbytes >= 2 * DIRECT_MIN
+    assert_tree_equal(got, sd)
+    assert got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+
+
+def test_a_flipped_byte_inside_a_direct_request_names_the_tensor(shm_dir: Path) -> None:
+    sd = _big_state()
+    gds_persist.save(sd, shm_dir / "ck", backend="direct")
+    m = gds_persist.read_manifest(shm_dir / "ck")
+    (rec,) = [e for e in m.extents if m.storages[e.storage].nbytes == DIRECT_MIN]
+    data = shm_dir / "ck" / m.files[rec.file].name
+    with open(data, "r+b") as f:
+        f.seek(rec.offset + DIRECT_MIN // 2)
+        byte = f.read(1)
+        f.seek(rec.offset + DIRECT_MIN // 2)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(ChecksumError, match=r"\['exact'\].*offset"):
+        gds_persist.load(shm_dir / "ck", backend="direct")
+    report = gds_persist.verify(shm_dir / "ck")
+    assert len(report.errors) == 1 and "['exact']" in str(report.errors[0])
+
+
+def test_large_host_destinations_are_page_aligned_and_exactly_sized(tmp_path: Path) -> None:
+    sd = {"big": torch.arange(DIRECT_MIN // 8 + 3, dtype=torch.float64),
+          "small": random_tensor(torch.float32, 5, seed=6)}
+    gds_persist.save(sd, tmp_path / "ck")
+    got = gds_persist.load(tmp_path / "ck")
+    assert_tree_equal(got, sd)
+    storage = got["big"].untyped_storage()
+    assert storage.data_ptr() % 4096 == 0
+    assert storage.nbytes() == sd["big"].untyped_storage().nbytes()
+    got["big"].add_(1)  # an ordinary writable tensor
+    assert torch.equal(got["big"], sd["big"] + 1)
+
+
+def test_an_extent_cut_into_many_requests_joins_its_checksum(tmp_path: Path) -> None:
+    """Many small blocks per extent, several I/O threads: the joined CRC32C equals the CRC of
+    the whole extent (what another reader, or an older gds_persist, computes)."""
+    from gds_persist.format import crc32c
+
+    t = random_tensor(torch.uint8, 40 * ALIGNMENT + 99, seed=9)
+    gds_persist.save({"t": t}, tmp_path / "ck", block_bytes=ALIGNMENT,
+                     staging_bytes=3 * ALIGNMENT, io_threads=4)
+    (e,) = gds_persist.read_manifest(tmp_path / "ck").extents
+    assert e.crc32c == crc32c(t.numpy())
+
+
+def test_filesystem_type_and_host_alignment_probes(tmp_path: Path, shm_dir: Path) -> None:
+    fd = os.open(shm_dir, os.O_RDONLY)
+    try:
+        assert filesystem_type(fd) == "tmpfs"
+    finally:
+        os.close(fd)
+    assert o_direct_host_alignment(str(shm_dir)) == 64
+    assert o_direct_host_alignment(str(tmp_path)) in (64, 512, 4096)
+    assert not [p for p in os.listdir(tmp_path) if p.startswith(".o_direct_probe")]
