@@ -3,5 +3,6 @@ PyTorch Lightning ``CheckpointIO`` plugin) and ``gds_persist.integrations.accele
 (``save_state`` / ``load_state`` for Hugging Face Accelerate).
 
 Importing this package imports nothing heavy; each submodule imports its framework when imported.
-They use only gds_persist's public API.
+They are the integrations layer (CONTRIBUTING.md): ``save``, ``load``, ``flatten`` and the
+Checkpointer's snapshot machinery, never the package root.
 """
