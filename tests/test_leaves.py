@@ -409,8 +409,9 @@ def test_replica_differences_inside_extra_leaves_are_named() -> None:
 
 # --- the Checkpointer: typed leaves survive snapshot mode, allow_pickle passes through ----------
 
-@pytest.mark.parametrize("mode", ["fence", "snapshot"])
-def test_checkpointer_keeps_extra_leaves(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize("mode,writer", [("fence", "thread"), ("snapshot", "thread"),
+                                         ("snapshot", "process")])
+def test_checkpointer_keeps_extra_leaves(tmp_path: Path, mode: str, writer: str) -> None:
     w = torch.randn(4)
     state = {"w": w, "tied": w[1:], "rng": np.random.RandomState(2).get_state(),
              "mode": Color.PAIR, "hp": collections.defaultdict(int, a=1),
@@ -418,7 +419,8 @@ def test_checkpointer_keeps_extra_leaves(tmp_path: Path, mode: str) -> None:
     with pytest.raises(TypeError, match=r"\['opaque'\].*allow_pickle=True"), \
             gds_persist.Checkpointer(tmp_path / "refuse", mode=mode) as ck:
         ck.save(1, state)
-    with gds_persist.Checkpointer(tmp_path / "run", mode=mode, allow_pickle=True) as ck:
+    with gds_persist.Checkpointer(tmp_path / "run", mode=mode, writer=writer,
+                                  allow_pickle=True) as ck:
         h = ck.save(1, state)
         h.wait_released()
         state["hp"]["a"] = 99  # the snapshot (or the tree) was taken at save()
