@@ -68,3 +68,8 @@ class WorkerDied(CheckpointError):
 
 class SnapshotTooLarge(CheckpointError):
     """A state dict is larger than the whole snapshot arena (``snapshot_bytes``)."""
+
+
+class PickleRefusedError(CheckpointError):
+    """A leaf saved with ``allow_pickle=True`` needs a class that ``torch.load(weights_only=True)``
+    does not allow; the message names the key path and how to allow it."""

@@ -8,18 +8,28 @@ A state dict is turned into three plain things:
   and LM-head weights, views) are written once and share memory again after load, as with
   ``torch.save``.
 
+Leaves beyond tensors and JSON scalars (numpy arrays and scalars, bytes, pathlib paths, enums,
+dict/list/tuple subclasses and namespaces) become the extra leaf nodes of
+:mod:`gds_persist.format.leaves` (format version 3); anything else is refused, or with
+``allow_pickle`` stored as ``torch.save`` bytes.
+
 Nothing here touches files; nothing here unpickles: the tree is JSON data.
 """
 
 from __future__ import annotations
 
+import argparse
+import enum
+import io
+import pathlib
+import types
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .format import tree
+from .format import leaves, tree
 from .format.records import (
     DTYPES,
     MAX_DEPTH,
@@ -73,8 +83,26 @@ def _check_tensor(t: torch.Tensor, path: tuple[Any, ...]) -> None:
         )
 
 
+def _type_name(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def refusal(path: tuple[Any, ...], what: str) -> TypeError:
+    """The error for a leaf no node kind holds: names the key path and ``allow_pickle``."""
+    return _reject(
+        path,
+        what,
+        "gds_persist stores tensors, dict/list/tuple, int/float/bool/str/None and the extra "
+        "leaves of docs/FORMAT.md (numpy arrays and scalars, bytes, pathlib paths, enums, "
+        "dict/list/tuple subclasses and namespaces by value); convert it (e.g. to a dict of "
+        f"these), or pass save(..., {leaves.PICKLE_OPTION}) to store it pickled (loaded only "
+        "through torch.load(weights_only=True), which runs no code)",
+    )
+
+
 class _Flattener:
-    def __init__(self) -> None:
+    def __init__(self, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle  # store objects no node kind holds pickled
         self.tensors: list[TensorRecord] = []
         self.storages: list[StorageRecord] = []
         self.storage_objects: list[torch.UntypedStorage] = []
@@ -121,21 +149,17 @@ class _Flattener:
             return obj
         if isinstance(obj, float):
             return tree.number(obj)
-        if isinstance(obj, dict):
+        if type(obj) in (dict, OrderedDict):
             return self.mapping(obj, path)
-        if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
-            items = [self.node(v, (*path, i)) for i, v in enumerate(obj)]
-            return tree.sequence(items, is_tuple=isinstance(obj, tuple))
-        raise _reject(
-            path,
-            f"an object of type {type(obj).__module__}.{type(obj).__qualname__}",
-            "only tensors, dict/list/tuple, and int/float/bool/str/None are stored; convert it "
-            "(e.g. numpy arrays with torch.from_numpy, other objects to a dict of these)",
-        )
+        if type(obj) in (list, tuple):
+            return self.sequence(obj, path)
+        return self.extra(obj, path)
+
+    def sequence(self, obj: list[Any] | tuple[Any, ...], path: tuple[Any, ...]) -> dict[str, Any]:
+        items = [self.node(v, (*path, i)) for i, v in enumerate(obj)]
+        return tree.sequence(items, is_tuple=isinstance(obj, tuple))
 
     def mapping(self, obj: dict[Any, Any], path: tuple[Any, ...]) -> dict[str, Any]:
-        if type(obj) not in (dict, OrderedDict):
-            raise _reject(path, f"a mapping of type {type(obj).__qualname__}", "use dict(...)")
         keys = list(obj.keys())
         for k in keys:
             if isinstance(k, bool) or not isinstance(k, (str, int)):
@@ -151,12 +175,78 @@ class _Flattener:
         return tree.mapping(keys, values, ordered=ordered, meta=meta)
 
 
-def flatten(state_dict: Any) -> Flattened:
+    # --- the extra leaves (format/leaves.py) ----------------------------------------------
+
+    def extra(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        """The node of a leaf that is not a tensor, a JSON scalar or a plain container."""
+        module = type(obj).__module__
+        if module == "numpy" or module.startswith("numpy."):
+            node = self.numpy(obj, path)
+            if node is not None:
+                return node
+        elif type(obj) is bytes:
+            return leaves.bytes_node(obj)
+        elif isinstance(obj, pathlib.PurePath):
+            flavour = next(c.__name__ for c in type(obj).__mro__ if c.__name__ in leaves.PATHS)
+            return leaves.path(flavour, str(obj))
+        elif isinstance(obj, enum.Enum):
+            value = self.node(obj.value, path)
+            # a value that is itself an extra leaf is stored as that (an enum loads as its value)
+            return value if leaves.is_extra(value) else leaves.enum(_type_name(type(obj)), value)
+        elif isinstance(obj, dict):
+            base = OrderedDict(obj) if isinstance(obj, OrderedDict) else dict(obj)
+            return leaves.typed(self.mapping(base, path), _type_name(type(obj)))
+        elif isinstance(obj, (argparse.Namespace, types.SimpleNamespace)):
+            return leaves.typed(self.mapping(dict(vars(obj)), path), _type_name(type(obj)))
+        elif isinstance(obj, (list, tuple)):
+            plain = list(obj) if isinstance(obj, list) else tuple(obj)
+            return leaves.typed(self.sequence(plain, path), _type_name(type(obj)))
+        if self.allow_pickle:
+            return self.pickle(obj, path)
+        raise refusal(path, f"an object of type {_type_name(type(obj))}")
+
+    def numpy(self, obj: Any, path: tuple[Any, ...]) -> Any:
+        import numpy as np
+
+        dtype = obj.dtype.newbyteorder("<") if hasattr(obj, "dtype") else None
+        if dtype is None or not leaves.DTYPE.match(dtype.str):
+            return None  # object and structured dtypes, numpy types without a dtype
+        if isinstance(obj, np.generic):
+            return leaves.npscalar(dtype.str, np.asarray(obj, dtype).tobytes())
+        if type(obj) is not np.ndarray:
+            return None
+        a = obj if obj.dtype == dtype else obj.astype(dtype)
+        if not (a.flags.c_contiguous and a.flags.writeable):
+            a = a.copy(order="C")  # torch.from_numpy warns about read-only arrays
+        try:
+            t = torch.from_numpy(a)  # a typed tensor where torch has the dtype (export shows it)
+        except TypeError:
+            t = torch.from_numpy(a.reshape(-1).view(np.uint8))
+        return leaves.ndarray(dtype.str, list(a.shape), self.tensor(t, path))
+
+    def pickle(self, obj: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+        buf = io.BytesIO()
+        try:
+            torch.save(obj, buf)
+        except Exception as e:  # noqa: BLE001 - any pickling failure
+            raise _reject(
+                path,
+                f"an object of type {_type_name(type(obj))}",
+                f"even {leaves.PICKLE_OPTION} cannot pickle it ({type(e).__name__}: {e}); "
+                "convert it",
+            ) from e
+        data = torch.frombuffer(bytearray(buf.getbuffer()), dtype=torch.uint8)
+        return leaves.pickle(_type_name(type(obj)), self.tensor(data, path))
+
+
+def flatten(state_dict: Any, allow_pickle: bool = False) -> Flattened:
     """Split ``state_dict`` into a JSON tree, tensor views and distinct storages.
 
-    Raises TypeError naming the key path for anything that cannot be stored faithfully.
+    Raises TypeError naming the key path for anything that cannot be stored faithfully (the
+    extra leaves of :mod:`gds_persist.format.leaves` are stored by value; ``allow_pickle``
+    stores any other object pickled).
     """
-    f = _Flattener()
+    f = _Flattener(allow_pickle)
     encoded = f.node(state_dict, ())
     return Flattened(encoded, f.tensors, f.storages, f.storage_objects)
 

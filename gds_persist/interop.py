@@ -68,8 +68,8 @@ from . import settings
 from .backends.posix import pwrite_all
 from .errors import CheckpointError
 from .flatten import flatten, rebuild_tensor
-from .format import DTYPES, Extent, Manifest, TensorRecord, full_tree
-from .format.tree import decode, path_str, tensor_key_paths, validate
+from .format import DTYPES, Extent, Manifest, TensorRecord, full_tree, leaves
+from .format.tree import decode, path_str, tensor_key_paths, validate, walk
 from .load import load, read_extents, read_manifest
 from .progress import ByteCounter, ProgressCallback
 from .results import ExportInfo, SaveInfo
@@ -232,9 +232,12 @@ def export_checkpoint(
             backend=backend,
             progress=on_read if progress is not None else None,
         )
-        return _export_torch(
-            state, out, counter, ["torch.save cannot stream: the state dict was loaded whole"]
-        )
+        notes = ["torch.save cannot stream: the state dict was loaded whole"]
+        unsafe = sorted({x for _, n in walk(full_tree(m)) if (x := leaves.needs_safe_globals(n))})
+        if unsafe:  # numpy arrays, paths, namespaces: objects to torch.save's pickle
+            notes.append(f"it holds {', '.join(unsafe)} leaves: torch.load(OUT, weights_only=True) "
+                         "needs their classes allowed (torch.serialization.add_safe_globals)")
+        return _export_torch(state, out, counter, notes)
     return _SafetensorsExport(path, m, out, sep, backend, progress).run()
 
 

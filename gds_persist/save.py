@@ -40,6 +40,7 @@ def save(
     writers_per_node: int | None = None,
     data_dirs: Any = None,
     check_replicas: str = "structure",
+    allow_pickle: bool = False,
 ) -> SaveInfo:
     """Write ``state_dict`` to the checkpoint directory ``path``, durably and atomically.
 
@@ -66,11 +67,21 @@ def save(
     each state dict once, when its ``save`` is called, and its snapshots are Flattened records
     over host copies.
 
+    Leaves beyond tensors and JSON scalars (numpy arrays and scalars, bytes, pathlib paths, enums,
+    dict/list/tuple subclasses, namespaces) are stored by value (format version 3,
+    docs/FORMAT.md). ``allow_pickle=True`` stores any other object pickled; ``load`` unpickles
+    it only with ``torch.load(weights_only=True)`` (no code runs; allow classes with
+    ``torch.serialization.add_safe_globals``). Single-process saves only: replicas of a pickle
+    need not be byte-identical across ranks.
+
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
     backend, :class:`DistributedError` (on every rank, naming the failed rank) when a rank fails.
     """
     if process_group is not None or rank_local is not None or data_dirs is not None:
+        if allow_pickle:
+            raise ValueError("allow_pickle=True is for single-process saves; it cannot be "
+                             "combined with process_group, rank_local or data_dirs")
         return save_parallel(
             state_dict,
             path,
@@ -90,7 +101,8 @@ def save(
         backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes, io_threads=io_threads
     )
     with stage("flatten"):
-        flat = state_dict if isinstance(state_dict, Flattened) else flatten(state_dict)
+        flat = (state_dict if isinstance(state_dict, Flattened)
+                else flatten(state_dict, allow_pickle))
     return _save_single(flat, os.fspath(path), cfg, progress, t0)
 
 

@@ -44,3 +44,19 @@ def test_gil_contention_tiny(tmp_path, capsys):
     assert all(r["iterations"] == 2 and r["gil_wait_ms_per_iter"] >= 0 for r in rows.values())
     assert json.loads(out.read_text())["python"]["rows"].keys() == rows.keys()
     assert os.listdir(tmp_path) == ["gil.json"]
+
+
+def test_bench_trainers_tiny(tmp_path, capsys):
+    bench = _bench_module("bench_trainers")
+    out = tmp_path / "trainers.json"
+    report = bench.main(["--tiny", "--dir", str(tmp_path), "--json", str(out)])
+    text = capsys.readouterr().out
+    for method in bench.METHODS:
+        assert f"\n{method} " in text
+        r = report["results"][method]
+        assert r["samples"] >= 2 and r["step_ms"] > 0
+        if method != "none":
+            assert r["blocking_ms"] > 0 and r["durable_ms"] > 0 and r["checkpoint_mb"] > 0
+    assert "every write includes fsync" in text
+    assert json.loads(out.read_text())["results"].keys() == report["results"].keys()
+    assert os.listdir(tmp_path) == ["trainers.json"]  # its checkpoints are removed

@@ -119,3 +119,27 @@ def test_fsdp_dcp_example_under_torchrun_reshards_both_ways(tmp_path):
     assert fsdp.full_params_digest(model) == digests[0]
     assert gds_persist.read_manifest(latest).writer["world_size"] == 2
     assert gds_persist.verify(latest).ok
+
+
+def test_lightning_example_resumes_bit_exactly(tmp_path, capsys):
+    lit = example("train_lightning")
+    lit.main(["--ckpt-dir", str(tmp_path / "a"), "--steps", "12", "--stop-after", "8"])
+    resumed = lit.main(["--ckpt-dir", str(tmp_path / "a"), "--steps", "12", "--background"])
+    straight = lit.main(["--ckpt-dir", str(tmp_path / "b"), "--steps", "12"])
+    assert resumed == straight
+    out = capsys.readouterr().out
+    assert "resumed from" in out and "done at step 12" in out
+    assert sorted(os.listdir(tmp_path / "a")) == ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt",
+                                                  "last.ckpt"]
+    assert gds_persist.verify(os.path.join(tmp_path, "a", "last.ckpt")).ok
+
+
+def test_accelerate_example_resumes_bit_exactly(tmp_path, capsys):
+    acc = example("train_accelerate")
+    common = ["--steps", "10", "--every", "4"]
+    acc.main(["--ckpt-dir", str(tmp_path / "a"), *common, "--stop-after", "6"])
+    resumed = acc.main(["--ckpt-dir", str(tmp_path / "a"), *common])
+    straight = acc.main(["--ckpt-dir", str(tmp_path / "b"), *common])
+    assert resumed == straight
+    assert "resumed from step 4" in capsys.readouterr().out
+    assert gds_persist.load(os.path.join(tmp_path, "a", "latest"))["custom"][0]["step"] == 10

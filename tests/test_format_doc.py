@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import math
 import re
 from collections import OrderedDict
@@ -65,6 +66,28 @@ def test_documented_reader_reads_a_real_checkpoint(tmp_path: Path) -> None:
     flip_byte(tmp_path / "ck" / "data-00000.bin", 5)
     with pytest.raises(AssertionError, match=r"checksum mismatch in data-00000.bin@0"):
         reader["read_checkpoint"](str(tmp_path / "ck"))
+
+
+def test_documented_reader_reads_extra_leaves(tmp_path: Path) -> None:
+    import enum
+    import pathlib
+
+    import numpy as np
+
+    class Color(enum.Enum):
+        RED = (1, "red")
+
+    reader = _reader()
+    state = {"rng": np.random.RandomState(1).get_state(), "a": np.arange(6.0).reshape(2, 3),
+             "u": np.array(["x", "yz"]), "s": np.int16(-2), "b": b"\x00\x01",
+             "p": pathlib.Path("/data"), "c": Color.RED, "hp": collections.Counter("aab"),
+             "w": torch.ones(2)}
+    gds_persist.save(state, tmp_path / "ck")
+    got = reader["read_checkpoint"](str(tmp_path / "ck"))
+    assert got["rng"][0] == "MT19937" and np.array_equal(got["rng"][1], state["rng"][1])
+    assert np.array_equal(got["a"], state["a"]) and np.array_equal(got["u"], state["u"])
+    assert got["s"] == np.int16(-2) and got["b"] == b"\x00\x01" and got["p"] == "/data"
+    assert got["c"] == (1, "red") and got["hp"] == {"a": 2, "b": 1}
 
 
 def test_documented_facts_match_the_code() -> None:

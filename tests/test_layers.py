@@ -45,13 +45,14 @@ LAYERS: dict[str, int] = {
     "gds_persist.exchange": 3,
     # 4 training: Checkpointer, snapshots, the helper process
     "gds_persist.training": 4,
-    # 5 integrations: DCP, interop, the CLI
+    # 5 integrations: DCP, interop, the CLI, the trainer plugins
     "gds_persist.dcp": 5,
     "gds_persist.interop": 5,
     "gds_persist.cli": 5,
     "gds_persist.__main__": 5,
     "gds_persist.commands": 5,
     "gds_persist.scale": 5,
+    "gds_persist.integrations": 5,
     # the package itself only re-exports the public API
     "gds_persist": 6,
 }

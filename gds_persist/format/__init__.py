@@ -2,6 +2,7 @@
 
 * :mod:`.records`: the records (dtypes, storages, tensors, data files, extents) and file names;
 * :mod:`.tree`: the encoding of a state dict's structure, and the one walker over it;
+* :mod:`.leaves`: the extra leaf node kinds of that tree (format version 3);
 * :mod:`.manifest`: the manifest, dumped, parsed and validated (spec: ``docs/FORMAT.md``);
 * :mod:`.checksum`: CRC32C, the format's checksum, and the algebra that combines it.
 
@@ -10,7 +11,7 @@ This module only re-exports them.
 
 from __future__ import annotations
 
-from . import tree
+from . import leaves, tree
 from .checksum import crc32c, crc32c_combine
 from .manifest import (
     CHECKSUM_ALGORITHM,
@@ -74,6 +75,7 @@ __all__ = [
     "dtype_name",
     "dump_manifest",
     "full_tree",
+    "leaves",
     "local_file_name",
     "parse_manifest",
     "rank_data_file_name",

@@ -18,6 +18,10 @@ reading plain checkpoints) adds, for data-parallel saves (``docs/DISTRIBUTED.md`
 * ``sections``: rank-local state. The main tree holds ``{"t": "local", "i": j}`` placeholders;
   section ``{"rank": r, "tree": {"t": "list", "v": [subtree_0, ...]}}`` holds rank ``r``'s subtree
   for each placeholder ``j``. Tensor indices are global, as in the main tree.
+
+Version 3 (written only when a tree holds one of them) is version 2 plus the extra leaf node
+kinds of :mod:`.leaves` (numpy arrays and scalars, bytes, paths, enums, typed containers,
+opt-in pickles), so that a reader which predates them says "upgrade" instead of failing on a node.
 """
 
 from __future__ import annotations
@@ -31,14 +35,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ManifestError
-from . import records
+from . import leaves, records
 from . import tree as _tree
 from .checksum import crc32c
 from .records import ALIGNMENT, DTYPES, SAFE_FILE_NAME, STRIPE_DIR_NAME, STRIPE_MARK
 
 FORMAT_NAME = "gds_persist"
-FORMAT_VERSION = 2  # the newest version written; 1 is written when no version-2 field is needed
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # the newest version written; each checkpoint gets the oldest that holds it
+READABLE_VERSIONS = (1, 2, 3)
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "crc32c"
 _MAX_SIZE = 1 << 62  # larger than any file; rejects overflowing sizes early
@@ -62,7 +66,10 @@ class Manifest:
 
     @property
     def version(self) -> int:
-        """The format version this manifest needs: 2 only if it uses a version-2 field."""
+        """The format version this manifest needs: 3 only if a tree holds an extra leaf node,
+        else 2 only if it uses a version-2 field, else 1."""
+        if any(_tree.uses_leaves(t) for t in (self.tree, *(s.tree for s in self.sections))):
+            return leaves.VERSION
         uses_v2 = self.dirs or self.sections or any(f.dir for f in self.files)
         return 2 if uses_v2 or _tree.has_locals(self.tree) else 1
 
@@ -354,7 +361,8 @@ class _ManifestValidator:
 
     def tree(self, node: Any, n_tensors: int, placeholders: int | None = None) -> int:
         try:
-            return _tree.validate(node, n_tensors, placeholders=placeholders)
+            return _tree.validate(node, n_tensors, placeholders=placeholders,
+                                  extra_leaves=self.version >= leaves.VERSION)
         except ValueError as e:
             raise self.fail(str(e)) from None
 

@@ -11,11 +11,15 @@ Everything else is a *node*, a JSON object whose ``"t"`` says its kind:
   optionally ``"meta": node``: the mapping's ``_metadata`` attribute (``nn.Module.state_dict()``
   keeps version information there);
 * ``{"t": "local", "i": j}``: placeholder ``j`` for rank-local state (format version 2, main
-  tree only), numbered in tree order; the manifest's sections hold what it stands for.
+  tree only), numbered in tree order; the manifest's sections hold what it stands for;
+* the extra leaf kinds of format version 3 (:mod:`.leaves`: numpy arrays and scalars, bytes,
+  paths, enums, pickles, and containers with a ``"type"``). A *wrapper* (enum, ndarray, pickle)
+  holds one child in ``"v"``, at the wrapper's own key path and depth.
 
 Tree order, used everywhere: depth first, a container's items in order, a mapping's ``meta``
-after its values. A key path is the tuple of keys and list positions from the root to a node; a
-mapping's ``meta`` is reached through the key ``"_metadata"``.
+after its values, a wrapper's child after the wrapper. A key path is the tuple of keys and list
+positions from the root to a node; a mapping's ``meta`` is reached through the key
+``"_metadata"``, a wrapped child through no key (the key ``WRAPPED`` of :func:`children`).
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+from . import leaves
 from .records import MAX_DEPTH
 
 TENSOR = "tensor"
@@ -38,6 +43,7 @@ SEQUENCES = (LIST, TUPLE)
 MAPPINGS = (DICT, ODICT)
 META_KEY = "_metadata"  # the key path element of a mapping's ``meta``
 NON_FINITE = ("inf", "-inf", "nan")
+WRAPPED = None  # the "key" of a wrapper's child in children(): it keeps the wrapper's key path
 
 KeyPath = tuple[Any, ...]
 _ABSENT = object()
@@ -82,7 +88,7 @@ def kind(node: Any) -> str | None:
 
 def children(node: Any) -> list[tuple[Any, Any]]:
     """``(key, child)`` of a container node in tree order (a mapping's ``meta`` last, under
-    ``"_metadata"``); ``[]`` for anything else."""
+    ``"_metadata"``; a wrapper's child under ``WRAPPED``); ``[]`` for anything else."""
     k = kind(node)
     if k in SEQUENCES:
         return list(enumerate(node["v"]))
@@ -91,7 +97,19 @@ def children(node: Any) -> list[tuple[Any, Any]]:
         if "meta" in node:
             out.append((META_KEY, node["meta"]))
         return out
+    if k in leaves.WRAPPERS:
+        return [(WRAPPED, leaves.wrapped(node))]
     return []
+
+
+def child_path(path: KeyPath, key: Any) -> KeyPath:
+    """The key path of the child ``key`` (from :func:`children`) of the node at ``path``."""
+    return path if key is WRAPPED else (*path, key)
+
+
+def uses_leaves(tree: Any) -> bool:
+    """Whether the tree holds an extra leaf node (format version 3, :mod:`.leaves`)."""
+    return any(leaves.is_extra(n) for _, n in walk(tree))
 
 
 def list_items(node: Any) -> list[Any] | None:
@@ -106,14 +124,15 @@ def walk(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     """Every node and plain value of the tree with its key path, in tree order."""
     yield path, node
     for key, child in children(node):
-        yield from walk(child, (*path, key))
+        yield from walk(child, child_path(path, key))
 
 
 def transform(node: Any, leaf: Callable[[Any], Any]) -> Any:
-    """A copy of the tree with every non-container (plain values, tensor, float and local nodes)
-    replaced by ``leaf(it)``; containers are rebuilt around the results."""
+    """A copy of the tree with every node without children (plain values, tensor, float, local
+    and childless extra nodes) replaced by ``leaf(it)``; containers and wrappers are rebuilt
+    around the results."""
     k = kind(node)
-    if k not in SEQUENCES and k not in MAPPINGS:
+    if k not in SEQUENCES and k not in MAPPINGS and k not in leaves.WRAPPERS:
         return leaf(node)
     out = {**node, "v": [transform(v, leaf) for v in node["v"]]}
     if "meta" in node:
@@ -159,9 +178,10 @@ def shift_tensors(tree: Any, by: int) -> Any:
     return transform(tree, lambda n: tensor(n["i"] + by) if kind(n) == TENSOR else n)
 
 
-def decode(tree: Any, tensors: Sequence[Any]) -> Any:
+def decode(tree: Any, tensors: Sequence[Any], path: KeyPath = ()) -> Any:
     """The state dict a tree describes, with tensor node ``i`` replaced by ``tensors[i]``
-    (the inverse of :func:`gds_persist.flatten.flatten`'s encoding)."""
+    (the inverse of :func:`gds_persist.flatten.flatten`'s encoding); ``path``: where ``tree``
+    is, for errors. Extra leaves need real tensors (:func:`.leaves.decode`)."""
     k = kind(tree)
     if k is None:
         return tree
@@ -169,15 +189,20 @@ def decode(tree: Any, tensors: Sequence[Any]) -> Any:
         return tensors[tree["i"]]
     if k == FLOAT:
         return float(tree["v"])
+    if leaves.is_extra(tree):
+        return leaves.decode(tree, path_str(path), lambda node: decode(node, tensors, path))
     if k in SEQUENCES:
-        items = [decode(v, tensors) for v in tree["v"]]
+        items = [decode(v, tensors, (*path, i)) for i, v in enumerate(tree["v"])]
         return items if k == LIST else tuple(items)
     if k not in MAPPINGS:
         raise ValueError(f"cannot decode a {k!r} node (fill rank-local placeholders first)")
     cls = OrderedDict if k == ODICT else dict
-    out = cls((key, decode(v, tensors)) for key, v in zip(tree["k"], tree["v"], strict=True))
+    out = cls(
+        (key, decode(v, tensors, (*path, key)))
+        for key, v in zip(tree["k"], tree["v"], strict=True)
+    )
     if "meta" in tree:
-        out._metadata = decode(tree["meta"], tensors)  # type: ignore[attr-defined]
+        out._metadata = decode(tree["meta"], tensors, (*path, META_KEY))  # type: ignore[attr-defined]
     return out
 
 
@@ -191,10 +216,15 @@ def difference(a: Any, b: Any, path: KeyPath = ()) -> str:
     k = kind(a)
     if k != kind(b):
         return f"{where}: a {k} (rank 0: a {kind(b)})"
+    for member in sorted((set(a) | set(b)) - {"t", "i", "k", "v", "meta"}):  # type, dtype, shape
+        if a.get(member, _ABSENT) != b.get(member, _ABSENT):
+            return f"{where}: {member} {_short(a.get(member))} (rank 0: {_short(b.get(member))})"
     if k in MAPPINGS and a["k"] != b["k"]:
         extra = [x for x in a["k"] if x not in b["k"]]
         missing = [x for x in b["k"] if x not in a["k"]]
         return f"{where}: keys differ from rank 0's (extra: {extra[:5]}, missing: {missing[:5]})"
+    if k in leaves.WRAPPERS:
+        return difference(leaves.wrapped(a), leaves.wrapped(b), path)
     if k in SEQUENCES or k in MAPPINGS:
         if len(a["v"]) != len(b["v"]):
             return f"{where}: {len(a['v'])} items (rank 0: {len(b['v'])})"
@@ -221,21 +251,26 @@ def _short(v: Any) -> str:
 # --- checking a tree that came from outside -----------------------------------------------------
 
 
-def validate(node: Any, n_tensors: int, *, placeholders: int | None = None) -> int:
+def validate(
+    node: Any, n_tensors: int, *, placeholders: int | None = None, extra_leaves: bool = True
+) -> int:
     """Check that ``node`` is a well-formed tree whose tensor nodes index ``n_tensors`` tensors
     and that is nested at most ``MAX_DEPTH`` deep; raise ``ValueError`` saying what is wrong.
 
     ``placeholders``: ``None`` refuses rank-local placeholders; a number allows them, numbered
-    in tree order from that number on. Returns the number of placeholders after the tree.
+    in tree order from that number on. ``extra_leaves``: whether the node kinds of
+    :mod:`.leaves` (format version 3) are allowed. Returns the number of placeholders after the
+    tree.
     """
-    return _Validator(n_tensors, placeholders).check(node, 0)
+    return _Validator(n_tensors, placeholders, extra_leaves).check(node, 0)
 
 
 class _Validator:
-    def __init__(self, n_tensors: int, placeholders: int | None):
+    def __init__(self, n_tensors: int, placeholders: int | None, extra_leaves: bool):
         self.n_tensors = n_tensors
         self.allow_locals = placeholders is not None
         self.n_local = placeholders or 0
+        self.extra_leaves = extra_leaves
 
     def check(self, node: Any, depth: int) -> int:
         if depth > MAX_DEPTH:
@@ -249,6 +284,16 @@ class _Validator:
         if not isinstance(node, dict):
             raise ValueError(f"tree holds a {type(node).__name__}")
         k = node.get("t")
+        if leaves.is_extra(node):
+            if not self.extra_leaves:
+                raise ValueError(f"tree node {str(node)[:80]!r} is not valid: extra leaf nodes "
+                                 f"need format version {leaves.VERSION}")
+            leaves.check(node)
+            if k in leaves.TYPED:  # the container itself, minus its type
+                return self.check(leaves.untyped(node), depth)
+            if k in leaves.WRAPPERS:  # the child at the wrapper's own depth
+                return self.check(leaves.wrapped(node), depth)
+            return self.n_local
         if k == TENSOR and set(node) == {"t", "i"} and _index(node["i"], self.n_tensors):
             return self.n_local
         if k == FLOAT and set(node) == {"t", "v"} and node["v"] in NON_FINITE:

@@ -180,7 +180,9 @@ class Checkpointer:
     ``max_pending``: saves in flight before ``save`` waits for the oldest to commit (default 2 in
     fence mode; unbounded in snapshot mode, where the arena bounds memory). ``writer``:
     ``"thread"`` (default) or ``"process"`` (snapshot mode only: a helper process writes the
-    snapshots, so core ``save``'s Python takes no GIL from training).
+    snapshots, so core ``save``'s Python takes no GIL from training). ``allow_pickle``: as
+    :func:`gds_persist.save` (objects no node kind holds are stored pickled; not with a
+    ``process_group``).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -188,7 +190,8 @@ class Checkpointer:
                  backend: str | None = None, process_group: Any = None,
                  timeout_s: float = 1800.0, max_pending: int | None = None,
                  block_bytes: int | None = None, staging_bytes: int | None = None,
-                 io_threads: int | None = None, writer: str = "thread"):
+                 io_threads: int | None = None, writer: str = "thread",
+                 allow_pickle: bool = False):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
         if writer not in WRITERS:
@@ -199,6 +202,9 @@ class Checkpointer:
                 "mode='snapshot' (fence mode writes the live tensors, which only this process "
                 "can read) and no process_group (collectives belong to this process)"
             )
+        if allow_pickle and process_group is not None:
+            raise ValueError("allow_pickle=True is for single-process saves; it cannot be "
+                             "combined with process_group")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
         if max_pending is None:
@@ -214,6 +220,7 @@ class Checkpointer:
         self.timeout_s = float(timeout_s)
         self.max_pending = max_pending
         self.process_group = process_group
+        self.allow_pickle = allow_pickle
         self.loaded_step: int | None = None
         self._save_kwargs: dict[str, Any] = {"backend": backend, "block_bytes": block_bytes,
                                              "staging_bytes": staging_bytes,
@@ -272,7 +279,8 @@ class Checkpointer:
                 "ckpt.load(step=...) it first (newer checkpoints are then replaced as training "
                 "proceeds), or use another root"
             )
-        flat = flatten(state_dict)  # TypeError naming the key, here rather than in the thread
+        # TypeError naming the key, here rather than in the thread
+        flat = flatten(state_dict, self.allow_pickle)
         self._wait_for_slot()
         if self._rollback_to is not None and self._publisher:
             # Resumed from an older step: publish it again first, so that a crash from now on

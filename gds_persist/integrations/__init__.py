@@ -1,0 +1,8 @@
+"""Trainer integrations (docs/INTEGRATIONS.md): ``gds_persist.integrations.lightning`` (a
+PyTorch Lightning ``CheckpointIO`` plugin) and ``gds_persist.integrations.accelerate``
+(``save_state`` / ``load_state`` for Hugging Face Accelerate).
+
+Importing this package imports nothing heavy; each submodule imports its framework when imported.
+They are the integrations layer (CONTRIBUTING.md): ``save``, ``load``, ``flatten`` and the
+Checkpointer's snapshot machinery, never the package root.
+"""
