@@ -15,7 +15,7 @@ from gds_persist.backends import choose_backend, supports_o_direct
 from gds_persist.backends.auto import MEASURED, AutoEnvironment, KvikioFacts, decide
 
 GDS = KvikioFacts(True, True, "kvikio usable: GPUDirect Storage (cuFile with the nvidia-fs driver)")
-COMPAT = KvikioFacts(True, False, "kvikio usable: KvikIO compatibility mode (...): POSIX, no cuFile")
+COMPAT = KvikioFacts(True, False, "kvikio usable: KvikIO compatibility mode (..): POSIX, no cuFile")
 NO_DRIVER = KvikioFacts(False, False, "no usable CUDA device/driver")
 NOT_INSTALLED = KvikioFacts(False, False, "backend 'kvikio' needs kvikio, which is not importable")
 FACTS = {"gds": GDS, "compat": COMPAT, "no driver": NO_DRIVER, "not installed": NOT_INSTALLED,

@@ -32,6 +32,12 @@ Modes (how long the caller's tensors are borrowed):
   write could finish. The arena never grows: a snapshot waits for memory (counted in
   :attr:`Checkpointer.stats`) and a state dict larger than the whole arena is written fence-style.
 
+Start-up: on construction a Checkpointer starts :func:`gds_persist.warmup` in a background thread
+(CUDA context and side streams, the staging ring, the backend probe and kvikio/cuFile start-up,
+the device CRC kernel), so that the first checkpoint is not the slow one; the writer waits for it
+(bounded) before its first write. ``warmup=False`` skips it; ``ckpt.warmup_report`` says what it
+did.
+
 Either way the caller must not change the tensors of a save until its handle is released:
 ``guard(optimizer)`` does it for optimizer updates; otherwise call ``handle.wait_released()``.
 
@@ -72,8 +78,9 @@ from ..distributed import make_comm
 from ..errors import CheckpointError, CheckpointTimeout, SnapshotTooLarge, WorkerDied
 from ..flatten import Flattened, flatten
 from ..load import load as core_load
-from ..results import SaveInfo
+from ..results import SaveInfo, WarmupReport
 from ..save import save as core_save
+from ..warmup import BackgroundWarmup
 from . import steps as _steps
 from .helper import HelperProcess
 from .mode import ModeChoice, choose_mode, host_memory
@@ -88,6 +95,7 @@ from .snapshot import (
 log = logging.getLogger("gds_persist")
 
 MODES = ("auto", "fence", "snapshot")
+WARMUP_WAIT_S = 60.0  # longest the first write waits for the warm-up to finish
 WRITERS = ("thread", "process")
 
 
@@ -191,7 +199,8 @@ class Checkpointer:
     ``max_pending``: saves in flight before ``save`` waits for the oldest to commit (default 2 in
     fence mode; unbounded in snapshot mode, where the arena bounds memory). ``writer``:
     ``"thread"`` (default) or ``"process"`` (snapshot mode only: a helper process writes the
-    snapshots, so core ``save``'s Python takes no GIL from training).
+    snapshots, so core ``save``'s Python takes no GIL from training). ``warmup``: start
+    :func:`gds_persist.warmup` for ``root`` in the background now (default True).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -199,7 +208,7 @@ class Checkpointer:
                  backend: str | None = None, process_group: Any = None,
                  timeout_s: float = 1800.0, max_pending: int | None = None,
                  block_bytes: int | None = None, staging_bytes: int | None = None,
-                 io_threads: int | None = None, writer: str = "thread"):
+                 io_threads: int | None = None, writer: str = "thread", warmup: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
         if writer not in WRITERS:
@@ -256,6 +265,7 @@ class Checkpointer:
         self._helper = HelperProcess() if writer == "process" else None
         if self._helper is not None:
             self._helper.start()  # it imports torch while training starts
+        self._warmup = BackgroundWarmup(self.root, **self._save_kwargs) if warmup else None
         self._queues["write"] = queue.Queue()
         self._start("write")
         if mode != "auto":
@@ -375,6 +385,11 @@ class Checkpointer:
             self._floor = step
             self._rollback_to = step if latest is not None and step < latest else None
         return state
+
+    @property
+    def warmup_report(self) -> WarmupReport | None:
+        """What the background warm-up did (None while it runs, or with ``warmup=False``)."""
+        return None if self._warmup is None else self._warmup.report
 
     @property
     def stats(self) -> CheckpointerStats:
@@ -534,6 +549,8 @@ class Checkpointer:
             job = q.get()
             if job is _STOP:
                 return
+            if stage == "write" and self._warmup is not None and not self._warmup.done():
+                self._warmup.wait(min(WARMUP_WAIT_S, self.timeout_s))  # then write regardless
             with self._lock:
                 self._current[stage] = job
             try:
@@ -570,6 +587,8 @@ class Checkpointer:
         deadline = time.monotonic() + join_s
         for t in self._threads.values():
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._warmup is not None:  # nothing of ours runs on after close
+            self._warmup.wait(max(0.0, deadline - time.monotonic()))
         if self._helper is not None and not self._threads["write"].is_alive():
             self._helper.stop(max(0.0, deadline - time.monotonic()))
         if self._arena is not None and not any(t.is_alive() for t in self._threads.values()):
