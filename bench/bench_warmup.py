@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     lines = [
         "gds_persist warm-up benchmark: the first save of a process against the next ones",
         f"  machine  {facts['cpu']}; GPU {machine.gpu_line(facts['gpu'])}",
-        f"  state    {args.size / 2**30:.2f} GiB on {device}; {args.saves} saves per process; "
+        f"  state    {args.size / 2**20:.0f} MiB on {device}; {args.saves} saves per process; "
         f"{args.rounds} round(s); kernel cache {args.kernel_cache}; dir {base} "
         f"({facts['filesystem'].get('fstype', '?')})",
         "",
