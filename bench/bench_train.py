@@ -10,6 +10,8 @@ each method, interleaved over ``--rounds``:
   gds_fence     Checkpointer(mode="fence") + guard(optimizer): the write overlaps forward/backward
   gds_snapshot  Checkpointer(mode="snapshot") + guard: a bounded host copy, written in background
   gds_snapshot_process  the same, written by a helper process (writer="process"): no GIL taken
+  gds_auto      Checkpointer() (mode="auto", the default) + guard: the mode it chose, and why, in
+                the notes and the JSON (fence for CPU state; snapshot for GPU state that fits)
 
 On CPU it runs with one intra-op thread (``--threads``), so the other core stands in for the idle
 host of a GPU machine; the model must be sized so one iteration's compute is longer than one
@@ -41,7 +43,8 @@ from torch import nn
 import gds_persist
 from gds_persist.flatten import flatten
 
-MODES = ("none", "torch_save", "gds_blocking", "gds_fence", "gds_snapshot", "gds_snapshot_process")
+MODES = ("none", "torch_save", "gds_blocking", "gds_fence", "gds_snapshot", "gds_snapshot_process",
+         "gds_auto")
 
 
 class Block(nn.Module):
@@ -144,7 +147,8 @@ def run_segment(mode: str, model: GPT, opt: torch.optim.Optimizer, args: argpars
     if mode == "torch_save":
         saver = TorchSave(os.path.join(root, "torch_save"))
     elif mode.startswith("gds_"):
-        kind = "snapshot" if mode.startswith("gds_snapshot") else "fence"
+        kind = ("snapshot" if mode.startswith("gds_snapshot") else
+                "auto" if mode == "gds_auto" else "fence")
         writer = "process" if mode.endswith("_process") else "thread"
         saver = gds_persist.Checkpointer(os.path.join(root, mode), keep_last=2, mode=kind,
                                          backend=args.backend, writer=writer)
@@ -176,6 +180,7 @@ def run_segment(mode: str, model: GPT, opt: torch.optim.Optimizer, args: argpars
                          "fence_fallbacks"):
                 acc[name] = acc.get(name, 0) + getattr(after, name) - getattr(before, name)
             acc["snapshot_bytes"] = after.snapshot_bytes
+            acc["mode"], acc["mode_reason"] = after.mode, after.mode_reason
     finally:
         if hook is not None:
             hook.remove()
@@ -277,6 +282,8 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
                          f"{1e3 * r['snapshot_blocked_s']:.0f} ms")
         if r.get("fence_fallbacks"):
             notes.append(f"{r['fence_fallbacks']} fence fallbacks")
+        if mode == "gds_auto" and r.get("mode"):
+            notes.append(f"chose {r['mode']}")
         guard = 1e3 * r["guard_wait_s_per_iter"]
         gil = "-"  # the blocking methods sleep in their own I/O
         if mode not in ("torch_save", "gds_blocking"):
@@ -286,6 +293,8 @@ def table(results: dict[str, dict[str, Any]]) -> list[str]:
     lines.append("(write: one checkpoint, durable; guard: mean wait per iteration in "
                  "optimizer.step for the write; GIL: mean other time the training thread slept, "
                  "i.e. waiting for the GIL)")
+    if results.get("gds_auto", {}).get("mode_reason"):
+        lines.append(f"gds_auto: {results['gds_auto']['mode_reason']}")
     return lines
 
 

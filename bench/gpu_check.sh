@@ -1,46 +1,74 @@
 #!/usr/bin/env bash
 # The whole GPU verification of gds_persist in one go, for a fresh GPU machine with no network.
-# Finishes in under 10 minutes by default (a time budget shrinks or skips the large size).
+# Fits in about 9 minutes by default (--budget-s: each step's time limit is what is left, and the
+# later drive and tmpfs sizes shrink to what the first size's speed says will fit).
 #
-#   bash bench/gpu_check.sh [--out DIR] [--wheels DIR] [--sizes "1GiB 16GiB"] [--runs "3 1"]
-#                           [--dir DIR] [--python PY] [--budget-s 540] [--no-tests] [--no-bench]
+#   bash bench/gpu_check.sh [--out DIR] [--wheels DIR] [--sizes "1GiB 8GiB"] [--runs "2 1"]
+#                           [--dir DIR] [--python PY] [--budget-s 540] [--device cuda|cpu]
+#                           [--tmpfs-dir DIR] [--tmpfs-size 8GiB] [--warmup-size 1GiB]
+#                           [--train-args "..."] [--no-tests] [--no-bench] [--no-warmup]
+#                           [--no-train] [--no-tmpfs] [--no-pack]
 #
-#   --out DIR      where everything goes (default: $OUT if set, else bench/results/gpu-<UTC time>)
+#   --out DIR      where everything goes (default: $OUT if set, else bench/results/gpu-<UTC time>):
+#                  summary.md and gpu_check.tar.gz (every other file, summary.md included), so
+#                  at most 8 files come back from a device machine; --no-pack leaves them loose
+#                  in DIR/gpu_check/
 #   --wheels DIR   wheels to install from when kvikio (or crc32c, hypothesis) is missing:
 #                  kvikio-cu13, libkvikio-cu13, rapids-logger, cuda-pathfinder, nvidia-cufile,
 #                  crc32c, hypothesis, sortedcontainers
 #                  (bench/fetch_gpu_wheels.sh downloads them on a machine with network).
 #                  Installed with --no-index: nothing is fetched.
-#   --sizes/--runs state dict sizes for the comparison and runs per size (pairwise)
+#   --sizes/--runs state dict sizes for the drive comparison and runs per size (pairwise)
 #   --dir DIR      directory on the drive under test (default: bench/out under the repository)
+#   --tmpfs-dir    RAM as the drive, the data path's own ceiling (default /dev/shm/gds_persist-gpu_check)
+#   --tmpfs-size   state size there (default 8GiB; shrunk to the time left and the tmpfs's room)
+#   --warmup-size  state size of the first-save-vs-next benchmark (default 1GiB)
+#   --train-args   bench/bench_train.py's model and timing (default: the 85 M-parameter GPT of the
+#                  first H200 run, 1.02 GB checkpoint, 5 iterations x 2 rounds; --tiny with cpu)
 #   --budget-s N   stop starting new work after N seconds (default 540)
 #   --device cpu   a dry run of this script itself on a machine without a GPU (tests it on CI):
 #                  nothing GPU-related is verified then, and the summary says so
 #
 # Steps: 1. facts (GPU, driver, PCIe, NUMA, kvikio/GDS mode and why) -> facts.{txt,json}
 #        2. kvikio (and crc32c) from --wheels if not importable
-#        3. pytest -m gpu tests/ (hypothesis from --wheels if missing) -> pytest-gpu.{txt,xml}
-#        4. bench/bench_io.py --device cuda per size: kvikio (GDS or cuFile compat), kvikio with
-#           KvikIO compat forced, direct (pinned D2H pipeline), torch.save, DCP, save and load,
-#           against the drive limit of the same run -> bench-SIZE.{txt,json}
-#        5. summary.md: date, GPU, driver, GDS status, test outcome, the tables
-# Exit status: 0 all passed; 1 a test or benchmark failed; 3 no CUDA device (nothing verified,
-# the reason is in summary.md); 2 bad arguments.
+#        3. pytest -m gpu --strict-gpu=on tests/: a skipped GPU test counts as a failure
+#           -> pytest-gpu.{txt,xml}
+#        4. bench/bench_io.py --device cuda at the first size: kvikio (GDS or cuFile compat),
+#           kvikio with KvikIO compat forced, direct (pinned D2H pipeline), torch.save, DCP,
+#           save and load, against the drive limit of the same run -> bench-SIZE.{txt,json}
+#        5. bench/bench_warmup.py: the first save of a process vs the next, with and without
+#           gds_persist.warmup() (auto and kvikio) -> warmup.{txt,json}
+#        6. bench/bench_train.py --device cuda: iteration time with a checkpoint every step, per
+#           Checkpointer mode (auto included) -> train.{txt,json}
+#        7. bench/bench_io.py on tmpfs (RAM as the drive) -> tmpfs-SIZE.{txt,json}
+#        8. the drive comparison at the other sizes -> bench-SIZE.{txt,json}
+#        9. summary.md: date, GPU, driver, GDS status, test outcome, the tables; then the tarball
+# Exit status: 0 all passed; 1 a test or benchmark failed (or a GPU test skipped); 3 no CUDA
+# device (nothing verified, the reason is in summary.md); 2 bad arguments.
 set -uo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT_DIR="${OUT:-}"
 WHEELS=""
-SIZES="1GiB 16GiB"
-RUNS="3 1"
+SIZES="1GiB 8GiB"
+RUNS="2 1"
 BENCH_DIR=""
 PY="${PYTHON:-python3}"
 BUDGET=540
 DO_TESTS=1
 DO_BENCH=1
+DO_WARMUP=1
+DO_TRAIN=1
+DO_TMPFS=1
+PACK=1
 DEVICE=cuda
+TMPFS_DIR=/dev/shm/gds_persist-gpu_check
+TMPFS_SIZE=8GiB
+WARMUP_SIZE=1GiB
+TRAIN_ARGS=""
+H200_TRAIN="--d-model 1024 --layers 6 --heads 16 --vocab 8192 --seq 1024 --batch 48 --iters 5 --warmup 2 --rounds 2"
 
-usage() { sed -n '2,25p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,47p' "$0" | sed 's/^# \{0,1\}//'; }
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT_DIR="$2"; shift 2 ;;
@@ -50,13 +78,26 @@ while [ $# -gt 0 ]; do
         --dir) BENCH_DIR="$2"; shift 2 ;;
         --python) PY="$2"; shift 2 ;;
         --budget-s) BUDGET="$2"; shift 2 ;;
+        --tmpfs-dir) TMPFS_DIR="$2"; shift 2 ;;
+        --tmpfs-size) TMPFS_SIZE="$2"; shift 2 ;;
+        --warmup-size) WARMUP_SIZE="$2"; shift 2 ;;
+        --train-args) TRAIN_ARGS="$2"; shift 2 ;;
         --no-tests) DO_TESTS=0; shift ;;
         --no-bench) DO_BENCH=0; shift ;;
+        --no-warmup) DO_WARMUP=0; shift ;;
+        --no-train) DO_TRAIN=0; shift ;;
+        --no-tmpfs) DO_TMPFS=0; shift ;;
+        --no-pack) PACK=0; shift ;;
         --device) DEVICE="$2"; shift 2 ;;
         -h|--help) usage; exit 0 ;;
         *) echo "gpu_check.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
+case "$DEVICE" in
+    cuda) STRICT=on; [ -n "$TRAIN_ARGS" ] || TRAIN_ARGS="$H200_TRAIN" ;;
+    cpu) STRICT=off; [ -n "$TRAIN_ARGS" ] || TRAIN_ARGS="--tiny" ;;
+    *) echo "gpu_check.sh: --device must be cuda or cpu" >&2; exit 2 ;;
+esac
 [ -n "$OUT_DIR" ] || OUT_DIR="$REPO/bench/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)"
 [ -n "$BENCH_DIR" ] || BENCH_DIR="$REPO/bench/out"
 mkdir -p "$OUT_DIR" "$BENCH_DIR" || exit 2
@@ -67,17 +108,30 @@ if [ "${#SIZE_LIST[@]}" -ne "${#RUN_LIST[@]}" ]; then
     echo "gpu_check.sh: --sizes and --runs need the same number of entries" >&2; exit 2
 fi
 
+RUN_DIR="$OUT_DIR/gpu_check"  # every file of the run; packed into one tarball at the end
+rm -rf "$RUN_DIR" "$OUT_DIR/gpu_check.tar.gz"
+mkdir -p "$RUN_DIR" || exit 2
 export PYTHONPATH="$REPO${PYTHONPATH:+:$PYTHONPATH}"
-export CUFILE_LOGFILE_PATH="$OUT_DIR/cufile.log"  # libcufile's log: with the results
+export CUFILE_LOGFILE_PATH="$RUN_DIR/cufile.log"  # libcufile's log: with the results
 export PIP_NO_INDEX=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 cd "$REPO" || exit 2
 SUMMARY="$OUT_DIR/summary.md"
-LOG="$OUT_DIR/gpu_check.log"
+LOG="$RUN_DIR/gpu_check.log"
 STATUS=0
 START=$SECONDS
 log() { echo "[gpu_check +$((SECONDS - START))s] $*" | tee -a "$LOG" >&2; }
 left() { echo $((BUDGET - (SECONDS - START))); }
 importable() { "$PY" -c "import $1" >/dev/null 2>&1; }
+section() {  # $1: title, $2: exit status, $3: file shown as a code block
+    { echo; echo "## $1 (exit $2)"; echo; echo '```'; cat "$3" 2>/dev/null; echo '```'; } >> "$SUMMARY"
+}
+pack() {  # summary.md stays beside one tarball of everything: at most 8 files come back
+    cp "$SUMMARY" "$RUN_DIR/summary.md" 2>/dev/null
+    if [ "$PACK" = 1 ]; then
+        tar -czf "$OUT_DIR/gpu_check.tar.gz" -C "$OUT_DIR" gpu_check && rm -rf "$RUN_DIR"
+    fi
+}
+trap 'rc=$?; pack; exit $rc' EXIT
 
 {
     echo "# gds_persist GPU check"
@@ -85,6 +139,7 @@ importable() { "$PY" -c "import $1" >/dev/null 2>&1; }
     echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "- host: $(hostname)"
     echo "- commit: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$REPO" diff --quiet 2>/dev/null || echo ' (with uncommitted changes)')"
+    echo "- files: this summary, and gpu_check.tar.gz with every output (summary included)"
 } > "$SUMMARY"
 
 # -- 2. wheels first, so that the facts below see what the run will use ----------------------------
@@ -115,112 +170,163 @@ importable kvikio || log "kvikio still not importable: the kvikio rows and tests
 
 # -- 1. facts -------------------------------------------------------------------------------------
 log "facts"
-"$PY" bench/gpu_facts.py --json "$OUT_DIR/facts.json" > "$OUT_DIR/facts.txt" 2>> "$LOG"
-command -v nvidia-smi >/dev/null && nvidia-smi > "$OUT_DIR/nvidia-smi.txt" 2>&1
+"$PY" bench/gpu_facts.py --json "$RUN_DIR/facts.json" > "$RUN_DIR/facts.txt" 2>> "$LOG"
+command -v nvidia-smi >/dev/null && nvidia-smi > "$RUN_DIR/nvidia-smi.txt" 2>&1
 {
     echo
     echo "## Machine"
     echo
     echo '```'
-    cat "$OUT_DIR/facts.txt"
+    cat "$RUN_DIR/facts.txt"
     echo '```'
 } >> "$SUMMARY"
-CUDA="$("$PY" -c "import json; print(json.load(open('$OUT_DIR/facts.json'))['cuda'])" 2>/dev/null)"
+CUDA="$("$PY" -c "import json,sys; print(json.load(open(sys.argv[1]))['cuda'])" "$RUN_DIR/facts.json" 2>/dev/null)"
 if [ "$DEVICE" = cpu ]; then
     log "--device cpu: a dry run of the script; nothing GPU-related is verified"
     echo -e "\n**DRY RUN on the CPU (--device cpu): nothing GPU-related was verified.**" >> "$SUMMARY"
-elif [ "$DEVICE" != cuda ]; then
-    echo "gpu_check.sh: --device must be cuda or cpu" >&2; exit 2
 elif [ "$CUDA" != "True" ]; then
-    log "no CUDA device: nothing to verify here (see $OUT_DIR/facts.txt)"
+    log "no CUDA device: nothing to verify here (see facts.txt)"
     printf '\n**NOT RUN: no CUDA device** (%s). The GPU verification needs a machine with a GPU.\n' \
-        "$(grep why_no_cuda "$OUT_DIR/facts.txt" | sed 's/^why_no_cuda *//')" >> "$SUMMARY"
+        "$(grep why_no_cuda "$RUN_DIR/facts.txt" | sed 's/^why_no_cuda *//')" >> "$SUMMARY"
     exit 3
 fi
 
 # -- 3. tests -------------------------------------------------------------------------------------
 if [ "$DO_TESTS" = 1 ]; then
     # every test marked gpu: the kernel and kvikio/pinned-path tests, and the kvikio case of the
-    # conformance suite (tests/conftest.py's backend fixture: CUDA tensors through kvikio)
-    log "pytest -m gpu tests/"
+    # conformance suite (tests/conftest.py's backend fixture: CUDA tensors through kvikio).
+    # --strict-gpu=on (tests/strict_gpu.py): on the GPU machine a skip is a failure.
+    log "pytest -m gpu --strict-gpu=$STRICT tests/"
     timeout $(( $(left) > 300 ? 240 : $(left) / 2 )) "$PY" -m pytest -m gpu -p no:cacheprovider \
-        --continue-on-collection-errors -q -rA --junitxml="$OUT_DIR/pytest-gpu.xml" \
-        tests > "$OUT_DIR/pytest-gpu.txt" 2>&1
+        --strict-gpu="$STRICT" --continue-on-collection-errors -q -rA \
+        --junitxml="$RUN_DIR/pytest-gpu.xml" tests > "$RUN_DIR/pytest-gpu.txt" 2>&1
     rc=$?
-    tail -n 40 "$OUT_DIR/pytest-gpu.txt" | grep -E "passed|failed|error|skipped" | tail -n 1 | tee -a "$LOG"
+    tail -n 40 "$RUN_DIR/pytest-gpu.txt" | grep -E "passed|failed|error|skipped" | tail -n 1 | tee -a "$LOG"
+    skipped="$("$PY" -c "
+import sys, xml.etree.ElementTree as ET
+print(sum(int(s.get('skipped', 0)) for s in ET.parse(sys.argv[1]).getroot().iter('testsuite')))" \
+        "$RUN_DIR/pytest-gpu.xml" 2>/dev/null || echo unknown)"
     {
         echo
-        echo "## pytest -m gpu (exit $rc)"
+        echo "## pytest -m gpu --strict-gpu=$STRICT (exit $rc)"
         echo
+        if [ "$DEVICE" = cuda ] && [ "$skipped" != 0 ]; then
+            echo "**FAILED: $skipped GPU test(s) skipped on a GPU machine** (a skipped GPU test hides a broken GPU path)"
+            echo
+        elif [ "$DEVICE" = cpu ]; then
+            echo "$skipped GPU test(s) skipped: expected in a dry run without a GPU"
+            echo
+        fi
         echo '```'
-        grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$OUT_DIR/pytest-gpu.txt" | tail -n 80
+        grep -E "^(PASSED|FAILED|ERROR|SKIPPED)|passed|failed" "$RUN_DIR/pytest-gpu.txt" | tail -n 80
         echo '```'
     } >> "$SUMMARY"
     [ "$rc" = 0 ] || STATUS=1
+    if [ "$DEVICE" = cuda ] && [ "$skipped" != 0 ]; then
+        log "FAILED: $skipped GPU test(s) skipped on a GPU machine"
+        STATUS=1
+    fi
 fi
 
-# -- 4. comparison --------------------------------------------------------------------------------
+# -- 4-8. benchmarks ------------------------------------------------------------------------------
 gib() { "$PY" -c "import sys; from bench.bench_io import parse_size; print(parse_size(sys.argv[1]) / 2**30)" "$1"; }
-if [ "$DO_BENCH" = 1 ]; then
-    METHODS="gds-kvikio,gds-kvikio-compat,gds-direct,torch,dcp"
-    first_rate=""  # seconds per (GiB x run), from the first size
-    echo -e "\n## Comparison (--device $DEVICE; GB/s of payload, save durable, load cold)\n" >> "$SUMMARY"
-    for i in "${!SIZE_LIST[@]}"; do
-        size="${SIZE_LIST[$i]}"; runs="${RUN_LIST[$i]}"
-        g="$(gib "$size")" || { log "bad size $size"; STATUS=1; continue; }
-        free_gib="$("$PY" -c "import shutil,sys; print(shutil.disk_usage(sys.argv[1]).free / 2**30)" "$BENCH_DIR")"
-        if [ -n "$first_rate" ]; then  # shrink the size to what the remaining budget allows
-            g="$("$PY" -c "
+first_rate=""  # seconds per (GiB x run) of the drive comparison at the first size
+fit() {  # $1: GiB wanted, $2: runs, $3: directory -> GiB that fits the time left and the room there
+    local free_gib
+    free_gib="$("$PY" -c "import shutil,sys; print(shutil.disk_usage(sys.argv[1]).free / 2**30)" "$3")"
+    "$PY" -c "
 import sys
 g, runs, rate, left, free = (float(a) for a in sys.argv[1:])
 def fits(g):
     return g * runs * rate * 1.25 <= left - 20 and g * 1.2 <= free
 while not fits(g) and g >= 2:
     g /= 2
-print(g if fits(g) else 0)" "$g" "$runs" "$first_rate" "$(left)" "$free_gib")"
-            if [ "$g" = 0 ]; then
-                log "skipping $size: not enough time budget or disk left"
-                echo "- $size: skipped (time budget $(left) s left or disk $free_gib GiB free)" >> "$SUMMARY"
-                continue
-            fi
-            if [ "$(gib "$size")" != "$g" ]; then
-                log "$size shrunk to ${g}GiB to fit the time budget / free disk"
-                size="${g}GiB"
-            fi
+print(g if fits(g) else 0)" "$1" "$2" "${first_rate:-0}" "$(left)" "$free_gib"
+}
+compare() {  # $1: size, $2: runs, $3: directory, $4: file stem, $5: methods, $6: DCP threads
+    local size="$1" runs="$2" dir="$3" stem="$4" rc t0 g
+    g="$(gib "$size")" || { log "bad size $size"; STATUS=1; return 1; }
+    if [ -n "$first_rate" ]; then  # shrink to what the time left and the free room allow
+        g="$(fit "$g" "$runs" "$dir")"
+        if [ "$g" = 0 ]; then
+            log "skipping $stem-$size: not enough time budget or room left"
+            echo -e "\n- $stem-$size: skipped (time budget $(left) s left, or no room in $dir)" >> "$SUMMARY"
+            return 0
         fi
-        dcp="1,4,8"
-        [ -z "$first_rate" ] || dcp="$DCP_BEST"
-        log "bench $size x $runs runs ($METHODS)"
-        t0=$SECONDS
-        timeout "$(( $(left) > 30 ? $(left) : 30 ))" "$PY" bench/bench_io.py --device "$DEVICE" \
-            --size "$size" --runs "$runs" --methods "$METHODS" --dir "$BENCH_DIR" \
-            --dcp-threads "$dcp" --json "$OUT_DIR/bench-$size.json" \
-            > "$OUT_DIR/bench-$size.txt" 2> "$OUT_DIR/bench-$size.err"
-        rc=$?
-        {
-            echo "### $size, $runs run(s) (exit $rc)"
-            echo
-            echo '```'
-            cat "$OUT_DIR/bench-$size.txt"
-            echo '```'
-            echo
-        } >> "$SUMMARY"
-        if [ "$rc" != 0 ]; then
-            log "bench $size failed (exit $rc): $(tail -n 3 "$OUT_DIR/bench-$size.err")"
-            STATUS=1
-            continue
+        if [ "$(gib "$size")" != "$g" ]; then
+            log "$stem-$size shrunk to ${g}GiB to fit the time budget / free room"
+            size="${g}GiB"
         fi
-        if grep -q "FAILED" "$OUT_DIR/bench-$size.txt" "$OUT_DIR/bench-$size.err"; then
-            log "bench $size: a method FAILED (see bench-$size.txt)"
-            STATUS=1
-        fi
-        if [ -z "$first_rate" ]; then
-            first_rate="$("$PY" -c "import sys; print(max(1, int(sys.argv[1])) / (float(sys.argv[2]) * int(sys.argv[3])))" "$((SECONDS - t0))" "$g" "$runs")"
-            DCP_BEST="$("$PY" -c "
+    fi
+    log "bench $stem-$size x $runs runs in $dir ($5)"
+    t0=$SECONDS
+    timeout "$(( $(left) > 30 ? $(left) : 30 ))" "$PY" bench/bench_io.py --device "$DEVICE" \
+        --size "$size" --runs "$runs" --methods "$5" --dir "$dir" --dcp-threads "$6" \
+        --json "$RUN_DIR/$stem-$size.json" > "$RUN_DIR/$stem-$size.txt" 2> "$RUN_DIR/$stem-$size.err"
+    rc=$?
+    section "$stem-$size: $runs run(s) in $dir" "$rc" "$RUN_DIR/$stem-$size.txt"
+    if [ "$rc" != 0 ]; then
+        log "bench $stem-$size failed (exit $rc): $(tail -n 3 "$RUN_DIR/$stem-$size.err")"
+        STATUS=1
+        return 1
+    fi
+    if grep -q "FAILED" "$RUN_DIR/$stem-$size.txt" "$RUN_DIR/$stem-$size.err"; then
+        log "bench $stem-$size: a method FAILED (see $stem-$size.txt)"
+        STATUS=1
+    fi
+    if [ -z "$first_rate" ]; then
+        first_rate="$("$PY" -c "import sys; print(max(1, int(sys.argv[1])) / (float(sys.argv[2]) * int(sys.argv[3])))" "$((SECONDS - t0))" "$g" "$runs")"
+        DCP_BEST="$("$PY" -c "
 import json, sys
 m = [x for x in json.load(open(sys.argv[1]))['methods'] if x['key'] == 'dcp']
-print((m[0].get('info') or {}).get('thread_count', 4) if m else 4)" "$OUT_DIR/bench-$size.json" 2>/dev/null || echo 4)"
+print((m[0].get('info') or {}).get('thread_count', 4) if m else 4)" "$RUN_DIR/$stem-$size.json" 2>/dev/null || echo 4)"
+    fi
+}
+run_step() {  # $1: name (files NAME.txt/.json), $2: seconds at most, then the command
+    local name="$1" limit="$2" rc
+    shift 2
+    if [ "$(left)" -lt 20 ]; then
+        log "skipping $name: time budget spent"
+        echo -e "\n- $name: skipped (time budget spent)" >> "$SUMMARY"
+        return 0
+    fi
+    [ "$limit" -le "$(left)" ] || limit="$(left)"
+    log "$name: $* (at most $limit s)"
+    timeout "$limit" "$@" > "$RUN_DIR/$name.txt" 2> "$RUN_DIR/$name.err"
+    rc=$?
+    section "$name" "$rc" "$RUN_DIR/$name.txt"
+    if [ "$rc" != 0 ]; then
+        log "$name failed (exit $rc): $(tail -n 3 "$RUN_DIR/$name.err")"
+        STATUS=1
+    fi
+}
+
+if [ "$DO_BENCH" = 1 ]; then
+    METHODS="gds-kvikio,gds-kvikio-compat,gds-direct,torch,dcp"
+    echo -e "\n## Benchmarks (--device $DEVICE; GB/s of payload, save durable, load cold)" >> "$SUMMARY"
+    compare "${SIZE_LIST[0]}" "${RUN_LIST[0]}" "$BENCH_DIR" bench "$METHODS" "1,4,8"
+    if [ "$DO_WARMUP" = 1 ]; then
+        backends=auto
+        [ "$DEVICE" = cuda ] && importable kvikio && backends=auto,kvikio
+        run_step warmup 150 "$PY" bench/bench_warmup.py --device "$DEVICE" --size "$WARMUP_SIZE" \
+            --saves 3 --rounds 1 --backends "$backends" --dir "$BENCH_DIR" --json "$RUN_DIR/warmup.json"
+    fi
+    if [ "$DO_TRAIN" = 1 ]; then
+        # shellcheck disable=SC2086  # TRAIN_ARGS is a list of arguments
+        run_step train 240 "$PY" bench/bench_train.py --device "$DEVICE" $TRAIN_ARGS \
+            --dir "$BENCH_DIR" --json "$RUN_DIR/train.json"
+    fi
+    if [ "$DO_TMPFS" = 1 ]; then
+        if mkdir -p "$TMPFS_DIR" 2>/dev/null && [ -w "$TMPFS_DIR" ]; then
+            compare "$TMPFS_SIZE" 1 "$TMPFS_DIR" tmpfs "gds-direct,gds-kvikio,gds-buffered,torch" 1
+            rmdir "$TMPFS_DIR" 2>/dev/null
+        else
+            log "no tmpfs run: cannot write to $TMPFS_DIR"
+            echo -e "\n- tmpfs: skipped (cannot write to $TMPFS_DIR)" >> "$SUMMARY"
         fi
+    fi
+    for i in "${!SIZE_LIST[@]}"; do
+        [ "$i" = 0 ] || compare "${SIZE_LIST[$i]}" "${RUN_LIST[$i]}" "$BENCH_DIR" bench "$METHODS" "${DCP_BEST:-4}"
     done
 fi
 

@@ -30,9 +30,10 @@ from .errors import (
 )
 from .interop import export_checkpoint, import_checkpoint
 from .load import load, read_manifest, verify
-from .results import SaveInfo
+from .results import SaveInfo, WarmupReport
 from .save import save
 from .training.checkpointer import Checkpointer, SaveHandle
+from .warmup import warmup
 
 __all__ = [
     "BackendError",
@@ -51,6 +52,7 @@ __all__ = [
     "SaveInfo",
     "SnapshotTooLarge",
     "TruncatedError",
+    "WarmupReport",
     "WorkerDied",
     "__version__",
     "export_checkpoint",
@@ -60,4 +62,5 @@ __all__ = [
     "save",
     "settings",
     "verify",
+    "warmup",
 ]

@@ -1,7 +1,8 @@
 """What the long operations return: plain result records, in one module.
 
 :class:`SaveInfo` (``save``), :class:`DistributedSaveInfo` (``save`` with a process group),
-:class:`VerifyReport` (``verify``) and :class:`ExportInfo` (``export_checkpoint``). They are plain
+:class:`VerifyReport` (``verify``), :class:`ExportInfo` (``export_checkpoint``) and
+:class:`WarmupReport` (``warmup``). They are plain
 dataclasses that pickle (the Checkpointer's helper process sends a ``SaveInfo`` back).
 """
 
@@ -81,3 +82,20 @@ class ExportInfo:
     tensors: int
     bytes_written: int
     notes: list[str]
+
+
+@dataclass
+class WarmupReport:
+    """What ``warmup`` did: per step (``cuda``, ``staging``, ``backend``, ``crc_kernel``) its
+    outcome (``"done: ..."``, ``"skipped: why"`` or ``"failed: why"``) and seconds."""
+
+    steps: dict[str, tuple[str, float]] = field(default_factory=dict)
+    seconds: float = 0.0
+
+    @property
+    def failed(self) -> dict[str, str]:
+        return {k: v for k, (v, _) in self.steps.items() if v.startswith("failed")}
+
+    def __str__(self) -> str:
+        parts = [f"{k} {s:.3f} s: {v}" for k, (v, s) in self.steps.items()]
+        return f"warm-up {self.seconds:.3f} s (" + "; ".join(parts) + ")"

@@ -23,6 +23,11 @@ from .errors import BackendError
 MiB = 1 << 20
 # The I/O backends (gds_persist.backends): "auto" chooses one and records why.
 BACKEND_NAMES = ("auto", "direct", "buffered", "kvikio")
+# When ``backend="auto"`` takes kvikio for CUDA tensors (gds_persist.backends.auto): "gds" - only
+# where cuFile runs in GPUDirect Storage mode (compatibility mode measured slower than `direct`);
+# "always" - wherever kvikio is usable (a measurement on this machine says kvikio is faster);
+# "never".
+AUTO_KVIKIO = ("gds", "always", "never")
 # How a data-parallel load gets replicated data to every rank: "read_all" - every rank reads every
 # byte itself; "broadcast" / "allgather" - each rank reads 1/N and the rest travels over the
 # process group. The default was chosen by bench/bench_parallel.py (docs/DISTRIBUTED.md):
@@ -39,6 +44,7 @@ class Settings:
     io_timeout_s: float = 600.0  # no single wait on I/O or a peer lasts longer than this
     collective_timeout_s: float = 600.0  # data-parallel: longest wait for the other ranks
     load_strategy: str = "broadcast"  # data-parallel load of replicated data; see LOAD_STRATEGIES
+    auto_kvikio: str = "gds"  # when backend="auto" takes kvikio; see AUTO_KVIKIO
 
     @property
     def ring_buffers(self) -> int:
@@ -80,6 +86,9 @@ def _validate(s: Settings) -> Settings:
         value = getattr(s, name)
         if not (math.isfinite(value) and value > 0):  # inf overflows queue/future waits
             raise ValueError(f"setting {name}={value} must be positive and finite (seconds)")
+    if s.auto_kvikio not in AUTO_KVIKIO:
+        raise ValueError(f"setting auto_kvikio={s.auto_kvikio!r} must be one of "
+                         f"{', '.join(AUTO_KVIKIO)}")
     if s.load_strategy not in LOAD_STRATEGIES:
         raise ValueError(f"setting load_strategy={s.load_strategy!r} must be one of "
                          f"{', '.join(LOAD_STRATEGIES)}")

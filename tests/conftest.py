@@ -8,6 +8,8 @@
 * ``small_tmpfs``: a freshly mounted 8 MiB tmpfs (root only), for disk-full and no-O_DIRECT cases.
 * every test starts with no ``GDS_PERSIST_*`` environment variables and no ``settings.set``
   overrides, and no cached staging ring survives it.
+* on a machine with a CUDA device a ``gpu``-marked test that skips fails instead
+  (``tests/strict_gpu.py``, ``--strict-gpu``).
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ from gds_persist import settings
 from gds_persist.backends import supports_o_direct
 from gds_persist.transfer.staging import release_cached
 from tests.helpers import BackendCase, kvikio_missing
+from tests.strict_gpu import (  # noqa: F401 - pytest hooks, registered by being here
+    pytest_addoption,
+    pytest_configure,
+    pytest_runtest_makereport,
+)
 
 TMPFS_BYTES = 8 << 20
 

@@ -28,6 +28,9 @@ def test_bench_train_tiny(tmp_path, capsys):
     for mode in bench.MODES:
         assert mode in report["results"] and f"\n{mode} " in text
     assert report["results"]["gds_fence"]["samples"] == 2
+    auto = report["results"]["gds_auto"]  # CPU state: the default Checkpointer fences
+    assert auto["mode"] == "fence" and auto["mode_reason"].startswith("auto: CPU-only state")
+    assert "chose fence" in text and "gds_auto: auto: CPU-only state" in text
     assert "overhead_pct" in report["results"]["torch_save"] and "write_s" in report
     assert "machine:" in text and "checkpoint (model + AdamW + step)" in text
     assert json.loads(out.read_text())["results"].keys() == report["results"].keys()

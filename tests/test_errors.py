@@ -541,6 +541,7 @@ _ALL_SETTING_VALUES: dict[str, tuple[Any, Any, Any]] = {
     # data-parallel settings (gds_persist.parallel_save), where that code is present
     "collective_timeout_s": (12.5, 24.0, 36.75),
     "load_strategy": ("allgather", "read_all", "allgather"),
+    "auto_kvikio": ("always", "never", "always"),
 }
 SETTING_VALUES = {k: v for k, v in _ALL_SETTING_VALUES.items() if k in settings.ENV_VARS}
 
@@ -688,6 +689,7 @@ def test_unknown_setting_lists_valid_ones() -> None:
     ({"io_timeout_s": float("inf")}, r"io_timeout_s=inf must be positive and finite"),
     ({"collective_timeout_s": float("nan")}, r"collective_timeout_s=nan must be positive"),
     ({"io_timeout_s": "soon"}, r"io_timeout_s='soon' must be a float"),
+    ({"auto_kvikio": "sometimes"}, r"auto_kvikio='sometimes' must be one of gds, always, never"),
     pytest.param({"collective_timeout_s": 0}, r"collective_timeout_s=0.0 must be positive",
                  marks=pytest.mark.skipif("collective_timeout_s" not in settings.ENV_VARS,
                                           reason="no data-parallel settings in this tree")),

@@ -9,6 +9,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -35,6 +36,8 @@ def test_scripts_parse(script):
 def test_help_and_bad_arguments():
     out = _run("--help")
     assert out.returncode == 0 and "--wheels DIR" in out.stdout
+    assert out.stdout.rstrip().endswith("device (nothing verified, the reason is in summary.md); "
+                                        "2 bad arguments.")  # the whole header, no more
     bad = _run("--frobnicate")
     assert bad.returncode == 2 and "unknown argument --frobnicate" in bad.stderr
     mismatch = _run("--sizes", "1GiB 2GiB", "--runs", "1")
@@ -62,31 +65,64 @@ def test_without_a_gpu_it_says_not_run(tmp_path):
     summary = (tmp_path / "o" / "summary.md").read_text()
     assert "NOT RUN: no CUDA device" in summary
     assert "torch.cuda.is_available() is False" in summary
+    assert sorted(p.name for p in (tmp_path / "o").iterdir()) == ["gpu_check.tar.gz", "summary.md"]
+    assert (_unpack(tmp_path / "o", tmp_path / "u") / "facts.json").is_file()  # packed on exit 3
+
+
+def _unpack(out_dir: Path, into: Path) -> Path:
+    with tarfile.open(out_dir / "gpu_check.tar.gz") as tar:
+        tar.extractall(into, filter="data")
+    return into / "gpu_check"
 
 
 @needs_bash
 @pytest.mark.slow
 def test_dry_run_on_cpu(tmp_path):
-    """The whole flow with --device cpu: GPU tests (all skip here), the comparison at a tiny
-    size, the DCP thread count carried from the first size, the summary."""
+    """The whole flow with --device cpu: GPU tests (all skip here), the drive comparison at a tiny
+    size, the warm-up, training and tmpfs benchmarks, the DCP thread count carried from the first
+    size, the summary, and everything packed into one tarball beside summary.md."""
     o = tmp_path / "o"
+    shm = Path("/dev/shm")
+    tmpfs = (shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path) / f"gc-{os.getpid()}"
     out = _run("--out", str(o), "--device", "cpu", "--sizes", "8MiB 16MiB", "--runs", "1 1",
-               "--dir", str(tmp_path / "bench"), "--budget-s", "400", timeout=500)
+               "--dir", str(tmp_path / "bench"), "--budget-s", "400", "--warmup-size", "4MiB",
+               "--tmpfs-size", "8MiB", "--tmpfs-dir", str(tmpfs), timeout=500)
     assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in o.iterdir()) == ["gpu_check.tar.gz", "summary.md"]  # <= 8 files
     summary = (o / "summary.md").read_text()
     assert "DRY RUN on the CPU" in summary
-    assert "## pytest -m gpu (exit 0)" in summary
-    assert "### 8MiB, 1 run(s) (exit 0)" in summary
-    assert "gds_persist direct" in summary and "torch.save" in summary
+    assert "## pytest -m gpu --strict-gpu=off (exit 0)" in summary
+    assert "GPU test(s) skipped: expected in a dry run without a GPU" in summary
+    assert "## bench-8MiB: 1 run(s) in " in summary and "gds_persist direct" in summary
+    assert "torch.save" in summary
     assert "not run: gds_persist kvikio" in summary or "gds_persist kvikio" in summary
-    record = json.loads((o / "bench-8MiB.json").read_text())
+    assert "## warmup (exit 0)" in summary and "first/next" in summary
+    assert "## train (exit 0)" in summary and "gds_auto" in summary
+    assert "## tmpfs-8MiB: 1 run(s) in " in summary and "gds_persist buffered" in summary
+    files = _unpack(o, tmp_path / "unpacked")
+    assert (files / "summary.md").read_text() == summary
+    for name in ("facts.json", "facts.txt", "pytest-gpu.xml", "pytest-gpu.txt", "gpu_check.log",
+                 "bench-8MiB.json", "warmup.json", "train.json", "tmpfs-8MiB.json"):
+        assert (files / name).is_file(), name
+    record = json.loads((files / "bench-8MiB.json").read_text())
     assert record["config"]["device"] == "cpu"
-    second = o / "bench-16.0GiB.json"
-    assert not second.exists()  # sizes below 2 GiB are never shrunk, only run or skipped
-    if (o / "bench-16MiB.json").exists():
-        dcp = json.loads((o / "bench-16MiB.json").read_text())["config"]["dcp_threads"]
+    assert json.loads((files / "warmup.json").read_text())["device"] == "cpu"
+    assert not (files / "bench-16.0GiB.json").exists()  # below 2 GiB: run or skipped, not shrunk
+    if (files / "bench-16MiB.json").exists():
+        dcp = json.loads((files / "bench-16MiB.json").read_text())["config"]["dcp_threads"]
         assert len(dcp) == 1  # the first size's best DCP thread count, not a new calibration
     else:
-        assert "16MiB: skipped" in summary
-    assert not list((tmp_path / "bench").glob("bench-*"))  # the benchmark cleaned up
+        assert "bench-16MiB: skipped" in summary
+    assert not list((tmp_path / "bench").iterdir())  # the benchmarks cleaned up
+    assert not tmpfs.exists()
     assert not (REPO / "cufile.log").exists()
+
+
+@needs_bash
+def test_no_pack_leaves_the_files(tmp_path):
+    o = tmp_path / "o"
+    out = _run("--out", str(o), "--device", "cpu", "--no-tests", "--no-bench", "--no-pack")
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert sorted(p.name for p in o.iterdir()) == ["gpu_check", "summary.md"]
+    assert (o / "gpu_check" / "facts.json").is_file()
+    assert (o / "gpu_check" / "summary.md").read_text() == (o / "summary.md").read_text()

@@ -347,6 +347,45 @@ def test_an_unusable_kernel_raises_its_reason(monkeypatch):
     assert device_crc.device_crc_status() == (False, "device CRC32C kernel unusable (test)")
 
 
+# --- the kernel's stream, with the real cupy (wrapping a stream needs no driver) -----------------
+
+def test_stream_wrapping_uses_the_supported_api_without_warnings():
+    """CuPy 14 deprecates ExternalStream: that DeprecationWarning, an error under the suite's
+    ``filterwarnings = error``, switched the kernel off on the H200. Stream.from_external is
+    used where it exists; this runs under ``-W error``, so any warning fails it."""
+    cupy = pytest.importorskip("cupy", reason="cupy not importable (the gpu extra)")
+    from gds_persist.transfer.device_crc import cupy_stream
+
+    if not hasattr(cupy.cuda.Stream, "from_external"):
+        pytest.skip(f"cupy {cupy.__version__} has no Stream.from_external (older than 14)")
+    ptr = 0x7F00_1234_5000  # any handle: wrapping does not dereference it
+    stream = cupy_stream(cupy, ptr, 0)
+    assert isinstance(stream, cupy.cuda.Stream)
+    assert stream.ptr == ptr
+    assert stream.device_id == -1  # the current device: the launch runs under cupy.cuda.Device
+
+
+def test_stream_wrapping_on_older_cupy_takes_external_stream():
+    """CuPy before 14 has no Stream.from_external: the same call takes ExternalStream(ptr,
+    device). Only CuPy 14 installs here, so its real ExternalStream stands behind a namespace
+    without from_external (and warns, as CuPy 14 does)."""
+    import types
+
+    cupy = pytest.importorskip("cupy", reason="cupy not importable (the gpu extra)")
+    from gds_persist.transfer.device_crc import cupy_stream
+
+    older = types.SimpleNamespace(cuda=types.SimpleNamespace(
+        Stream=type("Stream", (), {}), ExternalStream=cupy.cuda.ExternalStream))
+    with pytest.warns(DeprecationWarning, match="ExternalStream is deprecated"):
+        stream = cupy_stream(older, 0x5000, 3)
+    assert (stream.ptr, stream.device_id) == (0x5000, 3)
+
+
+def test_kernel_source_uses_no_deprecated_stream_api():
+    source = (REPO / "gds_persist" / "transfer" / "device_crc.py").read_text()
+    assert source.count("ExternalStream(") == 1  # only the older-cupy branch of cupy_stream
+
+
 # --- on a GPU -------------------------------------------------------------------------------------
 
 def _cuda_or_skip():
@@ -420,3 +459,21 @@ def test_gpu_kernel_segment_crcs_match_host():
     got = [v & 0xFFFFFFFF for v in own.cpu().tolist()]
     assert got == [crc32c(host[k * seg : (k + 1) * seg]) for k in range(segments)]
     assert int(total.item()) & 0xFFFFFFFF == crc32c(host)
+
+
+@pytest.mark.gpu
+def test_gpu_kernel_runs_on_the_callers_stream():
+    """Launched on the caller's current (side) stream, after the kernels that produce the bytes:
+    a long sleep then a fill are queued on that stream before the CRC is asked for."""
+    torch = _cuda_or_skip()
+    import gds_persist.transfer.device_crc as cc
+
+    side = torch.cuda.Stream()
+    x = torch.zeros(64 << 20, dtype=torch.uint8, device="cuda")
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(200_000_000)  # ~0.1 s of GPU clock: a kernel on another stream would
+        x[::3] = 9  # read the zeros before this fill
+        got = cc.cuda_crc32c(x)
+    assert got == crc32c(x.cpu().numpy())
+    assert cc._unavailable is None, cc._unavailable

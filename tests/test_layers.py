@@ -43,6 +43,7 @@ LAYERS: dict[str, int] = {
     "gds_persist.parallel_save": 3,
     "gds_persist.load": 3,
     "gds_persist.exchange": 3,
+    "gds_persist.warmup": 3,
     # 4 training: Checkpointer, snapshots, the helper process
     "gds_persist.training": 4,
     # 5 integrations: DCP, interop, the CLI, the trainer plugins

@@ -1,14 +1,18 @@
 """I/O backends and the ``auto`` choice between them.
 
-``auto`` picks ``kvikio`` only when it can actually work (CUDA tensors, kvikio importable, a CUDA
-driver), else ``direct`` when the target filesystem accepts O_DIRECT, else ``buffered``. The
-choice and its reason end up in the save's ``info`` and in the manifest.
+``auto`` picks ``kvikio`` only where it is the faster choice: CUDA tensors and cuFile in
+GPUDirect Storage mode (or ``auto_kvikio="always"``, after a measurement says so); else
+``direct`` when the target filesystem accepts O_DIRECT, else ``buffered``. The rule is the pure
+function :func:`gds_persist.backends.auto.decide` (with the measurement behind it). The choice and
+its reason end up in the save's ``info`` and in the manifest.
 """
 
 from __future__ import annotations
 
+from .. import settings
 from ..errors import BackendError
 from ..settings import BACKEND_NAMES
+from .auto import AutoEnvironment, decide
 from .base import Backend
 from .posix import (
     BufferedBackend,
@@ -46,9 +50,13 @@ def choose_backend(
     wants_device: bool,
     io_threads: int = 4,
     block_bytes: int = 16 << 20,
+    auto_kvikio: str | None = None,
 ) -> tuple[Backend, str]:
-    """Resolve a backend name for files in ``directory``; returns the backend and why."""
-    from .kvikio_backend import kvikio_status
+    """Resolve a backend name for files in ``directory``; returns the backend and why.
+
+    ``auto_kvikio`` (None: the setting in force) says when ``auto`` takes kvikio
+    (:mod:`.auto`)."""
+    from .kvikio_backend import kvikio_facts
 
     if requested not in BACKEND_NAMES:
         raise BackendError(
@@ -61,27 +69,23 @@ def choose_backend(
         return _direct(directory), "requested explicitly"
     if requested == "buffered":
         return BufferedBackend(), "requested explicitly"
-    reasons = []
-    if wants_device:
-        usable, why = kvikio_status()
-        if usable:
-            return _kvikio(
-                directory, io_threads, block_bytes, "auto: CUDA tensors and kvikio usable"
-            )
-        reasons.append(f"kvikio not used ({why})")
-    else:
-        reasons.append("kvikio not used (no CUDA tensors)")
-    ok, why = supports_o_direct(directory)
-    if ok:
-        return _direct(directory), f"auto: {why}; " + "; ".join(reasons)
-    return BufferedBackend(), f"auto: {why}; " + "; ".join(reasons)
+    policy = auto_kvikio or settings.current().auto_kvikio
+    o_direct, o_direct_why = supports_o_direct(directory)
+    examine = wants_device and policy != "never"
+    name, reason = decide(AutoEnvironment(wants_device, o_direct, o_direct_why,
+                                          kvikio_facts() if examine else None, policy))
+    if name == "kvikio":
+        return _kvikio(directory, io_threads, block_bytes, reason)
+    return (_direct(directory) if name == "direct" else BufferedBackend()), reason
 
 
 __all__ = [
+    "AutoEnvironment",
     "Backend",
     "BACKEND_NAMES",
     "BufferedBackend",
     "DirectBackend",
     "choose_backend",
+    "decide",
     "supports_o_direct",
 ]

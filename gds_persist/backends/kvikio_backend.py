@@ -49,6 +49,7 @@ from typing import Any
 from ..errors import BackendError
 from ..format import ALIGNMENT, align_up
 from ..transfer.staging import AlignedBuffer
+from .auto import KvikioFacts
 from .base import Backend
 from .posix import _O_DIRECT, open_fd, pread_all, pwrite_all, supports_o_direct
 
@@ -116,21 +117,29 @@ def gds_mode(kvikio: Any) -> tuple[bool, str]:
     return False, f"cuFile compatibility mode (POSIX inside cuFile; {why})"
 
 
-def kvikio_status() -> tuple[bool, str]:
-    """Whether the kvikio backend can work here, and why (never raises)."""
+def kvikio_facts() -> KvikioFacts:
+    """Whether the kvikio backend can work here, whether cuFile runs in GDS mode, and why
+    (never raises; what ``backend="auto"`` decides from)."""
     try:
         kvikio = import_kvikio()
     except BackendError as e:
-        return False, str(e)
+        return KvikioFacts(False, False, str(e))
     import torch
 
     if not torch.cuda.is_available():
-        return False, "no usable CUDA device/driver (torch.cuda.is_available() is False)"
+        return KvikioFacts(False, False,
+                           "no usable CUDA device/driver (torch.cuda.is_available() is False)")
     try:
-        _, mode = gds_mode(kvikio)
+        gds, mode = gds_mode(kvikio)
     except Exception as e:  # noqa: BLE001
-        mode = f"mode unknown ({e})"
-    return True, f"kvikio usable: {mode}"
+        gds, mode = False, f"mode unknown ({e})"
+    return KvikioFacts(True, gds, f"kvikio usable: {mode}")
+
+
+def kvikio_status() -> tuple[bool, str]:
+    """Whether the kvikio backend can work here, and why (never raises)."""
+    facts = kvikio_facts()
+    return facts.usable, facts.why
 
 
 def _is_device(buf: Any) -> bool:

@@ -29,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    "--cost = blocking torch.save's overhead, --per-iteration-cost = the "
                    "gds_persist mode's overhead")
     p.add_argument("--mode", default="gds_fence", help="bench mode for --from-bench "
-                   "(gds_fence or gds_snapshot; default gds_fence)")
+                   "(gds_fence, gds_snapshot or gds_auto; default gds_fence)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     p.set_defaults(run=run)
 

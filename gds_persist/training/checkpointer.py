@@ -20,12 +20,23 @@ backward, and the guard makes step i+1's update wait until the write no longer r
 
 Modes (how long the caller's tensors are borrowed):
 
-* ``fence`` (default): the live tensors are written directly; no copy, no extra memory. They are
+* ``auto`` (default): decided at the first ``save`` from the state and the machine
+  (:mod:`.mode`): ``snapshot`` for state on a GPU when its pinned arena fits the host memory,
+  else ``fence``. The choice and why: :attr:`Checkpointer.mode` / :attr:`~Checkpointer.mode_reason`,
+  ``stats.mode`` / ``stats.mode_reason``, each handle's ``mode`` / ``mode_reason``, and an INFO log
+  line on the ``gds_persist`` logger.
+* ``fence``: the live tensors are written directly; no copy, no extra memory. They are
   released when the checkpoint is durable.
 * ``snapshot``: a background thread copies them into a bounded host arena (pinned where CUDA
   exists) and releases them; the write follows from the copy. For updates that come before a
   write could finish. The arena never grows: a snapshot waits for memory (counted in
   :attr:`Checkpointer.stats`) and a state dict larger than the whole arena is written fence-style.
+
+Start-up: on construction a Checkpointer starts :func:`gds_persist.warmup` in a background thread
+(CUDA context and side streams, the staging ring, the backend probe and kvikio/cuFile start-up,
+the device CRC kernel), so that the first checkpoint is not the slow one; the writer waits for it
+(bounded) before its first write. ``warmup=False`` skips it; ``ckpt.warmup_report`` says what it
+did.
 
 Either way the caller must not change the tensors of a save until its handle is released:
 ``guard(optimizer)`` does it for optimizer updates; otherwise call ``handle.wait_released()``.
@@ -67,10 +78,12 @@ from ..distributed import make_comm
 from ..errors import CheckpointError, CheckpointTimeout, SnapshotTooLarge, WorkerDied
 from ..flatten import Flattened, flatten
 from ..load import load as core_load
-from ..results import SaveInfo
+from ..results import SaveInfo, WarmupReport
 from ..save import save as core_save
+from ..warmup import BackgroundWarmup
 from . import steps as _steps
 from .helper import HelperProcess
+from .mode import ModeChoice, choose_mode, host_memory
 from .snapshot import (
     Reservation,
     SnapshotArena,
@@ -81,7 +94,8 @@ from .snapshot import (
 
 log = logging.getLogger("gds_persist")
 
-MODES = ("fence", "snapshot")
+MODES = ("auto", "fence", "snapshot")
+WARMUP_WAIT_S = 60.0  # longest the first write waits for the warm-up to finish
 WRITERS = ("thread", "process")
 
 
@@ -101,6 +115,8 @@ class CheckpointerStats:
     fence_fallbacks: int = 0  # snapshot-mode saves too large for the arena, written fence-style
     snapshot_bytes: int = 0  # arena capacity (0 until the first snapshot)
     snapshot_peak_bytes: int = 0  # most arena bytes ever reserved at once (<= snapshot_bytes)
+    mode: str = ""  # "fence" or "snapshot": the mode in force ("auto" until the first save)
+    mode_reason: str = ""  # why (mode="auto": what it saw; else "requested explicitly")
     write_s: float = 0.0  # total seconds spent in gds_persist.save by the writer
     bytes_written: int = 0
 
@@ -109,10 +125,12 @@ class SaveHandle:
     """One background save. ``done()`` / ``wait()``: committed and published (or failed);
     ``released()`` / ``wait_released()``: the tensors passed to ``save`` may change again."""
 
-    def __init__(self, owner: Checkpointer, step: int, path: str, mode: str):
+    def __init__(self, owner: Checkpointer, step: int, path: str, mode: str,
+                 mode_reason: str = ""):
         self.step = step
         self.path = path
         self.mode = mode  # "snapshot" or "fence" (also a snapshot too large for the arena)
+        self.mode_reason = mode_reason  # why the Checkpointer is in that mode
         self.info: SaveInfo | None = None
         self.error: BaseException | None = None
         self.blocked_s = 0.0  # time the snapshot waited for arena memory
@@ -170,8 +188,9 @@ class Checkpointer:
     """Per-step checkpoints under ``root`` written in the background, with retention.
 
     ``keep_last``: committed checkpoints to keep (None keeps all); the newest is only removed
-    once a newer one is committed. ``mode``: ``"fence"`` or ``"snapshot"`` (see the module doc).
-    ``snapshot_bytes``: the snapshot arena's size; default twice the first checkpoint.
+    once a newer one is committed. ``mode``: ``"auto"`` (default), ``"fence"`` or ``"snapshot"``
+    (see the module doc). ``snapshot_bytes``: the snapshot arena's size; default twice the first
+    checkpoint (``auto``: twice, else once, whatever fits the host memory).
     ``backend``, ``block_bytes``, ``staging_bytes``, ``io_threads``: passed to
     :func:`gds_persist.save` (None: the settings in force). ``process_group``: passed to
     ``save``/``load`` for data-parallel writes (use a group of its own: the writer thread runs its
@@ -182,16 +201,17 @@ class Checkpointer:
     ``"thread"`` (default) or ``"process"`` (snapshot mode only: a helper process writes the
     snapshots, so core ``save``'s Python takes no GIL from training). ``allow_pickle``: as
     :func:`gds_persist.save` (objects no node kind holds are stored pickled; not with a
-    ``process_group``).
+    ``process_group``). ``warmup``: start :func:`gds_persist.warmup` for ``root`` in the
+    background now (default True).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
-                 mode: str = "fence", snapshot_bytes: int | None = None,
+                 mode: str = "auto", snapshot_bytes: int | None = None,
                  backend: str | None = None, process_group: Any = None,
                  timeout_s: float = 1800.0, max_pending: int | None = None,
                  block_bytes: int | None = None, staging_bytes: int | None = None,
                  io_threads: int | None = None, writer: str = "thread",
-                 allow_pickle: bool = False):
+                 allow_pickle: bool = False, warmup: bool = True):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
         if writer not in WRITERS:
@@ -207,18 +227,19 @@ class Checkpointer:
                              "combined with process_group")
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
-        if max_pending is None:
-            max_pending = 2 if mode == "fence" else 1 << 30  # snapshot: the arena is the bound
-        if max_pending < 1:
+        if max_pending is not None and max_pending < 1:
             raise ValueError(f"max_pending={max_pending} must be at least 1")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         self.root = os.path.abspath(os.fspath(root))
         self.keep_last = keep_last
-        self.mode = mode
+        self.requested_mode = mode
+        self.mode = mode  # the mode in force: "auto" only until the first save decides
+        self.mode_reason: str | None = None
         self.writer = writer
         self.timeout_s = float(timeout_s)
-        self.max_pending = max_pending
+        self._max_pending = max_pending
+        self.max_pending = max_pending or 2
         self.process_group = process_group
         self.allow_pickle = allow_pickle
         self.loaded_step: int | None = None
@@ -251,10 +272,11 @@ class Checkpointer:
         self._helper = HelperProcess() if writer == "process" else None
         if self._helper is not None:
             self._helper.start()  # it imports torch while training starts
-        stages = ["write"] + (["snapshot"] if mode == "snapshot" else [])
-        for stage in stages:
-            self._queues[stage] = queue.Queue()
-            self._start(stage)
+        self._warmup = BackgroundWarmup(self.root, **self._save_kwargs) if warmup else None
+        self._queues["write"] = queue.Queue()
+        self._start("write")
+        if mode != "auto":
+            self._use_mode(ModeChoice(mode, snapshot_bytes, "requested explicitly"))
         _live.add(self)
 
     # ---------------------------------------------------------------- public API
@@ -281,6 +303,10 @@ class Checkpointer:
             )
         # TypeError naming the key, here rather than in the thread
         flat = flatten(state_dict, self.allow_pickle)
+        if self.mode == "auto":
+            self._use_mode(choose_mode(snapshot_nbytes(flat),
+                                       any(s.is_cuda for s in flat.storage_objects),
+                                       host_memory(), self._snapshot_bytes))
         self._wait_for_slot()
         if self._rollback_to is not None and self._publisher:
             # Resumed from an older step: publish it again first, so that a crash from now on
@@ -288,7 +314,8 @@ class Checkpointer:
             _steps.write_latest(self.root, self._rollback_to)
         self._rollback_to = None
         mode = self.mode
-        handle = SaveHandle(self, step, _steps.step_path(self.root, step), mode)
+        handle = SaveHandle(self, step, _steps.step_path(self.root, step), mode,
+                            self.mode_reason or "")
         job = _Job(handle, flat, _record_events(flat))
         with self._lock:
             self._floor = step
@@ -368,11 +395,17 @@ class Checkpointer:
         return state
 
     @property
+    def warmup_report(self) -> WarmupReport | None:
+        """What the background warm-up did (None while it runs, or with ``warmup=False``)."""
+        return None if self._warmup is None else self._warmup.report
+
+    @property
     def stats(self) -> CheckpointerStats:
         with self._lock:
             s = replace(self._stats)
         if self._arena is not None:
             s.snapshot_bytes, s.snapshot_peak_bytes = self._arena.capacity, self._arena.peak_bytes
+        s.mode, s.mode_reason = self.mode, self.mode_reason or ""
         return s
 
     def close(self, timeout: float | None = None) -> None:
@@ -402,6 +435,21 @@ class Checkpointer:
         except Exception as bg:  # noqa: BLE001
             log.error("gds_persist.Checkpointer(%s): %s: %s", self.root, type(bg).__name__, bg)
             _add_note(exc, f"also, while closing the Checkpointer: {type(bg).__name__}: {bg}")
+
+    def _use_mode(self, choice: ModeChoice) -> None:
+        """Put the mode in force (at construction, or at the first save for ``auto``)."""
+        self.mode, self.mode_reason = choice.mode, choice.reason
+        if choice.snapshot_bytes is not None:
+            self._snapshot_bytes = choice.snapshot_bytes
+        if self._max_pending is None:  # snapshot: the arena is the bound
+            self.max_pending = 2 if choice.mode == "fence" else 1 << 30
+        if choice.mode == "snapshot":
+            with self._lock:
+                self._queues["snapshot"] = queue.Queue()
+                self._start("snapshot")
+        if self.requested_mode == "auto":
+            log.info("gds_persist.Checkpointer(%s): mode %s (%s)", self.root, choice.mode,
+                     choice.reason)
 
     # ---------------------------------------------------------------- waiting and errors
 
@@ -509,6 +557,8 @@ class Checkpointer:
             job = q.get()
             if job is _STOP:
                 return
+            if stage == "write" and self._warmup is not None and not self._warmup.done():
+                self._warmup.wait(min(WARMUP_WAIT_S, self.timeout_s))  # then write regardless
             with self._lock:
                 self._current[stage] = job
             try:
@@ -545,6 +595,8 @@ class Checkpointer:
         deadline = time.monotonic() + join_s
         for t in self._threads.values():
             t.join(timeout=max(0.0, deadline - time.monotonic()))
+        if self._warmup is not None:  # nothing of ours runs on after close
+            self._warmup.wait(max(0.0, deadline - time.monotonic()))
         if self._helper is not None and not self._threads["write"].is_alive():
             self._helper.stop(max(0.0, deadline - time.monotonic()))
         if self._arena is not None and not any(t.is_alive() for t in self._threads.values()):

@@ -114,6 +114,27 @@ def as_bytes(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+class _StreamRef:
+    """A raw CUDA stream handle behind the CUDA stream protocol (``__cuda_stream__``)."""
+
+    def __init__(self, ptr: int):
+        self.ptr = ptr
+
+    def __cuda_stream__(self) -> tuple[int, int]:
+        return (0, self.ptr)
+
+
+def cupy_stream(cupy: Any, ptr: int, device_index: int) -> Any:
+    """A CuPy stream over the existing CUDA stream ``ptr`` (a torch stream's ``cuda_stream``):
+    ``cupy.cuda.Stream.from_external`` where CuPy has it (CuPy 14 deprecates ``ExternalStream``,
+    and under ``filterwarnings = error`` that warning switched the kernel off), else
+    ``cupy.cuda.ExternalStream`` (older CuPy). Wrapping needs no driver; using it does."""
+    from_external = getattr(cupy.cuda.Stream, "from_external", None)
+    if from_external is not None:
+        return from_external(_StreamRef(ptr))
+    return cupy.cuda.ExternalStream(ptr, device_index)
+
+
 def _launch_all(pieces: Sequence[torch.Tensor], device: torch.device) -> list[int]:
     import cupy
     import numpy as np
@@ -124,7 +145,7 @@ def _launch_all(pieces: Sequence[torch.Tensor], device: torch.device) -> list[in
     with torch.cuda.device(index):
         totals = torch.zeros(len(pieces), dtype=torch.int32, device=device)  # on `stream`
     base = totals.data_ptr()
-    with cupy.cuda.Device(index), cupy.cuda.ExternalStream(stream.cuda_stream, index):
+    with cupy.cuda.Device(index), cupy_stream(cupy, stream.cuda_stream, index):
         for k, piece in enumerate(pieces):
             n = piece.numel()
             if n == 0:
