@@ -29,6 +29,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 
 import torch  # noqa: E402
 
+import gds_persist  # noqa: E402
 from bench import machine, methods, report  # noqa: E402
 from bench.drive import DriveProbe, fio_version  # noqa: E402
 from bench.state import DTYPES, make_state_dict, summarize  # noqa: E402
@@ -208,11 +209,19 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
         log(f"  preparing {m.key} ...")
         m.prepare(ctx)
 
+    # The reference drive limit runs as many fio jobs (files) as gds_persist has I/O threads,
+    # so "x drive" compares like with like; one job is shown beside it.
+    jobs = gds_persist.settings.current().io_threads
     probe = DriveProbe(workdir, summ.payload_bytes, use_fio=not args.no_fio,
-                       o_direct=ctx.o_direct)
+                       o_direct=ctx.o_direct, jobs=jobs)
+    single = (DriveProbe(workdir, summ.payload_bytes, use_fio=not args.no_fio,
+                         o_direct=ctx.o_direct) if jobs > 1 and probe.tool.startswith("fio")
+              else None)
     expected = dict(_source_tensors(sd)) if not args.no_check else {}
     drive_w = report.Series("drive", "drive limit", "save", probe.nbytes, drive=True)
     drive_r = report.Series("drive", "drive limit", "load", probe.nbytes, drive=True)
+    single_w = report.Series("drive-1", "drive limit: fio 1 job", "save", probe.nbytes)
+    single_r = report.Series("drive-1", "drive limit: fio 1 job", "load", probe.nbytes)
     series: dict[tuple[str, str], report.Series] = {}
     for m in chosen.available:
         for op in ("save", "load"):
@@ -236,19 +245,19 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
         log(f"run {rep + 1}/{args.runs}: " + ", ".join(order[-1]))
         for m in this:
             if m is None:
-                os.sync()
-                w = probe.write()
-                cache["how"], cache["detail"] = machine.drop_page_cache([probe.path],
-                                                                        args.cache_drop)
-                r = probe.read()
-                probe.cleanup()
-                drive_runs.append({"write": w.__dict__, "read": r.__dict__})
-                drive_w.seconds.append(w.seconds)
-                drive_r.seconds.append(r.seconds)
-                drive_w.tool = drive_r.tool = w.tool
-                drive_w.nbytes, drive_r.nbytes = w.nbytes, r.nbytes
-                log(f"  drive  write {w.nbytes / w.seconds / 1e9:6.2f} GB/s  "
-                    f"read {r.nbytes / r.seconds / 1e9:6.2f} GB/s  ({w.tool})")
+                for p, sw, sr in ((probe, drive_w, drive_r), (single, single_w, single_r)):
+                    if p is None:
+                        continue
+                    w, r = _drive_once(p, args.cache_drop, cache)
+                    drive_runs.append({"jobs": p.jobs, "write": w.__dict__, "read": r.__dict__})
+                    sw.seconds.append(w.seconds)
+                    sr.seconds.append(r.seconds)
+                    sw.nbytes, sr.nbytes = w.nbytes, r.nbytes
+                    disk[sw.key] = w.nbytes
+                    if p is probe:
+                        drive_w.tool = drive_r.tool = w.tool
+                    log(f"  drive  write {w.nbytes / w.seconds / 1e9:6.2f} GB/s  "
+                        f"read {r.nbytes / r.seconds / 1e9:6.2f} GB/s  ({p.tool})")
                 moved += 2 * summ.payload_bytes
                 if bar is not None:
                     bar(min(moved, to_move), to_move)
@@ -279,8 +288,9 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
     cache["resident_before_load"] = resident
 
     done = [m for m in chosen.available if m.key not in failed]
-    all_series = [drive_w, *(series[(m.key, "save")] for m in done),
-                  drive_r, *(series[(m.key, "load")] for m in done)]
+    singles_w, singles_r = ([single_w], [single_r]) if single is not None else ([], [])
+    all_series = [drive_w, *singles_w, *(series[(m.key, "save")] for m in done),
+                  drive_r, *singles_r, *(series[(m.key, "load")] for m in done)]
     table = report.rows(all_series)
     elapsed = time.perf_counter() - t_start
     record: dict[str, Any] = {
@@ -323,6 +333,17 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
     return record
 
 
+def _drive_once(probe: DriveProbe, cache_drop: str,
+                cache: dict[str, Any]) -> tuple[Any, Any]:
+    """One drive-limit write and cold read with ``probe``; its files are removed after."""
+    os.sync()
+    w = probe.write()
+    cache["how"], cache["detail"] = machine.drop_page_cache([probe.directory], cache_drop)
+    r = probe.read()
+    probe.cleanup()
+    return w, r
+
+
 def _source_tensors(sd: Any) -> list[tuple[str, torch.Tensor]]:
     from bench.state import iter_tensors
 
@@ -347,6 +368,9 @@ def print_report(record: dict[str, Any], disk: dict[str, int]) -> None:
                 extra.append("LOAD CHECK FAILED: " + m["check"])
             if m["info"].get("reason"):
                 extra.append(f"backend {m['info'].get('backend')}: {m['info']['reason']}")
+            if m["info"].get("load_reason"):
+                extra.append(f"load backend {m['info']['load_backend']}: "
+                             f"{m['info']['load_reason']}")
             if extra:
                 lines.append(f"{m['label']}: " + "; ".join(extra))
     lines.append(f"elapsed {record['elapsed_s']:.1f}s")

@@ -66,16 +66,22 @@ class DriveProbe:
 
     ``write()`` must precede ``read()`` (the read uses the file the write made); ``cleanup()``
     removes it. ``tool`` says what is used; ``notes`` what went wrong on the way (e.g. io_uring
-    refused, so libaio).
+    refused, so libaio). ``jobs``: fio jobs at once, each writing and reading its own file of
+    ``nbytes / jobs`` (the same parallelism as a writer with that many I/O threads and files).
+    On a memory-backed filesystem (tmpfs) fio does not preallocate (``--fallocate=none``): there
+    preallocating allocates the pages before fio's timed writes, which gds_persist's timed save
+    does not (it writes into unallocated pages, as fio then does).
     """
 
     def __init__(self, directory: str, nbytes: int, *, use_fio: bool = True,
-                 o_direct: bool = True):
+                 o_direct: bool = True, jobs: int = 1):
         self.directory = directory
-        self.nbytes = round_up(max(nbytes, FIO_BS), FIO_BS)
+        self.jobs = max(1, jobs)
+        self.nbytes = round_up(max(nbytes, FIO_BS * self.jobs), FIO_BS * self.jobs)
         self.path = os.path.join(directory, "drive-limit.bin")
         self.notes: list[str] = []
         self.o_direct = o_direct
+        self.fallocate = "none" if _memory_backed(directory) else "native"
         self._engines = ["io_uring", "libaio"]
         self._fio = fio_path() if use_fio and o_direct else None
         if not o_direct:
@@ -86,7 +92,8 @@ class DriveProbe:
     @property
     def tool(self) -> str:
         if self._fio:
-            return f"fio {self._engines[0]} (O_DIRECT, bs=1M, iodepth={FIO_IODEPTH})"
+            jobs = f", {self.jobs} jobs" if self.jobs > 1 else ""
+            return f"fio {self._engines[0]} (O_DIRECT, bs=1M, iodepth={FIO_IODEPTH}{jobs})"
         return (f"{self._python_name} stream ({PY_THREADS} threads, {PY_BLOCK >> 20} MiB "
                 "blocks)")
 
@@ -102,10 +109,14 @@ class DriveProbe:
         return self._run("read")
 
     def cleanup(self) -> None:
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        for path in [self.path, *self._job_files()]:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+
+    def _job_files(self) -> list[str]:
+        return [f"{self.path}.{k}" for k in range(self.jobs)] if self.jobs > 1 else []
 
     def _run(self, rw: str) -> DriveRun:
         while self._fio:
@@ -122,10 +133,14 @@ class DriveProbe:
     def _fio_run(self, rw: str) -> DriveRun:
         assert self._fio
         engine = self._engines[0]
+        target = (["--filename=" + self.path] if self.jobs == 1 else
+                  [f"--directory={self.directory}", "--filename_format=drive-limit.bin.$jobnum",
+                   f"--numjobs={self.jobs}", "--group_reporting"])
         cmd = [
-            self._fio, "--name=drive-limit", f"--filename={self.path}", f"--rw={rw}",
+            self._fio, "--name=drive-limit", *target, f"--rw={rw}",
             f"--bs={FIO_BS}", f"--iodepth={FIO_IODEPTH}", f"--ioengine={engine}", "--direct=1",
-            f"--size={self.nbytes}", "--fallocate=native", "--output-format=json",
+            f"--size={self.nbytes // self.jobs}", f"--fallocate={self.fallocate}",
+            "--output-format=json",
         ]
         if rw == "write":
             cmd.append("--end_fsync=1")
@@ -148,6 +163,19 @@ class DriveProbe:
         return DriveRun(seconds, nbytes, f"fio {engine}",
                         {"fio_runtime_s": runtime_s, "process_wall_s": wall,
                          "fio_bw_bytes": stats.get("bw_bytes"), "engine": engine})
+
+
+def _memory_backed(directory: str) -> bool:
+    from gds_persist.backends.posix import filesystem_type
+
+    try:
+        fd = os.open(directory, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        return filesystem_type(fd) == "tmpfs"
+    finally:
+        os.close(fd)
 
 
 def parse_fio_json(text: str) -> dict[str, Any]:

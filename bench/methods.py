@@ -225,10 +225,12 @@ class GdsPersist(Method):
         import gds_persist
 
         with self._scope():
-            return gds_persist.load(path, backend=self.backend)
+            state, info = gds_persist.load(path, backend=self.backend, return_info=True)
+        self.info.update(load_backend=info.backend, load_reason=info.reason)
+        return state
 
 
-for _backend in ("direct", "buffered"):
+for _backend in ("auto", "direct", "buffered"):
     register(lambda b=_backend: GdsPersist(b), key=f"gds-{_backend}")
 
 

@@ -6,11 +6,12 @@
 Saves and (cold) loads the benchmark's GPT-style state dict ``--runs`` times with
 :func:`gds_persist.stages.profiling` on, and prints for each operation its wall time and rate and,
 per stage (flatten, copy into staging or D2H, checksum, write/read syscalls, fsync, commit,
-destination allocation, ...): the thread-seconds spent in it, the share of the wall time, the rate
-one thread doing only that stage sustains, the threads that ran it, the bound the stage implies
-with those threads on this machine's cores, and the minor page faults taken inside it. Stages run
-concurrently, so their seconds may add up to more than the wall time; the stage with the lowest
-bound is the one that limits the operation. Medians over the runs.
+destination allocation, ...): the thread-seconds (wall) and CPU seconds spent in it, the share of
+the wall time, the bytes it moved, the threads that ran it, the bound it implies (its CPU time
+spread over the cores its threads could use, or its wall time over its threads, whichever is
+longer) and the minor page faults taken inside it. Stages run concurrently, so their seconds may
+add up to more than the wall time; the bulk stage with the lowest bound limits the operation.
+The figures of the median run.
 """
 
 from __future__ import annotations
@@ -89,23 +90,18 @@ def profile_once(state: Any, path: str, args: argparse.Namespace) -> dict[str, A
     return out
 
 
-def _rows(profiles: list[StageProfile], walls: list[float], nbytes: int,
-          cores: int) -> list[dict[str, Any]]:
+def _rows(profiles: list[StageProfile], walls: list[float], cores: int) -> list[dict[str, Any]]:
     names = list(dict.fromkeys(n for p in profiles for n in p.stages))
     wall = statistics.median(walls)
     rows = []
     for name in names:
         runs = [p.stages[name] for p in profiles if name in p.stages]
-        seconds = statistics.median(t.seconds for t in runs)
-        moved = statistics.median(t.nbytes for t in runs)
-        threads = max(len(t.threads) for t in runs)
-        one = moved / seconds / 1e9 if seconds and moved else 0.0
+        pick = sorted(runs, key=lambda t: t.seconds)[len(runs) // 2]  # the median run's totals
         rows.append({
-            "stage": name, "thread_s": seconds, "share": seconds / wall if wall else 0.0,
-            "bytes": moved, "gbps_one_thread": one, "threads": threads,
-            "bound_gbps": one * max(1, min(threads, cores)),
-            "calls": statistics.median(t.calls for t in runs),
-            "faults": statistics.median(t.faults for t in runs),
+            "stage": name, "thread_s": pick.seconds, "cpu_s": pick.cpu_seconds,
+            "share": pick.seconds / wall if wall else 0.0, "bytes": pick.nbytes,
+            "threads": len(pick.threads), "bound_gbps": pick.bound_gbps(cores),
+            "calls": pick.calls, "faults": pick.faults,
         })
     rows.sort(key=lambda r: -r["thread_s"])
     return rows
@@ -116,14 +112,13 @@ def report_lines(op: str, walls: list[float], nbytes: int, rows: list[dict[str, 
     wall = statistics.median(walls)
     lines = [f"{op}: {wall:.3f} s median wall ({nbytes / wall / 1e9:.2f} GB/s of payload; "
              f"runs {', '.join(f'{w:.3f}' for w in walls)}){note}",
-             f"  {'stage':34s} {'thread-s':>9s} {'% wall':>7s} {'GB/s 1 thr':>10s} "
-             f"{'threads':>7s} {'bound GB/s':>10s} {'calls':>7s} {'faults':>8s}"]
+             f"  {'stage':34s} {'thread-s':>9s} {'cpu-s':>7s} {'% wall':>7s} {'MiB':>8s} "
+             f"{'threads':>7s} {'bound GB/s':>10s} {'calls':>6s} {'faults':>8s}"]
     for r in rows:
-        one = f"{r['gbps_one_thread']:.2f}" if r["bytes"] else "-"
         bound = f"{r['bound_gbps']:.2f}" if r["bytes"] else "-"
-        lines.append(f"  {r['stage']:34s} {r['thread_s']:9.3f} {100 * r['share']:6.1f}% "
-                     f"{one:>10s} {r['threads']:7d} {bound:>10s} {r['calls']:7.0f} "
-                     f"{r['faults']:8.0f}")
+        lines.append(f"  {r['stage']:34s} {r['thread_s']:9.3f} {r['cpu_s']:7.3f} "
+                     f"{100 * r['share']:6.1f}% {r['bytes'] / 2**20:8.1f} {r['threads']:7d} "
+                     f"{bound:>10s} {r['calls']:6d} {r['faults']:8d}")
     limited = [r for r in rows if r["bound_gbps"] and r["bytes"] >= nbytes / 10]  # bulk stages
     if limited:
         worst = min(limited, key=lambda r: r["bound_gbps"])
@@ -153,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
           f"settings {gds_persist.settings.current()}")
     for op in OPS:
         walls = [r[op][0] for r in runs]
-        rows = _rows([r[op][1] for r in runs], walls, nbytes, cores)
+        rows = _rows([r[op][1] for r in runs], walls, cores)
         note = f"; backend {runs[0][op][2]}: {runs[0][op][3]}" if runs[0][op][2] else ""
         print("\n".join(report_lines(op, walls, nbytes, rows, note)))
         record[op] = {"walls": walls, "payload_bytes": nbytes, "stages": rows}

@@ -30,7 +30,7 @@ from .errors import (
 )
 from .interop import export_checkpoint, import_checkpoint
 from .load import load, read_manifest, verify
-from .results import SaveInfo, WarmupReport
+from .results import LoadInfo, SaveInfo, WarmupReport
 from .save import save
 from .training.checkpointer import Checkpointer, SaveHandle
 from .warmup import warmup
@@ -44,6 +44,7 @@ __all__ = [
     "CollectiveTimeoutError",
     "DiskFullError",
     "DistributedError",
+    "LoadInfo",
     "ManifestError",
     "NotCommittedError",
     "PickleRefusedError",

@@ -20,6 +20,7 @@ are raw.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -44,7 +45,7 @@ from .format import (
 )
 from .format.tree import decode, tensor_indices
 from .progress import ByteCounter, ProgressCallback
-from .results import VerifyReport
+from .results import LoadInfo, VerifyReport
 from .schedule import plan_reads
 from .stages import stage
 from .transfer.commit import is_temporary
@@ -105,17 +106,18 @@ def read_extents(path: str, m: Manifest, extents: Sequence[Extent], dests: Dests
                  cfg: settings.Settings, *, roots: dict[str, str] | None = None,
                  verify: bool = True, describe: Describe | None = None,
                  on_checksum: OnChecksum | None = None, on_bytes: OnBytes | None = None,
-                 progress: Callable[[int], None] | None = None) -> None:
+                 progress: Callable[[int], None] | None = None) -> list[tuple[str, str]]:
     """Read ``extents`` of the checkpoint at ``path`` (manifest ``m``) into ``dests`` (flat
     uint8 tensors by storage; None: only the hooks see the bytes), file by file, each file
     checked to exist and be whole first, with the backend ``cfg`` chooses for its directory.
     The checksum and byte hooks are those of :class:`~gds_persist.transfer.reader.FileReader`;
-    ``describe`` defaults to the key paths of each storage's tensors."""
+    ``describe`` defaults to the key paths of each storage's tensors. Returns the backend and
+    the reason for its choice of every directory read."""
     by_file: dict[int, list[Extent]] = {}
     for e in extents:
         by_file.setdefault(e.file, []).append(e)
     if not by_file:
-        return
+        return []
     describe = describe or storage_descriptions(m)
     wants_device = any(d is not None and d.is_cuda for d in dests or ())
     by_dir: dict[str, list[tuple[str, Sequence[Extent]]]] = {}
@@ -123,18 +125,23 @@ def read_extents(path: str, m: Manifest, extents: Sequence[Extent], dests: Dests
         full = data_file_path(path, m, index, roots)
         check_file(os.path.dirname(full), m.files[index])
         by_dir.setdefault(os.path.dirname(full), []).append((full, by_file[index]))
+    chosen = []
     with io_session(
         cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
     ) as (ring, pool):
         for directory, files in by_dir.items():  # the files of one directory concurrently
+            largest = max(files, key=lambda f: os.path.getsize(f[0]))[0]
             with stage("choose backend"):
-                backend = choose_backend(
-                    cfg.backend, directory, wants_device, cfg.io_threads, cfg.block_bytes
-                )[0]
+                backend, reason = choose_backend(
+                    cfg.backend, directory, wants_device, cfg.io_threads, cfg.block_bytes,
+                    read_sample=(largest, os.path.getsize(largest)),
+                )
+            chosen.append((backend.name, reason))
             reader = FileReader(backend, ring, pool, cfg.io_timeout_s, verify=verify,
                                 describe=describe, on_checksum=on_checksum, on_bytes=on_bytes,
                                 progress=progress)
             reader.read_files(files, dests)
+    return chosen
 
 
 def _target_device(saved: str, map_location: MapLocation, distributed: bool) -> torch.device:
@@ -184,6 +191,7 @@ def load(
     strategy: str | None = None,
     rank_local: Any = None,
     data_dirs: Any = None,
+    return_info: bool = False,
 ) -> Any:
     """Load the checkpoint at ``path``; every extent's CRC32C is checked unless ``verify=False``.
 
@@ -203,7 +211,11 @@ def load(
     by rank - without), ``"all"``, or a rank number. ``data_dirs`` maps data directories that
     moved: ``{recorded root: new root}`` or a list in the manifest's order. With a process group
     ``progress`` counts the bytes this rank reads.
+
+    ``return_info=True`` returns ``(state, LoadInfo)``: the backend used and why (``auto`` reads
+    through the page cache where that measured faster on the filesystem), bytes, seconds.
     """
+    t0 = time.perf_counter()
     path = os.fspath(path)
     cfg = settings.current(backend=backend, load_strategy=strategy)
     comm = make_comm(process_group, cfg.collective_timeout_s)
@@ -240,6 +252,8 @@ def load(
     dests: list[torch.Tensor | None] = [None] * len(m.storages)
     share = bool(distributed and comm.size > 1 and cfg.load_strategy != "read_all" and replicated)
     shared, by_rank = _my_pieces(m, set(replicated), comm) if share else ([], [])
+    chosen: list[tuple[str, str]] = []  # (backend, reason) of every directory read
+    read_bytes = [0]
 
     def read() -> list[list[int]]:
         wanted_storages = set(needed)
@@ -253,24 +267,27 @@ def load(
                 dests[s] = _destination(rec.nbytes, device)
         if not share:
             mine = [e for e in m.extents if e.storage in wanted_storages]
-            counter = ByteCounter(progress, sum(align_up(e.length) for e in mine))
-            read_extents(path, m, mine, dests, cfg, roots=roots, verify=verify,
-                         describe=describe, progress=counter.hook)
+            read_bytes[0] = sum(align_up(e.length) for e in mine)
+            counter = ByteCounter(progress, read_bytes[0])
+            chosen.extend(read_extents(path, m, mine, dests, cfg, roots=roots, verify=verify,
+                                       describe=describe, progress=counter.hook))
             counter.finish()
             return []
         own_storages = set(needed) - set(replicated)
         own = [e for e in m.extents if e.storage in own_storages]
         sub = by_rank[comm.rank]
-        counter = ByteCounter(progress, sum(align_up(e.length) for e in sub + own))
+        read_bytes[0] = sum(align_up(e.length) for e in sub + own)
+        counter = ByteCounter(progress, read_bytes[0])
         piece_crcs: dict[tuple[int, int], int] = {}
 
         def record(_: str, e: Extent, actual: int) -> None:  # pieces: checked once combined
             piece_crcs[(e.file, e.offset)] = actual
 
-        read_extents(path, m, sub, dests, cfg, roots=roots, verify=verify, describe=describe,
-                     on_checksum=record if verify else None, progress=counter.hook)
-        read_extents(path, m, own, dests, cfg, roots=roots, verify=verify, describe=describe,
-                     progress=counter.hook)
+        chosen.extend(read_extents(path, m, sub, dests, cfg, roots=roots, verify=verify,
+                                   describe=describe, on_checksum=record if verify else None,
+                                   progress=counter.hook))
+        chosen.extend(read_extents(path, m, own, dests, cfg, roots=roots, verify=verify,
+                                   describe=describe, progress=counter.hook))
         counter.finish()
         return [[e.file, e.offset, e.length, piece_crcs[(e.file, e.offset)]]
                 for e in sub] if verify else []
@@ -291,7 +308,14 @@ def load(
         for i in wanted:
             t = m.tensors[i]
             tensors[i] = rebuild_tensor(t, storages[t.storage])  # type: ignore[arg-type]
-        return decode(tree, tensors)
+        state = decode(tree, tensors)
+    if not return_info:
+        return state
+    unique = list(dict.fromkeys(chosen))
+    payload = sum(m.storages[s].nbytes for s in needed)
+    return state, LoadInfo(path, ",".join(dict.fromkeys(b for b, _ in unique)) or "none",
+                           "; ".join(r for _, r in unique) or "nothing to read", read_bytes[0],
+                           payload, time.perf_counter() - t0)
 
 
 def _my_pieces(m: Manifest, replicated: set[int],

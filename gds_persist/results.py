@@ -1,8 +1,8 @@
 """What the long operations return: plain result records, in one module.
 
 :class:`SaveInfo` (``save``), :class:`DistributedSaveInfo` (``save`` with a process group),
-:class:`VerifyReport` (``verify``), :class:`ExportInfo` (``export_checkpoint``) and
-:class:`WarmupReport` (``warmup``). They are plain
+:class:`LoadInfo` (``load(..., return_info=True)``), :class:`VerifyReport` (``verify``),
+:class:`ExportInfo` (``export_checkpoint``) and :class:`WarmupReport` (``warmup``). They are plain
 dataclasses that pickle (the Checkpointer's helper process sends a ``SaveInfo`` back).
 """
 
@@ -56,6 +56,22 @@ class DistributedSaveInfo(SaveInfo):
     def rank_gbps(self) -> float:
         s = self.rank_write_seconds
         return self.rank_bytes / s / 1e9 if s else float("inf")
+
+
+@dataclass
+class LoadInfo:
+    """What a load did (``load(..., return_info=True)``): backend(s) and why, bytes, seconds."""
+
+    path: str
+    backend: str
+    reason: str
+    bytes_read: int  # data file bytes this process read, incl. alignment padding
+    payload_bytes: int  # tensor bytes returned
+    seconds: float
+
+    @property
+    def gbps(self) -> float:
+        return self.payload_bytes / self.seconds / 1e9 if self.seconds else float("inf")
 
 
 @dataclass

@@ -17,7 +17,7 @@ from .backends import choose_backend
 from .errors import DiskFullError
 from .flatten import Flattened, flatten
 from .format import Extent, Manifest, dump_manifest
-from .layout import SavePlan, plan_single_writer
+from .layout import SavePlan, file_streams, plan_single_writer
 from .parallel_save import save_parallel
 from .progress import ByteCounter, ProgressCallback
 from .results import SaveInfo
@@ -114,7 +114,9 @@ def _save_single(
     t0: float,
 ) -> SaveInfo:
     with stage("plan + temporary directory"):
-        plan = plan_single_writer([s.nbytes for s in flat.storages])
+        sizes = [s.nbytes for s in flat.storages]
+        streams = file_streams(sum(sizes), cfg.io_threads, cfg.block_bytes, cfg.file_streams)
+        plan = plan_single_writer(sizes, streams)
         check_replaceable(path)
         tmp = make_temporary(path)
     try:

@@ -24,10 +24,8 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .format import ALIGNMENT, align_up, local_file_name, rank_data_file_name
-from .layout import FilePlan, layout_file
-
-Piece = tuple[int, int, int]  # (item index, start byte within the item, length)
+from .format import local_file_name, rank_data_file_name
+from .layout import FilePlan, Piece, layout_file, padded_total, split_stream
 
 
 @dataclass(frozen=True)
@@ -119,10 +117,6 @@ def _balance(values: Sequence[int]) -> float:
     return max(values) / (sum(values) / len(values))
 
 
-def padded_total(sizes: Sequence[int]) -> int:
-    return sum(align_up(n) for n in sizes)
-
-
 def balanced_targets(total: int, preloaded: Sequence[int]) -> list[int]:
     """Split ``total`` bytes over parts that already carry ``preloaded`` bytes, so that the
     parts' totals are as equal as possible (water-filling). Integers; sums to ``total``."""
@@ -141,38 +135,6 @@ def balanced_targets(total: int, preloaded: Sequence[int]) -> list[int]:
     for j, i in enumerate(order[:k]):
         targets[i] = base - preloaded[i] + (1 if j < remainder else 0)
     return targets
-
-
-def split_stream(sizes: Sequence[int], targets: Sequence[int],
-                 alignment: int = ALIGNMENT) -> list[list[Piece]]:
-    """Cut the aligned stream of ``sizes`` into ``len(targets)`` contiguous parts of about
-    ``targets[k]`` bytes each (cuts rounded to ``alignment``); return each part's pieces."""
-    stream = padded_total(sizes)
-    cuts = [0]
-    cumulative = 0
-    for t in targets[:-1]:
-        cumulative += t
-        cut = (cumulative + alignment // 2) // alignment * alignment
-        cuts.append(min(max(cut, cuts[-1]), stream))
-    cuts.append(stream)
-    parts: list[list[Piece]] = [[] for _ in targets]
-    part = 0
-    position = 0
-    for index, n in enumerate(sizes):
-        lo_item = position
-        hi_item = position = position + align_up(n, alignment)
-        if hi_item == lo_item:
-            continue
-        while cuts[part + 1] <= lo_item:  # parts that end before this item
-            part += 1
-        k = part
-        while k < len(targets) and cuts[k] < hi_item:
-            start = max(cuts[k], lo_item) - lo_item
-            end = min(cuts[k + 1] - lo_item, n)  # cuts are aligned, so start < n when start < end
-            if end > start:
-                parts[k].append((index, start, end - start))
-            k += 1
-    return parts
 
 
 def node_order(ranks: Sequence[RankInfo]) -> tuple[tuple[int, ...], ...]:

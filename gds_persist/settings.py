@@ -45,6 +45,8 @@ class Settings:
     collective_timeout_s: float = 600.0  # data-parallel: longest wait for the other ranks
     load_strategy: str = "broadcast"  # data-parallel load of replicated data; see LOAD_STRATEGIES
     auto_kvikio: str = "gds"  # when backend="auto" takes kvikio; see AUTO_KVIKIO
+    file_streams: int = 0  # data files one writer spreads a save over; 0: one per I/O thread
+    # for large saves (gds_persist.layout.file_streams says why and when)
 
     @property
     def ring_buffers(self) -> int:
@@ -82,6 +84,9 @@ def _validate(s: Settings) -> Settings:
         )
     if s.io_threads < 1:
         raise ValueError(f"setting io_threads={s.io_threads} must be at least 1")
+    if s.file_streams < 0:
+        raise ValueError(f"setting file_streams={s.file_streams} must be 0 (automatic) or a "
+                         "number of data files")
     for name in ("io_timeout_s", "collective_timeout_s"):
         value = getattr(s, name)
         if not (math.isfinite(value) and value > 0):  # inf overflows queue/future waits

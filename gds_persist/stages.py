@@ -22,7 +22,8 @@ _RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 @dataclass
 class StageTotals:
-    seconds: float = 0.0  # thread-seconds spent in the stage
+    seconds: float = 0.0  # thread-seconds spent in the stage (wall time, summed over threads)
+    cpu_seconds: float = 0.0  # CPU time of those threads in the stage (less when they waited)
     nbytes: int = 0
     calls: int = 0
     faults: int = 0  # minor page faults taken by the thread while in the stage
@@ -34,8 +35,11 @@ class StageTotals:
         return self.nbytes / self.seconds / 1e9 if self.seconds and self.nbytes else 0.0
 
     def bound_gbps(self, cores: int) -> float:
-        """The rate this stage allows with the threads that ran it, on at most ``cores`` cores."""
-        return self.gbps * max(1, min(len(self.threads), cores))
+        """The fastest this stage could move its bytes: its CPU time spread over the cores its
+        threads could use, and its wall time spread over its threads, whichever is longer."""
+        threads = max(1, len(self.threads))
+        floor = max(self.cpu_seconds / min(threads, max(1, cores)), self.seconds / threads)
+        return self.nbytes / floor / 1e9 if floor and self.nbytes else 0.0
 
 
 @dataclass
@@ -48,15 +52,18 @@ class StageProfile:
     @contextmanager
     def stage(self, name: str, nbytes: int = 0) -> Iterator[None]:
         faults0 = resource.getrusage(_RUSAGE_THREAD).ru_minflt
+        cpu0 = time.thread_time()
         t0 = time.perf_counter()
         try:
             yield
         finally:
             seconds = time.perf_counter() - t0
+            cpu = time.thread_time() - cpu0
             faults = resource.getrusage(_RUSAGE_THREAD).ru_minflt - faults0
             with self._lock:
                 totals = self.stages.setdefault(name, StageTotals())
                 totals.seconds += seconds
+                totals.cpu_seconds += cpu
                 totals.nbytes += nbytes
                 totals.calls += 1
                 totals.faults += faults

@@ -542,6 +542,7 @@ _ALL_SETTING_VALUES: dict[str, tuple[Any, Any, Any]] = {
     "collective_timeout_s": (12.5, 24.0, 36.75),
     "load_strategy": ("allgather", "read_all", "allgather"),
     "auto_kvikio": ("always", "never", "always"),
+    "file_streams": (2, 3, 5),
 }
 SETTING_VALUES = {k: v for k, v in _ALL_SETTING_VALUES.items() if k in settings.ENV_VARS}
 
@@ -690,6 +691,7 @@ def test_unknown_setting_lists_valid_ones() -> None:
     ({"collective_timeout_s": float("nan")}, r"collective_timeout_s=nan must be positive"),
     ({"io_timeout_s": "soon"}, r"io_timeout_s='soon' must be a float"),
     ({"auto_kvikio": "sometimes"}, r"auto_kvikio='sometimes' must be one of gds, always, never"),
+    ({"file_streams": -1}, r"file_streams=-1 must be 0 \(automatic\) or a number of data files"),
     pytest.param({"collective_timeout_s": 0}, r"collective_timeout_s=0.0 must be positive",
                  marks=pytest.mark.skipif("collective_timeout_s" not in settings.ENV_VARS,
                                           reason="no data-parallel settings in this tree")),

@@ -180,3 +180,45 @@ def test_filesystem_type_and_host_alignment_probes(tmp_path: Path, shm_dir: Path
     assert o_direct_host_alignment(str(shm_dir)) == 64
     assert o_direct_host_alignment(str(tmp_path)) in (64, 512, 4096)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".o_direct_probe")]
+
+
+@pytest.mark.parametrize("streams", [1, 3])
+def test_one_writer_spreads_a_save_over_file_streams(tmp_path: Path, streams: int) -> None:
+    """``file_streams`` data files, written at once, balanced within a block; the checkpoint loads
+    the same, and one stream is the single-file layout (a storage cut between files is joined)."""
+    from gds_persist.layout import file_streams
+
+    sd = {"a": random_tensor(torch.float32, 300_000, seed=1),
+          "b": random_tensor(torch.uint8, 77_777, seed=2),
+          "c": random_tensor(torch.bfloat16, 5, seed=3)}
+    with gds_persist.settings.set(file_streams=streams):
+        info = gds_persist.save(sd, tmp_path / "ck", block_bytes=8192, staging_bytes=32768)
+    assert len(info.files) == streams
+    sizes = [os.path.getsize(tmp_path / "ck" / name) for name in info.files]
+    assert max(sizes) - min(sizes) <= 2 * 4096
+    assert_tree_equal(gds_persist.load(tmp_path / "ck"), sd)
+    assert gds_persist.verify(tmp_path / "ck").ok
+    assert file_streams(2 << 30, io_threads=4, block_bytes=16 << 20) == 4
+    assert file_streams(100 << 20, io_threads=4, block_bytes=16 << 20) == 1
+    assert file_streams(100 << 20, io_threads=4, block_bytes=16 << 20, setting=2) == 2
+
+
+def test_auto_load_reads_the_way_that_measured_faster_and_says_so(tmp_path: Path) -> None:
+    """``backend="auto"`` loads measure O_DIRECT against buffered reads once per filesystem (on
+    a large enough data file) and report the rates; an explicit backend is not second-guessed."""
+    from gds_persist.backends import read_mode
+
+    read_mode.forget()
+    sd = {"big": random_tensor(torch.uint8, read_mode.MIN_FILE_BYTES + 12345, seed=11)}  # 1 file
+    gds_persist.save(sd, tmp_path / "ck")
+    state, info = gds_persist.load(tmp_path / "ck", return_info=True)
+    assert_tree_equal(state, sd)
+    assert info.backend in ("direct", "buffered")
+    assert "measured on this filesystem" in info.reason and "O_DIRECT vs" in info.reason
+    assert info.payload_bytes == sd["big"].numel() and info.bytes_read >= info.payload_bytes
+    assert len(read_mode._choices) == 1  # measured once, then reused
+    _, again = gds_persist.load(tmp_path / "ck", return_info=True)
+    assert again.reason == info.reason
+    _, explicit = gds_persist.load(tmp_path / "ck", backend="direct", return_info=True)
+    assert (explicit.backend, explicit.reason) == ("direct", "requested explicitly")
+    read_mode.forget()

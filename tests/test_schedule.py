@@ -16,6 +16,7 @@ from gds_persist.format import (
     dump_manifest,
     parse_manifest,
 )
+from gds_persist.layout import split_stream
 from gds_persist.scale import gpt_storage_sizes
 from gds_persist.schedule import (
     RankInfo,
@@ -23,7 +24,6 @@ from gds_persist.schedule import (
     choose_writers,
     plan_reads,
     plan_save,
-    split_stream,
 )
 
 WORLD_SIZES = [1, 2, 3, 4, 7, 8, 13, 64, 100, 128, 256, 1000, 1024]

@@ -21,6 +21,7 @@ from .posix import (
     require_o_direct,
     supports_o_direct,
 )
+from .read_mode import measured_read_mode
 
 
 def _direct(directory: str) -> DirectBackend:
@@ -51,11 +52,14 @@ def choose_backend(
     io_threads: int = 4,
     block_bytes: int = 16 << 20,
     auto_kvikio: str | None = None,
+    read_sample: tuple[str, int] | None = None,
 ) -> tuple[Backend, str]:
     """Resolve a backend name for files in ``directory``; returns the backend and why.
 
     ``auto_kvikio`` (None: the setting in force) says when ``auto`` takes kvikio
-    (:mod:`.auto`)."""
+    (:mod:`.auto`). ``read_sample``: for a load, a data file there and its size: where ``auto``
+    would read with O_DIRECT, it reads through the page cache instead if that measured faster on
+    this filesystem (:mod:`.read_mode`)."""
     from .kvikio_backend import kvikio_facts
 
     if requested not in BACKEND_NAMES:
@@ -76,7 +80,13 @@ def choose_backend(
                                           kvikio_facts() if examine else None, policy))
     if name == "kvikio":
         return _kvikio(directory, io_threads, block_bytes, reason)
-    return (_direct(directory) if name == "direct" else BufferedBackend()), reason
+    if name != "direct":
+        return BufferedBackend(), reason
+    measured = measured_read_mode(*read_sample, io_threads) if read_sample else None
+    if measured is None:
+        return _direct(directory), reason
+    buffered, why = measured
+    return (BufferedBackend() if buffered else _direct(directory)), f"{reason}; {why}"
 
 
 __all__ = [
