@@ -46,6 +46,15 @@ def save(
     ``"buffered"`` or ``"kvikio"``. An existing checkpoint at ``path`` is replaced only once the
     new one is complete and fsynced; if anything fails, it is left as it was.
 
+    Several processes may save to (and load from) one ``path`` at once: each save writes its own
+    temporary directory, the commits take turns (each waits at most ``io_timeout_s`` for another
+    one to finish committing, then raises :class:`CheckpointTimeout` naming it), and the last
+    to commit wins - the path always holds one complete checkpoint, and every save that returned
+    was committed (possibly replaced since). A save never removes another live save's files;
+    leftovers of killed saves are removed by a later save once their owner is gone. Loads that
+    overlap a replacement read one complete checkpoint (``docs/FORMAT.md``, "Several processes,
+    one path").
+
     ``progress(done_bytes, total_bytes)``, if given, is called as data files are written (see
     :mod:`gds_persist.progress`).
 
@@ -67,7 +76,8 @@ def save(
 
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
-    backend, :class:`DistributedError` (on every rank, naming the failed rank) when a rank fails.
+    backend, :class:`CheckpointTimeout` when another process's commit of ``path`` hangs,
+    :class:`DistributedError` (on every rank, naming the failed rank) when a rank fails.
     """
     if process_group is not None or rank_local is not None or data_dirs is not None:
         return save_parallel(
@@ -101,17 +111,17 @@ def _save_single(
 ) -> SaveInfo:
     plan = plan_single_writer([s.nbytes for s in flat.storages])
     check_replaceable(path)
-    tmp = make_temporary(path)
+    tmp = make_temporary(path, cfg.io_timeout_s)
     try:
         be, reason = choose_backend(
             cfg.backend,
-            tmp,
+            tmp.dir,
             any(s.is_cuda for s in flat.storage_objects),
             cfg.io_threads,
             cfg.block_bytes,
         )
         counter = ByteCounter(progress, plan.total_bytes)
-        extents = write_plan(be, tmp, plan.files, flat.storage_objects, cfg, counter.hook)
+        extents = write_plan(be, tmp.dir, plan.files, flat.storage_objects, cfg, counter.hook)
         if getattr(be, "fallback_reason", None):  # kvikio switched to POSIX I/O mid-save
             reason = f"{reason}; {be.fallback_reason}"  # type: ignore[attr-defined]
         writer = {
@@ -123,7 +133,7 @@ def _save_single(
             "world_size": 1,
         }
         write_manifest(
-            tmp,
+            tmp.dir,
             dump_manifest(
                 Manifest(
                     [f.data_file for f in plan.files],
@@ -135,7 +145,7 @@ def _save_single(
                 )
             ),
         )
-        commit(tmp, path)
+        commit(tmp, cfg.io_timeout_s)
         counter.finish()
     except OSError as e:
         abort(tmp)

@@ -133,7 +133,8 @@ def supports_o_direct(directory: str) -> tuple[bool, str]:
         return False, f"aligned O_DIRECT write failed on {directory}: {os.strerror(e.errno or 0)}"
     finally:
         os.close(fd)
-        os.unlink(probe)
+        with contextlib.suppress(FileNotFoundError):  # the directory was removed meanwhile
+            os.unlink(probe)
 
 
 def _o_direct_read_probe(directory: str) -> str | None:
