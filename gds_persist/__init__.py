@@ -15,6 +15,7 @@ from ._version import __version__
 from .errors import (
     BackendError,
     CheckpointError,
+    CheckpointReplacedError,
     CheckpointTimeout,
     ChecksumError,
     CollectiveTimeoutError,
@@ -36,6 +37,7 @@ from .training.checkpointer import Checkpointer, SaveHandle
 __all__ = [
     "BackendError",
     "CheckpointError",
+    "CheckpointReplacedError",
     "CheckpointTimeout",
     "Checkpointer",
     "ChecksumError",

@@ -14,7 +14,6 @@ of every piece as they pass, for readers that stream them elsewhere (an export).
 
 from __future__ import annotations
 
-import os
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -23,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..errors import ChecksumError, TruncatedError
-from ..format import DataFile, Extent, align_up, crc32c
+from ..format import Extent, align_up, crc32c
 from .crc import device_crc32c_many
 from .cuda_copy import StreamCopier, copier_for
 from .pipeline import FilePipeline, block_pieces, drain_quietly, next_first, result_within
@@ -42,22 +41,6 @@ def checksum_mismatch(what: str, path: str, e: Extent, actual: int) -> ChecksumE
         f"recorded crc32c {e.crc32c:08x}, read {actual:08x}; the data file is corrupted - load "
         "an earlier checkpoint"
     )
-
-
-def check_file(directory: str, f: DataFile) -> str:
-    """The path of data file ``f`` in ``directory``; :class:`TruncatedError` if it is missing
-    or shorter than the manifest says."""
-    path = os.path.join(directory, f.name)
-    try:
-        actual = os.stat(path).st_size
-    except FileNotFoundError:
-        raise TruncatedError(f"data file {path} is missing; the checkpoint is incomplete") from None
-    if actual < f.size:
-        raise TruncatedError(
-            f"data file {path} is {actual} bytes but the manifest records {f.size}: it was "
-            "truncated; restore it or use an earlier checkpoint"
-        )
-    return path
 
 
 def blocks_to_read(extents: Sequence[Extent], block_bytes: int) -> list[tuple[int, int]]:
@@ -101,11 +84,13 @@ class FileReader(FilePipeline):
         if actual != e.crc32c:
             raise checksum_mismatch(self.describe(e.storage), path, e, actual)
 
-    def read(self, path: str, extents: Sequence[Extent], dests: Dests | None) -> None:
+    def read(self, path: str, extents: Sequence[Extent], dests: Dests | None, *,
+             source: str | None = None) -> None:
         """Read ``extents`` of ``path`` into ``dests`` (per storage); ``None``: no copy (only
-        the hooks see the bytes)."""
+        the hooks see the bytes). ``source``: what to open instead of ``path`` (the held file's
+        ``/proc/self/fd/N``, :mod:`gds_persist.transfer.opened`); ``path`` names it in errors."""
         extents = sorted(extents, key=lambda e: e.offset)
-        handle = self.backend.open(path, write=False)
+        handle = self.backend.open(source or path, write=False)
         try:
             targets = [dests[e.storage] for e in extents] if dests is not None else []
             if (
