@@ -66,6 +66,7 @@ from .transfer.opened import (
     open_checkpoint,
     opened,
     pause,
+    replaced_message,
 )
 from .transfer.reader import Describe, Dests, FileReader, OnBytes, OnChecksum, checksum_mismatch
 from .transfer.staging import io_session
@@ -288,9 +289,7 @@ def _open_step(path: str, attempt: int, held: dict[str, Any],
     except NotCommittedError:
         if not attempt:
             raise
-        return {"digest": "", "replaced": "", "gone": (
-            f"{path} was removed by another process (a Checkpointer's retention, or a delete) "
-            "while this process was opening it")}
+        return {"digest": "", "replaced": "", "gone": replaced_message(path, "removed")}
     try:
         held["plan"] = plan_for(ck)
     except (ManifestError, ValueError) as e:

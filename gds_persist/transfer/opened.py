@@ -122,7 +122,7 @@ class OpenCheckpoint:
             except FileNotFoundError:
                 why = self.replaced()
                 if why:
-                    raise CheckpointReplacedError(_replaced_message(self.path, why)) from None
+                    raise CheckpointReplacedError(replaced_message(self.path, why)) from None
                 raise TruncatedError(
                     f"data file {full} is missing; the checkpoint is incomplete") from None
             self._fds[index] = fd
@@ -134,7 +134,8 @@ class OpenCheckpoint:
                 )
 
 
-def _replaced_message(path: str, why: str) -> str:
+def replaced_message(path: str, why: str) -> str:
+    """The words of a :class:`CheckpointReplacedError`; ``why``: "replaced" or "removed"."""
     if why == "removed":
         return (f"{path} was removed by another process (a Checkpointer's retention, or a "
                 "delete) while this process was opening it; there is nothing to load there now")
@@ -153,7 +154,7 @@ def _open_once(path: str, last_try: bool) -> OpenCheckpoint:
     except FileNotFoundError:
         if not last_try and os.path.lexists(commit_lock_path(path)):
             # a commit without RENAME_EXCHANGE empties the path for a moment
-            raise CheckpointReplacedError(_replaced_message(path, "replaced")) from None
+            raise CheckpointReplacedError(replaced_message(path, "replaced")) from None
         raise NotCommittedError(
             f"{path} does not exist: it is not a committed gds_persist checkpoint (an "
             "interrupted save leaves only a hidden .NAME.tmp-* sibling)"
@@ -172,7 +173,7 @@ def _open_once(path: str, last_try: bool) -> OpenCheckpoint:
             except FileNotFoundError:
                 same = False
             if not same:
-                raise CheckpointReplacedError(_replaced_message(path, "replaced")) from None
+                raise CheckpointReplacedError(replaced_message(path, "replaced")) from None
             raise NotCommittedError(
                 f"{path} has no manifest.json: it is not a committed gds_persist checkpoint "
                 "(an interrupted save leaves only a hidden .NAME.tmp-* sibling)"
@@ -230,7 +231,7 @@ def opened(path: str | os.PathLike[str], use: Callable[[OpenCheckpoint], T],
             ck = open_checkpoint(path, data_dirs)
         except NotCommittedError:
             if attempt:  # it was there a moment ago
-                raise CheckpointReplacedError(_replaced_message(path, "removed")) from None
+                raise CheckpointReplacedError(replaced_message(path, "removed")) from None
             raise
         try:
             return use(ck)
