@@ -15,6 +15,7 @@ from ._version import __version__
 from .errors import (
     BackendError,
     CheckpointError,
+    CheckpointReplacedError,
     CheckpointTimeout,
     ChecksumError,
     CollectiveTimeoutError,
@@ -38,6 +39,7 @@ from .warmup import warmup
 __all__ = [
     "BackendError",
     "CheckpointError",
+    "CheckpointReplacedError",
     "CheckpointTimeout",
     "Checkpointer",
     "ChecksumError",

@@ -29,6 +29,13 @@ class TruncatedError(CheckpointError):
     """A data file is shorter than the manifest says, or missing."""
 
 
+class CheckpointReplacedError(CheckpointError):
+    """The checkpoint at the path was replaced (or removed) by another process while this one
+    was opening it, more often in a row than a load retries by itself: load it again. Never
+    raised once a load holds all the files it reads (``docs/FORMAT.md``, "Several processes,
+    one path")."""
+
+
 class BackendError(CheckpointError):
     """The requested I/O backend cannot be used here (unknown name, no O_DIRECT, no GPU stack)."""
 
@@ -58,7 +65,8 @@ class ReplicationError(DistributedError):
 
 class CheckpointTimeout(CheckpointError, TimeoutError):
     """A bounded wait on background checkpoint work (a :class:`gds_persist.Checkpointer`) ran
-    out: the write is still running (slow or hung storage)."""
+    out: the write is still running (slow or hung storage); or a save waited ``io_timeout_s``
+    for another live process to finish committing the same path."""
 
 
 class WorkerDied(CheckpointError):

@@ -75,6 +75,7 @@ from .progress import ByteCounter, ProgressCallback
 from .results import ExportInfo, SaveInfo
 from .save import save
 from .transfer.commit import fsync_path
+from .transfer.opened import OpenCheckpoint, opened
 
 FORMATS = ("torch", "safetensors")
 META_KEY = "gds_persist"
@@ -238,7 +239,7 @@ def export_checkpoint(
             notes.append(f"it holds {', '.join(unsafe)} leaves: torch.load(OUT, weights_only=True) "
                          "needs their classes allowed (torch.serialization.add_safe_globals)")
         return _export_torch(state, out, counter, notes)
-    return _SafetensorsExport(path, m, out, sep, backend, progress).run()
+    return opened(path, lambda ck: _SafetensorsExport(ck, out, sep, backend, progress).run())
 
 
 def _export_torch(state: Any, out: str, counter: ByteCounter, notes: list[str]) -> ExportInfo:
@@ -359,14 +360,14 @@ def _is_contiguous(rec: TensorRecord) -> bool:
 class _SafetensorsExport:
     def __init__(
         self,
-        path: str,
-        m: Manifest,
+        ck: OpenCheckpoint,
         out: str,
         sep: str,
         backend: str | None,
         progress: ProgressCallback | None,
     ):
-        self.path, self.m, self.out, self.sep = path, m, out, sep
+        m = ck.manifest
+        self.ck, self.path, self.m, self.out, self.sep = ck, ck.path, m, out, sep
         tree = full_tree(m)  # rank-local parts: {rank: part}
         self.entries, self.metadata = _plan_safetensors(tree, m.tensors, sep)
         self.header = _st_header(self.entries, self.metadata)
@@ -385,6 +386,7 @@ class _SafetensorsExport:
         )
 
     def run(self) -> ExportInfo:
+        self.ck.open_files(range(len(self.m.files)))  # all held before a byte is read or written
         out = _AtomicFile(self.out)
         self.fd = out.fd
         self.data_start = len(self.header)
@@ -415,7 +417,7 @@ class _SafetensorsExport:
                     )
                     copied.append((storage, entries))
             streamed = [e for e in self.m.extents if e.storage in self.ranges]
-            read_extents(self.path, self.m, streamed, None, self.cfg, describe=self.describe,
+            read_extents(self.ck, streamed, None, self.cfg, describe=self.describe,
                          on_bytes=self._stream_piece)
             for storage, entries in copied:
                 self._copy_storage(storage, entries)
@@ -447,7 +449,7 @@ class _SafetensorsExport:
         dests: list[torch.Tensor | None] = [None] * len(self.m.storages)
         dests[storage] = data
         extents = [e for e in self.m.extents if e.storage == storage]
-        read_extents(self.path, self.m, extents, dests, self.cfg, describe=self.describe)
+        read_extents(self.ck, extents, dests, self.cfg, describe=self.describe)
         untyped = data.untyped_storage()
         for e in entries:
             t = rebuild_tensor(e.record, untyped).detach().contiguous()

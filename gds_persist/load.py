@@ -15,6 +15,14 @@ rank it belongs to only.
 :func:`read_extents` is the one read loop of every reader of checkpoints (load, verify, export,
 the DCP reader). Nothing is unpickled: the manifest is JSON, validated before use; tensor bytes
 are raw.
+
+Other processes may replace or remove the checkpoint during a load: every reader holds it open
+first - directory, manifest, and every data file it reads, before reading any byte of them
+(:mod:`gds_persist.transfer.opened`). A load thus returns one complete checkpoint, verified: the
+one at the path when it began, or (replaced before its files were all open; the ranks of a
+process group agree on one) the newer one. It never reports a healthy checkpoint as corrupt or
+truncated; :class:`CheckpointReplacedError` only if the path was replaced ``OPEN_ATTEMPTS`` times
+in a row while being opened, or removed.
 """
 
 from __future__ import annotations
@@ -22,24 +30,30 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 
 from . import settings
-from .backends import choose_backend
+from .backends import Backend, choose_backend
+from .backends.posix import DirectBackend
 from .distributed import Comm, make_comm
-from .errors import ChecksumError, ManifestError, NotCommittedError
+from .errors import (
+    BackendError,
+    CheckpointReplacedError,
+    ChecksumError,
+    ManifestError,
+    NotCommittedError,
+)
 from .exchange import exchange
 from .flatten import rebuild_tensor
 from .format import (
-    MANIFEST_NAME,
     Extent,
     Manifest,
     align_up,
     crc32c_combine,
-    data_file_path,
-    parse_manifest,
     sections_tree,
     storage_descriptions,
 )
@@ -48,7 +62,14 @@ from .progress import ByteCounter, ProgressCallback
 from .results import LoadInfo, VerifyReport
 from .schedule import plan_reads
 from .stages import stage
-from .transfer.commit import is_temporary
+from .transfer.opened import (
+    OPEN_ATTEMPTS,
+    OpenCheckpoint,
+    open_checkpoint,
+    opened,
+    pause,
+    replaced_message,
+)
 from .transfer.reader import (
     DIRECT_MIN,
     Describe,
@@ -56,7 +77,6 @@ from .transfer.reader import (
     FileReader,
     OnBytes,
     OnChecksum,
-    check_file,
     checksum_mismatch,
 )
 from .transfer.staging import io_session, page_aligned_tensor
@@ -66,82 +86,63 @@ MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
 
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """The validated manifest of the committed checkpoint at ``path``."""
-    path = os.fspath(path)
-    if is_temporary(path):
-        raise NotCommittedError(
-            f"{path} is the temporary directory of an interrupted or running save, not a "
-            "committed checkpoint; load the checkpoint path itself"
-        )
-    manifest_path = os.path.join(path, MANIFEST_NAME)
-    try:
-        with open(manifest_path, "rb") as f:
-            raw = f.read()
-    except FileNotFoundError:
-        why = "does not exist" if not os.path.exists(path) else "has no manifest.json"
-        raise NotCommittedError(
-            f"{path} {why}: it is not a committed gds_persist checkpoint (an interrupted save "
-            "leaves only a hidden .NAME.tmp-* sibling)"
-        ) from None
-    return parse_manifest(raw, manifest_path)
+    return opened(path, lambda ck: ck.manifest)
 
 
-def root_map(m: Manifest, data_dirs: Any) -> dict[str, str]:
-    """``load(data_dirs=...)``: a dict {recorded root: new root}, or a list of new roots in the
-    order of the manifest's data directories."""
-    if data_dirs is None:
-        return {}
-    if isinstance(data_dirs, dict):
-        return {os.path.normpath(k): os.path.abspath(v) for k, v in data_dirs.items()}
-    data_dirs = list(data_dirs)
-    recorded = list(dict.fromkeys(d.root for d in m.dirs))
-    if len(data_dirs) != len(recorded):
-        raise ValueError(f"data_dirs has {len(data_dirs)} entries but the checkpoint records "
-                         f"{len(recorded)} data directories ({recorded}); pass a list of that "
-                         "length or a dict {recorded: new}")
-    return {old: os.path.abspath(os.fspath(new))
-            for old, new in zip(recorded, data_dirs, strict=True)}
-
-
-def read_extents(path: str, m: Manifest, extents: Sequence[Extent], dests: Dests | None,
-                 cfg: settings.Settings, *, roots: dict[str, str] | None = None,
-                 verify: bool = True, describe: Describe | None = None,
-                 on_checksum: OnChecksum | None = None, on_bytes: OnBytes | None = None,
+def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | None,
+                 cfg: settings.Settings, *, verify: bool = True,
+                 describe: Describe | None = None, on_checksum: OnChecksum | None = None,
+                 on_bytes: OnBytes | None = None,
                  progress: Callable[[int], None] | None = None) -> list[tuple[str, str]]:
-    """Read ``extents`` of the checkpoint at ``path`` (manifest ``m``) into ``dests`` (flat
-    uint8 tensors by storage; None: only the hooks see the bytes), file by file, each file
-    checked to exist and be whole first, with the backend ``cfg`` chooses for its directory.
-    The checksum and byte hooks are those of :class:`~gds_persist.transfer.reader.FileReader`;
-    ``describe`` defaults to the key paths of each storage's tensors. Returns the backend and
-    the reason for its choice of every directory read."""
+    """Read ``extents`` of the open checkpoint ``ck`` into ``dests`` (flat uint8 tensors by
+    storage; None: only the hooks see the bytes), the files of each directory concurrently, with
+    the backend ``cfg`` chooses for that directory. Every file needed is opened (and its size
+    checked) before any byte is read; a caller that must agree on them first opens them itself
+    (:meth:`OpenCheckpoint.open_files`). The checksum and byte hooks are those of
+    :class:`~gds_persist.transfer.reader.FileReader`; ``describe`` defaults to the key paths of
+    each storage's tensors. Returns the backend and the reason for its choice of every
+    directory read."""
     by_file: dict[int, list[Extent]] = {}
     for e in extents:
         by_file.setdefault(e.file, []).append(e)
     if not by_file:
         return []
-    describe = describe or storage_descriptions(m)
+    ck.open_files(by_file)
+    describe = describe or storage_descriptions(ck.manifest)
     wants_device = any(d is not None and d.is_cuda for d in dests or ())
-    by_dir: dict[str, list[tuple[str, Sequence[Extent]]]] = {}
+    by_dir: dict[str, list[int]] = {}
     for index in sorted(by_file):
-        full = data_file_path(path, m, index, roots)
-        check_file(os.path.dirname(full), m.files[index])
-        by_dir.setdefault(os.path.dirname(full), []).append((full, by_file[index]))
+        by_dir.setdefault(os.path.dirname(ck.file_path(index)), []).append(index)
     chosen = []
     with io_session(
         cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
     ) as (ring, pool):
-        for directory, files in by_dir.items():  # the files of one directory concurrently
-            largest = max(files, key=lambda f: os.path.getsize(f[0]))[0]
+        for directory, indices in by_dir.items():
+            largest = max(indices, key=lambda i: ck.manifest.files[i].size)
             with stage("choose backend"):
-                backend, reason = choose_backend(
-                    cfg.backend, directory, wants_device, cfg.io_threads, cfg.block_bytes,
-                    read_sample=(largest, os.path.getsize(largest)),
-                )
+                backend, reason = _read_backend(
+                    cfg, directory, wants_device,
+                    (ck.source(largest), ck.manifest.files[largest].size))
             chosen.append((backend.name, reason))
             reader = FileReader(backend, ring, pool, cfg.io_timeout_s, verify=verify,
                                 describe=describe, on_checksum=on_checksum, on_bytes=on_bytes,
                                 progress=progress)
-            reader.read_files(files, dests)
+            reader.read_files([(ck.file_path(i), by_file[i], ck.source(i)) for i in indices],
+                              dests)
     return chosen
+
+
+def _read_backend(cfg: settings.Settings, directory: str, wants_device: bool,
+                  sample: tuple[str, int]) -> tuple[Backend, str]:
+    try:
+        return choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
+                              cfg.block_bytes, read_sample=sample)
+    except BackendError:
+        # The O_DIRECT probe needs the directory; the files are held open even when another
+        # process removed it (the checkpoint was replaced meanwhile): read them as asked.
+        if cfg.backend == "direct" and not os.path.isdir(directory):
+            return DirectBackend(), "requested explicitly (the directory is gone; files held)"
+        raise
 
 
 def _target_device(saved: str, map_location: MapLocation, distributed: bool) -> torch.device:
@@ -221,19 +222,42 @@ def load(
     comm = make_comm(process_group, cfg.collective_timeout_s)
     distributed = process_group is not None
     what = f"gds_persist load of {path} (rank {comm.rank} of {comm.size})"
-    holder: dict[str, Manifest] = {}
-
-    def open_manifest() -> None:
-        with stage("manifest"):
-            holder["m"] = read_manifest(path)
-
-    comm.agree("manifest", open_manifest, what)
-    m = holder["m"]
     if rank_local is None:
         rank_local = comm.rank if distributed else "all"
     if rank_local != "all" and (type(rank_local) is not int or rank_local < 0):
         raise ValueError(f"rank_local={rank_local!r}: use None (own rank with a process group, "
                          "all ranks without), 'all', or a rank number")
+
+    def plan_for(ck: OpenCheckpoint) -> _LoadPlan:
+        ck.set_data_dirs(data_dirs)
+        return _plan_load(ck.manifest, path, rank_local, comm, cfg, distributed)
+
+    with stage("open (manifest, data files)"):
+        ck, lp = _open_agreed(path, comm, what, plan_for)
+    with ck:
+        state, info = _load_held(ck, lp, comm, cfg, what, map_location, verify, progress,
+                                 distributed)
+    info.seconds = time.perf_counter() - t0
+    return (state, info) if return_info else state
+
+
+@dataclass
+class _LoadPlan:
+    """What one rank of a load reads, derived from the manifest alone."""
+
+    tree: Any
+    wanted: list[int]  # tensors in ``tree``
+    needed: list[int]  # their storages
+    replicated: list[int]  # storages of the main tree (shared by ranks when ``share``)
+    share: bool
+    shared: list[Extent]
+    by_rank: list[list[Extent]]
+    mine: list[Extent]  # without sharing: every extent of the needed storages
+    files: set[int]  # the data files this rank reads
+
+
+def _plan_load(m: Manifest, path: str, rank_local: Any, comm: Comm, cfg: settings.Settings,
+               distributed: bool) -> _LoadPlan:
     tree = (sections_tree(m, None if rank_local == "all" else rank_local)
             if m.sections or rank_local != "all" else m.tree)
     if distributed and m.sections and rank_local != "all":
@@ -243,39 +267,105 @@ def load(
                 f"{path} holds rank-local state of {saved} ranks, but {comm.size} ranks load it: "
                 "rank-local parts cannot be reassigned automatically; load with rank_local='all' "
                 "(every rank's parts, by rank) and reshard them, or load with the saved world size")
-
     wanted = tensor_indices(tree)
     needed = sorted({m.tensors[i].storage for i in wanted})
     replicated = sorted({m.tensors[i].storage for i in tensor_indices(m.tree)})
-    roots = root_map(m, data_dirs)
-    describe = storage_descriptions(m)
-    dests: list[torch.Tensor | None] = [None] * len(m.storages)
     share = bool(distributed and comm.size > 1 and cfg.load_strategy != "read_all" and replicated)
     shared, by_rank = _my_pieces(m, set(replicated), comm) if share else ([], [])
+    mine = [] if share else [e for e in m.extents if e.storage in set(needed)]
+    own_storages = set(needed) - set(replicated)
+    reads = mine + (by_rank[comm.rank] + [e for e in m.extents if e.storage in own_storages]
+                    if share else [])
+    return _LoadPlan(tree, wanted, needed, replicated, share, shared, by_rank, mine,
+                     {e.file for e in reads})
+
+
+def _open_agreed(path: str, comm: Comm, what: str,
+                 plan_for: Callable[[OpenCheckpoint], _LoadPlan]
+                 ) -> tuple[OpenCheckpoint, _LoadPlan]:
+    """Every rank opens the checkpoint and the data files it will read; they go on only once
+    all hold the same checkpoint (same manifest) with every file open, else all open it again.
+
+    Errors the manifest alone decides (a bad ``data_dirs``, rank-local parts that do not fit)
+    are raised once the ranks agree, by every rank they concern, as they are.
+    """
+    for attempt in range(OPEN_ATTEMPTS):
+        held: dict[str, Any] = {}
+        try:
+            statuses = comm.agree("manifest", partial(_open_step, path, attempt, held, plan_for),
+                                  what)
+        except BaseException:
+            if "ck" in held:
+                held["ck"].close()
+            raise
+        gone = [st["gone"] for st in statuses if st["gone"]]
+        replaced = [st["replaced"] for st in statuses if st["replaced"]]
+        if not (gone or replaced) and len({st["digest"] for st in statuses}) == 1:
+            if "error" in held:
+                held["ck"].close()
+                raise held["error"]
+            return held["ck"], held["plan"]
+        if "ck" in held:
+            held["ck"].close()
+        if gone:
+            raise CheckpointReplacedError(gone[0])
+        if attempt == OPEN_ATTEMPTS - 1:
+            raise CheckpointReplacedError(
+                replaced[0] if replaced else
+                f"{path} was replaced while the ranks were opening it ({OPEN_ATTEMPTS} times in "
+                "a row they found different checkpoints there); load it again")
+        pause(attempt)
+    raise AssertionError("unreachable")
+
+
+def _open_step(path: str, attempt: int, held: dict[str, Any],
+               plan_for: Callable[[OpenCheckpoint], _LoadPlan]) -> dict[str, str]:
+    """One rank's part of an attempt of :func:`_open_agreed`; what it holds goes to ``held``."""
+    try:
+        ck = held["ck"] = open_checkpoint(path)
+    except NotCommittedError:
+        if not attempt:
+            raise
+        return {"digest": "", "replaced": "", "gone": replaced_message(path, "removed")}
+    try:
+        held["plan"] = plan_for(ck)
+    except (ManifestError, ValueError) as e:
+        held["error"] = e
+        return {"digest": ck.digest, "replaced": "", "gone": ""}
+    try:
+        ck.open_files(held["plan"].files)
+    except CheckpointReplacedError as e:
+        return {"digest": ck.digest, "replaced": str(e), "gone": ""}
+    return {"digest": ck.digest, "replaced": "", "gone": ""}
+
+
+def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Settings,
+               what: str, map_location: MapLocation, verify: bool,
+               progress: ProgressCallback | None,
+               distributed: bool) -> tuple[Any, LoadInfo]:
+    """The rest of :func:`load`, on a checkpoint held open with this rank's files."""
+    m = ck.manifest
+    describe = storage_descriptions(m)
+    dests: list[torch.Tensor | None] = [None] * len(m.storages)
     chosen: list[tuple[str, str]] = []  # (backend, reason) of every directory read
     read_bytes = [0]
 
     def read() -> list[list[int]]:
-        wanted_storages = set(needed)
-        for index in sorted({e.file for e in m.extents if e.storage in wanted_storages}):
-            full = data_file_path(path, m, index, roots)  # fail before allocating memory
-            check_file(os.path.dirname(full), m.files[index])
         with stage("allocate destinations"):
-            for s in needed:
+            for s in lp.needed:
                 rec = m.storages[s]
-                device = _target_device(rec.device, map_location, distributed)
-                dests[s] = _destination(rec.nbytes, device)
-        if not share:
-            mine = [e for e in m.extents if e.storage in wanted_storages]
-            read_bytes[0] = sum(align_up(e.length) for e in mine)
+                dests[s] = _destination(rec.nbytes,
+                                        _target_device(rec.device, map_location, distributed))
+        if not lp.share:
+            read_bytes[0] = sum(align_up(e.length) for e in lp.mine)
             counter = ByteCounter(progress, read_bytes[0])
-            chosen.extend(read_extents(path, m, mine, dests, cfg, roots=roots, verify=verify,
+            chosen.extend(read_extents(ck, lp.mine, dests, cfg, verify=verify,
                                        describe=describe, progress=counter.hook))
             counter.finish()
             return []
-        own_storages = set(needed) - set(replicated)
+        own_storages = set(lp.needed) - set(lp.replicated)
         own = [e for e in m.extents if e.storage in own_storages]
-        sub = by_rank[comm.rank]
+        sub = lp.by_rank[comm.rank]
         read_bytes[0] = sum(align_up(e.length) for e in sub + own)
         counter = ByteCounter(progress, read_bytes[0])
         piece_crcs: dict[tuple[int, int], int] = {}
@@ -283,20 +373,20 @@ def load(
         def record(_: str, e: Extent, actual: int) -> None:  # pieces: checked once combined
             piece_crcs[(e.file, e.offset)] = actual
 
-        chosen.extend(read_extents(path, m, sub, dests, cfg, roots=roots, verify=verify,
-                                   describe=describe, on_checksum=record if verify else None,
+        chosen.extend(read_extents(ck, sub, dests, cfg, verify=verify, describe=describe,
+                                   on_checksum=record if verify else None,
                                    progress=counter.hook))
-        chosen.extend(read_extents(path, m, own, dests, cfg, roots=roots, verify=verify,
-                                   describe=describe, progress=counter.hook))
+        chosen.extend(read_extents(ck, own, dests, cfg, verify=verify, describe=describe,
+                                   progress=counter.hook))
         counter.finish()
         return [[e.file, e.offset, e.length, piece_crcs[(e.file, e.offset)]]
                 for e in sub] if verify else []
 
     crcs = comm.agree("read", read, what)
-    if share:
+    if lp.share:
         if verify:
-            _check_combined(path, m, shared, crcs, describe, roots)
-        pieces = [[(e.storage, e.start, e.length) for e in sub] for sub in by_rank]
+            _check_combined(ck, lp.shared, crcs, describe)
+        pieces = [[(e.storage, e.start, e.length) for e in sub] for sub in lp.by_rank]
         exchange(comm, cfg.load_strategy, pieces, dests, cfg.staging_bytes)
 
     storages = [d.untyped_storage() if d is not None else None for d in dests]
@@ -305,17 +395,15 @@ def load(
                     for s, rec in zip(storages, m.storages, strict=True)]
     with stage("rebuild tensors"):
         tensors: list[Any] = [None] * len(m.tensors)  # only those in ``tree`` are needed
-        for i in wanted:
+        for i in lp.wanted:
             t = m.tensors[i]
             tensors[i] = rebuild_tensor(t, storages[t.storage])  # type: ignore[arg-type]
-        state = decode(tree, tensors)
-    if not return_info:
-        return state
+        state = decode(lp.tree, tensors)
     unique = list(dict.fromkeys(chosen))
-    payload = sum(m.storages[s].nbytes for s in needed)
-    return state, LoadInfo(path, ",".join(dict.fromkeys(b for b, _ in unique)) or "none",
+    payload = sum(m.storages[s].nbytes for s in lp.needed)
+    return state, LoadInfo(ck.path, ",".join(dict.fromkeys(b for b, _ in unique)) or "none",
                            "; ".join(r for _, r in unique) or "nothing to read", read_bytes[0],
-                           payload, time.perf_counter() - t0)
+                           payload, 0.0)
 
 
 def _my_pieces(m: Manifest, replicated: set[int],
@@ -334,8 +422,8 @@ def _my_pieces(m: Manifest, replicated: set[int],
     return shared, by_rank
 
 
-def _check_combined(path: str, m: Manifest, shared: list[Extent], crcs: list[list[list[int]]],
-                    describe: Describe, roots: dict[str, str]) -> None:
+def _check_combined(ck: OpenCheckpoint, shared: list[Extent], crcs: list[list[list[int]]],
+                    describe: Describe) -> None:
     """Every rank: join the CRCs of the pieces all ranks read into each whole extent's CRC and
     compare it with the recorded one."""
     pieces: dict[int, list[tuple[int, int, int]]] = {}
@@ -358,8 +446,7 @@ def _check_combined(path: str, m: Manifest, shared: list[Extent], crcs: list[lis
             k += 1
         cursor[e.file] = k
         if end != e.offset + e.length or crc != e.crc32c:
-            raise checksum_mismatch(describe(e.storage), data_file_path(path, m, e.file, roots),
-                                    e, crc)
+            raise checksum_mismatch(describe(e.storage), ck.file_path(e.file), e, crc)
 
 
 def verify(
@@ -375,22 +462,24 @@ def verify(
     ``data_dirs`` as for :func:`load`.
     """
     path = os.fspath(path)
-    m = read_manifest(path)
     cfg = settings.current(backend=backend)
-    roots = root_map(m, data_dirs)
-    for index, f in enumerate(m.files):  # every file, also one that holds no extent
-        check_file(os.path.dirname(data_file_path(path, m, index, roots)), f)
-    describe = storage_descriptions(m)
-    errors: list[ChecksumError] = []
 
-    def collect(file: str, e: Extent, actual: int) -> None:
-        if actual != e.crc32c:
-            errors.append(checksum_mismatch(describe(e.storage), file, e, actual))
+    def check(ck: OpenCheckpoint) -> VerifyReport:
+        m = ck.manifest
+        ck.open_files(range(len(m.files)))  # every file, also one that holds no extent
+        describe = storage_descriptions(m)
+        errors: list[ChecksumError] = []
 
-    counter = ByteCounter(progress, m.total_bytes)
-    read_extents(path, m, m.extents, None, cfg, roots=roots, describe=describe,
-                 on_checksum=collect, progress=counter.hook)
-    counter.finish()
-    return VerifyReport(
-        path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors
-    )
+        def collect(file: str, e: Extent, actual: int) -> None:
+            if actual != e.crc32c:
+                errors.append(checksum_mismatch(describe(e.storage), file, e, actual))
+
+        counter = ByteCounter(progress, m.total_bytes)
+        read_extents(ck, m.extents, None, cfg, describe=describe, on_checksum=collect,
+                     progress=counter.hook)
+        counter.finish()
+        return VerifyReport(
+            path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors
+        )
+
+    return opened(path, check, data_dirs)

@@ -10,7 +10,18 @@ all raise an error naming it; no rank waits longer than ``collective_timeout_s``
 3. ``write``: plan (deterministically, identically on every rank), then write and fsync this rank's
    files into the temporary directory or its data directory; report extents and checksums.
 4. ``commit``: rank 0 assembles, validates and writes the manifest, then commits atomically (the
-   core's :func:`gds_persist.commit.commit`); every rank returns only once that is durable.
+   core's :mod:`gds_persist.transfer.commit`); every rank returns only once that is durable.
+5. ``cleanup``: while rank 0 still holds the path's commit lock, one rank per node removes this
+   path's data directories of saves whose owners are gone (replaced or interrupted saves), and
+   every rank releases its own directory's lock.
+
+Several saves of one path may run at once (the last to commit wins). Each rank holds a shared
+``flock`` on its data directory's ``.lock`` file (created right after the directory) until the
+save ended, so no other save's cleanup removes a live save's data directory (one without a lock
+file yet is new: a directory without one is removed only once untouched for an hour). The
+cleanup runs under the commit lock, so a directory whose lock is free belongs to a save that
+committed before this one (replaced now) or never will; the committed checkpoint's own
+directory is never removed.
 
 Nothing is committed unless every rank's files are durable; the previous checkpoint at the path
 stays intact on any failure.
@@ -22,7 +33,6 @@ import hashlib
 import json
 import os
 import re
-import shutil
 import socket
 import time
 import uuid
@@ -58,18 +68,21 @@ from .results import DistributedSaveInfo
 from .schedule import DistributedPlan, RankInfo, plan_save
 from .topology import gpu_affinity, node_name
 from .transfer.commit import (
+    Temporary,
     abort,
     check_replaceable,
-    commit,
     fsync_path,
     make_temporary,
+    remove_tree,
     write_manifest,
 )
 from .transfer.crc import device_crc32c
+from .transfer.locks import STALE_UNLOCKED_S, FileLock, acquire, try_acquire, untouched_for
 from .transfer.pipeline import byte_view
 from .transfer.writer import write_plan
 
 KeyPath = _tree.KeyPath
+STRIPE_LOCK = ".lock"  # in each data directory: held (shared) by the ranks writing into it
 CHECK_REPLICAS = ("structure", "checksums", "off")
 
 
@@ -236,7 +249,7 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
     what = f"gds_persist save of {path} (rank {comm.rank} of {comm.size})"
     intact = f"; nothing was committed and any previous checkpoint at {path} is intact"
     phases: dict[str, float] = {}
-    state: dict[str, Any] = {"tmp": None, "written": [], "dirs": []}
+    state: dict[str, Any] = {"tmp": None, "written": [], "dirs": [], "stripe_locks": []}
     committed = False
 
     def clock(name: str, since: float) -> float:
@@ -256,8 +269,8 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
             }
             if comm.rank == 0:
                 check_replaceable(path)
-                state["tmp"] = make_temporary(path)
-                info.update(tmp=state["tmp"], save_id=uuid.uuid4().hex[:12])
+                state["tmp"] = make_temporary(path, cfg.io_timeout_s)
+                info.update(tmp=state["tmp"].dir, save_id=uuid.uuid4().hex[:12])
             return info
 
         t = time.perf_counter()
@@ -311,19 +324,32 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
             raw = dump_manifest(manifest)
             parse_manifest(raw, f"the manifest being written for {path}")  # never commit garbage
             write_manifest(tmp, raw)
-            commit(tmp, path)
+            state["tmp"].swap_in(cfg.io_timeout_s)  # holds the commit lock until finish()
             return True
 
         comm.agree("commit", commit_step, what,
                    f"; rank 0 could not commit, so any previous checkpoint at {path} is intact")
         committed = True
         clock("commit", t)
+        if roots:
+            leader = comm.rank in {members[0] for members in plan.nodes}
+
+            def cleanup() -> None:
+                if leader:
+                    _remove_stale_stripes(roots, _stripe_prefix(path), stripe)
+                _release(state, False)  # before rank 0 releases the commit lock: so the next
+                # commit's cleanup finds this (now replaceable) directory unlocked
+
+            try:  # best effort: the checkpoint is committed whatever happens here
+                comm.agree("cleanup", cleanup, what)
+            except DistributedError:
+                pass
     except BaseException:
         if not committed:
             _cleanup(state, comm.rank == 0)
         raise
-    if roots and comm.rank in {members[0] for members in plan.nodes}:
-        _remove_stale_stripes(roots, _stripe_prefix(path), stripe)
+    finally:
+        _release(state, committed)
 
     prep = state["prep"]
     mine = [plan.files[i].plan for i in plan.files_of(comm.rank)]
@@ -367,6 +393,9 @@ def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
         if d >= 0 and directory not in state["dirs"]:
             os.makedirs(directory, exist_ok=True)
             state["dirs"].append(directory)
+            state["stripe_locks"].append(acquire(
+                os.path.join(directory, STRIPE_LOCK), shared=True, timeout_s=cfg.io_timeout_s,
+                what=f"saving into {directory}"))
         local_files = [
             replace(f, extents=tuple(replace(e, storage=compact(e.storage)) for e in f.extents))
             for f in files]
@@ -426,12 +455,23 @@ def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, An
                     dirs=dirs, sections=sections)
 
 
+def _release(state: dict[str, Any], committed: bool) -> None:
+    """At the end of a save, failed or not: every rank releases its data directory locks, then
+    rank 0 releases the commit lock and removes the replaced checkpoint."""
+    locks: list[FileLock] = state["stripe_locks"]
+    while locks:
+        locks.pop().release()
+    tmp: Temporary | None = state["tmp"]
+    if committed and tmp is not None:
+        tmp.finish()
+
+
 def _cleanup(state: dict[str, Any], is_root: bool) -> None:
     """After a failed save: remove what this rank wrote (rank 0: the temporary directory).
 
     Once the commit phase began, a failure may have come after the rename (or this rank cannot
-    know), so files in data directories are left alone; the next successful save removes them
-    if they are not part of the checkpoint.
+    know), so files in data directories are left alone; a later save removes them if they are
+    not part of the checkpoint.
     """
     if is_root and state["tmp"]:
         abort(state["tmp"])  # never holds the new checkpoint once it was renamed into place
@@ -442,6 +482,9 @@ def _cleanup(state: dict[str, Any], is_root: bool) -> None:
             os.unlink(f)
         except OSError:
             pass
+    locks: list[FileLock] = state["stripe_locks"]
+    while locks:
+        locks.pop().release(remove=True)  # the last holder of the directory deletes the lock
     for d in state["dirs"]:
         try:
             os.rmdir(d)  # succeeds for whichever rank of the directory cleans up last
@@ -449,14 +492,29 @@ def _cleanup(state: dict[str, Any], is_root: bool) -> None:
             pass
 
 
-def _remove_stale_stripes(roots: Sequence[str], prefix: str, keep: str) -> None:
-    """After a commit: remove this path's data directories that the new manifest does not use
-    (the replaced checkpoint's, and those of interrupted saves). Best effort."""
+def _remove_stale_stripes(roots: Sequence[str], prefix: str, keep: str) -> list[str]:
+    """After a commit, under its commit lock: remove this path's data directories other than
+    ``keep`` whose lock is free (their save ended: replaced by this commit, or interrupted).
+    A directory without a lock file (an older gds_persist's) goes once untouched for
+    ``STALE_UNLOCKED_S``. Best effort; returns what was removed."""
+    removed = []
     for root in roots:
         try:
             entries = os.listdir(root)
         except OSError:
             continue
         for entry in entries:
-            if entry != keep and entry.startswith(prefix + STRIPE_MARK):
-                shutil.rmtree(os.path.join(root, entry), ignore_errors=True)
+            full = os.path.join(root, entry)
+            if not entry.startswith(prefix + STRIPE_MARK) or entry == keep:
+                continue
+            lock = try_acquire(os.path.join(full, STRIPE_LOCK))
+            if lock is not None:  # its save ended; the lock file goes with the directory
+                try:
+                    if remove_tree(full):
+                        removed.append(entry)
+                finally:
+                    lock.release()
+            elif (not os.path.lexists(os.path.join(full, STRIPE_LOCK))
+                  and untouched_for(full, STALE_UNLOCKED_S) and remove_tree(full)):
+                removed.append(entry)
+    return removed

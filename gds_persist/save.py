@@ -22,7 +22,14 @@ from .parallel_save import save_parallel
 from .progress import ByteCounter, ProgressCallback
 from .results import SaveInfo
 from .stages import stage
-from .transfer.commit import abort, check_replaceable, commit, make_temporary, write_manifest
+from .transfer.commit import (
+    Temporary,
+    abort,
+    check_replaceable,
+    commit,
+    make_temporary,
+    write_manifest,
+)
 from .transfer.writer import write_plan
 
 
@@ -47,6 +54,15 @@ def save(
     ``backend`` is ``"auto"`` (default, or ``$GDS_PERSIST_BACKEND``), ``"direct"``,
     ``"buffered"`` or ``"kvikio"``. An existing checkpoint at ``path`` is replaced only once the
     new one is complete and fsynced; if anything fails, it is left as it was.
+
+    Several processes may save to (and load from) one ``path`` at once: each save writes its own
+    temporary directory, the commits take turns (each waits at most ``io_timeout_s`` for another
+    one to finish committing, then raises :class:`CheckpointTimeout` naming it), and the last
+    to commit wins - the path always holds one complete checkpoint, and every save that returned
+    was committed (possibly replaced since). A save never removes another live save's files;
+    leftovers of killed saves are removed by a later save once their owner is gone. Loads that
+    overlap a replacement read one complete checkpoint (``docs/FORMAT.md``, "Several processes,
+    one path").
 
     ``progress(done_bytes, total_bytes)``, if given, is called as data files are written (see
     :mod:`gds_persist.progress`).
@@ -76,7 +92,8 @@ def save(
 
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
-    backend, :class:`DistributedError` (on every rank, naming the failed rank) when a rank fails.
+    backend, :class:`CheckpointTimeout` when another process's commit of ``path`` hangs,
+    :class:`DistributedError` (on every rank, naming the failed rank) when a rank fails.
     """
     if process_group is not None or rank_local is not None or data_dirs is not None:
         if allow_pickle:
@@ -118,18 +135,18 @@ def _save_single(
         streams = file_streams(sum(sizes), cfg.io_threads, cfg.block_bytes, cfg.file_streams)
         plan = plan_single_writer(sizes, streams)
         check_replaceable(path)
-        tmp = make_temporary(path)
+        tmp = make_temporary(path, cfg.io_timeout_s)
     try:
         with stage("choose backend"):
             be, reason = choose_backend(
                 cfg.backend,
-                tmp,
+                tmp.dir,
                 any(s.is_cuda for s in flat.storage_objects),
                 cfg.io_threads,
                 cfg.block_bytes,
             )
         counter = ByteCounter(progress, plan.total_bytes)
-        extents = write_plan(be, tmp, plan.files, flat.storage_objects, cfg, counter.hook)
+        extents = write_plan(be, tmp.dir, plan.files, flat.storage_objects, cfg, counter.hook)
         if getattr(be, "fallback_reason", None):  # kvikio switched to POSIX I/O mid-save
             reason = f"{reason}; {be.fallback_reason}"  # type: ignore[attr-defined]
         writer = {
@@ -141,7 +158,7 @@ def _save_single(
             "world_size": 1,
         }
         with stage("commit (manifest, fsync, rename)"):
-            _commit_single(tmp, path, plan, flat, extents, writer)
+            _commit_single(tmp, plan, flat, extents, writer, cfg.io_timeout_s)
         counter.finish()
     except OSError as e:
         abort(tmp)
@@ -170,10 +187,10 @@ def _save_single(
     )
 
 
-def _commit_single(tmp: str, path: str, plan: SavePlan, flat: Flattened, extents: list[Extent],
-                   writer: dict[str, Any]) -> None:
+def _commit_single(tmp: Temporary, plan: SavePlan, flat: Flattened, extents: list[Extent],
+                   writer: dict[str, Any], timeout_s: float) -> None:
     """Seal the written files with the manifest and swap the temporary directory into place."""
     files = [f.data_file for f in plan.files]
     manifest = Manifest(files, flat.storages, flat.tensors, extents, flat.tree, writer)
-    write_manifest(tmp, dump_manifest(manifest))
-    commit(tmp, path)
+    write_manifest(tmp.dir, dump_manifest(manifest))
+    commit(tmp, timeout_s)

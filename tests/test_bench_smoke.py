@@ -171,7 +171,7 @@ def test_stage_profile_runs_tiny_and_names_the_stages(tmp_path, capsys):
     save_stages = {r["stage"] for r in data["save"]["stages"]}
     load_stages = {r["stage"] for r in data["load"]["stages"]}
     assert {"flatten", "checksum", "write", "fsync"} <= save_stages, save_stages
-    assert {"manifest", "read", "checksum"} <= load_stages, load_stages
+    assert {"open (manifest, data files)", "read", "checksum"} <= load_stages, load_stages
     assert all(r["thread_s"] >= 0 and r["calls"] >= 1 for r in data["save"]["stages"])
     assert "lowest bound:" in printed
     assert list(tmp_path.iterdir()) == [out]  # the checkpoints it wrote are gone

@@ -284,8 +284,16 @@ def test_dead_writer_thread_is_detected_and_replaced(tmp_path):
 
 
 def test_retention_keeps_last_k_and_cleans_leftovers(tmp_path):
+    """Leftovers of dead owners go: a save's whose lock nobody holds, and (no lock) those
+    untouched for an hour (docs/FORMAT.md, "Several processes, one path")."""
     (tmp_path / ".step-00000002.tmp-abc123").mkdir(parents=True)  # an interrupted save
+    (tmp_path / ".step-00000002.tmp-abc123.lock").write_text("pid 1 on gone\n")  # unlocked
+    (tmp_path / ".step-00000001.tmp-0ld0ld").mkdir()  # an older version's, without a lock
+    (tmp_path / ".step-00000003.del-abc123").mkdir()  # an interrupted delete
     (tmp_path / ".latest.tmp-abc123").write_text("x")
+    hours_ago = time.time() - 2 * 3600
+    for name in (".step-00000001.tmp-0ld0ld", ".latest.tmp-abc123"):
+        os.utime(tmp_path / name, (hours_ago, hours_ago))
     with Checkpointer(tmp_path, keep_last=2) as ckpt:
         for s in range(1, 6):
             ckpt.save(s, small(s)).wait()

@@ -61,11 +61,20 @@ def test_load_refuses_a_directory_without_manifest(tmp_path: Path) -> None:
 
 
 def test_next_save_removes_stale_temporaries_of_its_own_path_only(tmp_path: Path) -> None:
-    for name in (".ck.tmp-deadbeef0001", ".ck.old-deadbeef0002", ".other.tmp-deadbeef0003"):
+    """Dead owners only: a lock file nobody holds, or (an older gds_persist's leftover, with no
+    lock file) untouched for an hour; a fresh lockless one may be a live older-version save."""
+    hours_ago = time.time() - 2 * 3600
+    for name in (".ck.tmp-deadbeef0001", ".ck.old-deadbeef0002", ".other.tmp-deadbeef0003",
+                 ".ck.tmp-deadbeef0004", ".ck.tmp-feedbeef0005"):
         (tmp_path / name).mkdir()
         (tmp_path / name / "data-00000.bin").write_bytes(b"partial")
+        if name.endswith(("1", "2", "3")):
+            for p in (tmp_path / name / "data-00000.bin", tmp_path / name):
+                os.utime(p, (hours_ago, hours_ago))
+    (tmp_path / ".ck.tmp-deadbeef0004.lock").write_text("pid 1 on a host long gone\n")
     gds_persist.save({"w": torch.ones(3)}, tmp_path / "ck")
-    assert sorted(os.listdir(tmp_path)) == [".other.tmp-deadbeef0003", "ck"]
+    assert sorted(os.listdir(tmp_path)) == [".ck.tmp-feedbeef0005", ".other.tmp-deadbeef0003",
+                                            "ck"]
     assert (tmp_path / ".other.tmp-deadbeef0003" / "data-00000.bin").exists()
 
 
@@ -155,7 +164,7 @@ def test_sigkill_at_random_instants_never_leaves_a_partial_checkpoint(tmp_path: 
                 allowed = {reported[-1], reported[-1] + 1} if reported else {previous, first}
                 assert step in allowed, f"trial {trial}: found step {step}, allowed {allowed}"
                 previous = step
-            leftovers = [n for n in os.listdir(tmp_path) if n != "ck"]
+            leftovers = sorted(n for n in os.listdir(tmp_path) if n != "ck")
             gds_persist.save({"step": -1}, tmp_path / "other")  # another path: leaves ours alone
             assert sorted(n for n in os.listdir(tmp_path) if n not in ("ck", "other")) == leftovers
             shutil.rmtree(tmp_path / "other")

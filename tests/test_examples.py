@@ -32,20 +32,30 @@ def example(name: str):
     return module
 
 
-def torchrun(script: str, *args: str) -> str:
+# torch 2.13's gloo process group sometimes aborts a process at interpreter exit ("terminate
+# called without an active exception", SIGABRT), after all its work is done, on a loaded machine:
+# also a plain DDP loop with no gds_persist in it (4 of 30 torchrun runs under a CPU hog here);
+# pytorch/pytorch#190489 and #179291 describe the teardown problem. Such an exit is accepted only
+# once every rank has printed that it finished; anything else fails the test.
+GLOO_EXIT_ABORT = "terminate called without an active exception"
+
+
+def torchrun(script: str, *args: str, ranks: int = 2) -> str:
     cmd = [
         sys.executable,
         "-m",
         "torch.distributed.run",
         "--standalone",
-        "--nproc_per_node=2",
+        f"--nproc_per_node={ranks}",
         os.path.join(EXAMPLES, script),
         *args,
     ]
     env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1"}
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
-    return proc.stdout + proc.stderr
+    out = proc.stdout + proc.stderr
+    finished = len(re.findall(r"\[rank \d+\] done at step", out)) == ranks
+    assert proc.returncode == 0 or (finished and GLOO_EXIT_ABORT in out), out[-4000:]
+    return out
 
 
 def test_plain_loop_resumes_bit_exactly(tmp_path, capsys):

@@ -32,6 +32,8 @@ LAYERS: dict[str, int] = {
     "gds_persist.format": 1,
     # 2 transfer: moving and checksumming bytes, committing; backends beside it
     "gds_persist.transfer": 2,
+    "gds_persist.transfer.locks": 2,
+    "gds_persist.transfer.opened": 2,
     "gds_persist.backends": 2,
     # 3 orchestration: flatten, plan, schedule, one save and one load orchestrator
     "gds_persist.flatten": 3,

@@ -12,7 +12,8 @@ Save (one data file)::
 
 Load::
 
-    h = backend.open(path, write=False)
+    h = backend.open(path, write=False)          # path: /proc/self/fd/N of the file the load
+                                                 # holds open (gds_persist.transfer.opened)
     backend.pread(h, buf, offset)                # any number, from several threads at once
     backend.close(h)
 

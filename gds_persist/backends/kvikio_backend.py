@@ -231,7 +231,9 @@ class KvikioBackend(Backend):
     # -- the Backend interface -----------------------------------------------------------------
 
     def open(self, path: str, *, write: bool, size: int = 0) -> KvikioHandle:
-        directory = os.path.dirname(os.path.abspath(path))
+        # realpath: a held file is read as /proc/self/fd/N (gds_persist.transfer.opened); its
+        # O_DIRECT support is that of the directory it lives in
+        directory = os.path.dirname(os.path.realpath(path))
         direct = self._o_direct.get(directory)
         if direct is None:
             direct = self._o_direct[directory] = supports_o_direct(directory)[0]

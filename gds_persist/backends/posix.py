@@ -176,7 +176,8 @@ def supports_o_direct(directory: str) -> tuple[bool, str]:
         return False, f"aligned O_DIRECT write failed on {directory}: {os.strerror(e.errno or 0)}"
     finally:
         os.close(fd)
-        os.unlink(probe)
+        with contextlib.suppress(FileNotFoundError):  # the directory was removed meanwhile
+            os.unlink(probe)
 
 
 _HOST_OFFSETS = (64, 512)  # torch aligns host allocations to 64 bytes; block devices to 512

@@ -15,6 +15,14 @@ verified), once, however many read items use it. Where a read item is the whole 
 destination is contiguous with the same dtype, the bytes go straight into the destination
 (device memory too); otherwise through a temporary host buffer, at most ``read_budget_bytes``
 of them at a time (a chunk larger than that is read alone).
+
+Other processes may replace or remove the checkpoint meanwhile: ``read_metadata`` (or, on a rank
+that did not read it, ``set_up_storage_reader``) holds the checkpoint directory and manifest
+open, and ``read_data`` opens every data file this rank reads before reading any byte, then
+closes everything. A rank whose manifest is not the one the coordinator's metadata came from,
+or whose files are gone by ``read_data`` (the checkpoint was replaced or removed in between:
+DCP cannot switch checkpoints in the middle of a load), raises
+:class:`gds_persist.CheckpointReplacedError`: run ``dcp.load`` again.
 """
 
 from __future__ import annotations
@@ -32,11 +40,12 @@ from torch.distributed.checkpoint.storage import StorageReader
 from torch.futures import Future
 
 from .. import settings
-from ..errors import CheckpointError, ManifestError
+from ..errors import CheckpointError, CheckpointReplacedError, ManifestError
 from ..format import DTYPES, MANIFEST_NAME, Extent, Manifest
 from ..format.tree import decode
-from ..load import read_extents, read_manifest
+from ..load import read_extents
 from ..progress import ByteCounter, ProgressCallback
+from ..transfer.opened import OpenCheckpoint, open_checkpoint
 from ..transfer.pipeline import byte_view
 from ._codec import decode_metadata
 from .writer import WRITER_TAG
@@ -146,13 +155,18 @@ class GdsPersistReader(StorageReader):
         self.read_budget_bytes = read_budget_bytes
         self.progress = progress
         self.storage_data: dict[MetadataIndex, ItemRecord] = {}
-        self._manifest: Manifest | None = None
+        self._ck: OpenCheckpoint | None = None  # held from read_metadata to read_data's end
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.storage_data = {}
-        self._manifest = None
+        self._release()
+
+    def _release(self) -> None:
+        if self._ck is not None:
+            ck, self._ck = self._ck, None
+            ck.close()
 
     @property
     def checkpoint_id(self) -> str:
@@ -168,19 +182,26 @@ class GdsPersistReader(StorageReader):
     # No **kwargs on purpose: DCP then does not retry with a "rank-local metadata" fallback
     # (which this format does not have) and reports our error as it is.
     def read_metadata(self, *args: Any) -> Metadata:
-        m = read_manifest(self.path)
-        where = os.path.join(self.path, "manifest.json")
-        if m.writer.get("writer") != WRITER_TAG or "dcp" not in m.writer:
-            raise CheckpointError(
-                f"{self.path} was written by gds_persist.save, not through DCP; load it with "
-                "gds_persist.load (GdsPersistReader reads checkpoints written by GdsPersistWriter)"
-            )
-        md = decode_metadata(m.writer["dcp"], where)
-        records = dcp_records(m, where)
+        self._release()
+        ck = open_checkpoint(self.path)
+        try:
+            m = ck.manifest
+            where = os.path.join(self.path, "manifest.json")
+            if m.writer.get("writer") != WRITER_TAG or "dcp" not in m.writer:
+                raise CheckpointError(
+                    f"{self.path} was written by gds_persist.save, not through DCP; load it with "
+                    "gds_persist.load (GdsPersistReader reads checkpoints written by "
+                    "GdsPersistWriter)"
+                )
+            md = decode_metadata(m.writer["dcp"], where)
+            records = dcp_records(m, where)
+        except BaseException:
+            ck.close()
+            raise
         md.storage_data = records
         if md.storage_meta is None:
             md.storage_meta = StorageMeta()
-        self._manifest = m
+        self._ck = ck
         return md
 
     def set_up_storage_reader(
@@ -189,8 +210,26 @@ class GdsPersistReader(StorageReader):
         if not isinstance(metadata.storage_data, dict):
             raise CheckpointError("GdsPersistReader got metadata it did not read")
         self.storage_data = metadata.storage_data
-        if self._manifest is None:  # metadata read by another reader instance
-            self._manifest = read_manifest(self.path)
+        if self._ck is None:  # metadata read by another reader instance
+            self._hold()
+
+    def _hold(self) -> OpenCheckpoint:
+        """Open the checkpoint on a rank that did not read the metadata: it must be the one
+        the metadata describes."""
+        ck = open_checkpoint(self.path)
+        try:
+            same = dcp_records(ck.manifest, os.path.join(self.path, "manifest.json"))
+        except BaseException:
+            ck.close()
+            raise
+        if same != self.storage_data:
+            ck.close()
+            raise CheckpointReplacedError(
+                f"{self.path} was replaced by another process's save after the coordinator "
+                "read its metadata and before this rank opened it; run dcp.load again"
+            )
+        self._ck = ck
+        return ck
 
     def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
@@ -199,16 +238,21 @@ class GdsPersistReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        assert self._manifest is not None
-        groups: dict[MetadataIndex, list[ReadItem]] = {}
-        for req in plan.items:
-            if req.storage_index not in self.storage_data:
-                raise CheckpointError(f"{self.path} has no saved chunk {req.storage_index}")
-            groups.setdefault(req.storage_index, []).append(req)
-        total = sum(self.storage_data[k].nbytes for k in groups)
-        counter = ByteCounter(self.progress, total)
-        _ReadJob(self, planner, counter).run(groups)
-        counter.finish()
+        try:
+            ck = self._ck or self._hold()
+            groups: dict[MetadataIndex, list[ReadItem]] = {}
+            for req in plan.items:
+                if req.storage_index not in self.storage_data:
+                    raise CheckpointError(f"{self.path} has no saved chunk {req.storage_index}")
+                groups.setdefault(req.storage_index, []).append(req)
+            # every file this rank reads is open before any byte is read
+            ck.open_files(e.file for k in groups for e in self.storage_data[k].extents)
+            total = sum(self.storage_data[k].nbytes for k in groups)
+            counter = ByteCounter(self.progress, total)
+            _ReadJob(self, planner, counter, ck).run(groups)
+            counter.finish()
+        finally:
+            self._release()
         fut: Future[None] = Future()
         fut.set_result(None)
         return fut
@@ -244,10 +288,12 @@ def _direct_bytes(target: torch.Tensor, rec: ItemRecord) -> torch.Tensor | None:
 
 
 class _ReadJob:
-    def __init__(self, reader: GdsPersistReader, planner: LoadPlanner, counter: ByteCounter):
+    def __init__(self, reader: GdsPersistReader, planner: LoadPlanner, counter: ByteCounter,
+                 ck: OpenCheckpoint):
         self.r = reader
         self.planner = planner
         self.counter = counter
+        self.ck = ck
 
     def run(self, groups: dict[MetadataIndex, list[ReadItem]]) -> None:
         direct: list[tuple[ItemRecord, ReadItem, torch.Tensor, torch.Tensor]] = []
@@ -283,13 +329,11 @@ class _ReadJob:
 
     def _read(self, jobs: list[tuple[ItemRecord, torch.Tensor]]) -> None:
         """Read every extent of each record into its byte destination, verifying CRC32C."""
-        m = self.r._manifest
-        assert m is not None
         names = [rec.describe(None) for rec, _ in jobs]
         # storage indices renumbered to the jobs, so each job's destination is its storage
         extents = [replace(e, storage=local) for local, (rec, _) in enumerate(jobs)
                    for e in rec.extents]
-        read_extents(self.r.path, m, extents, [dest for _, dest in jobs], self.cfg,
+        read_extents(self.ck, extents, [dest for _, dest in jobs], self.cfg,
                      verify=self.r.verify, describe=lambda i: names[i],
                      progress=self.counter.hook)
 

@@ -52,7 +52,14 @@ from ..format import (
 from ..format import tree as _tree
 from ..layout import layout_file
 from ..progress import ByteCounter, ProgressCallback
-from ..transfer.commit import abort, check_replaceable, commit, make_temporary, write_manifest
+from ..transfer.commit import (
+    Temporary,
+    abort,
+    check_replaceable,
+    commit,
+    make_temporary,
+    write_manifest,
+)
 from ..transfer.pipeline import byte_view
 from ..transfer.staging import io_session
 from ..transfer.writer import FileWriter
@@ -154,7 +161,7 @@ class GdsPersistWriter(StorageWriter):
         self.is_coordinator = False
         self.rank_bytes: list[int] = []
         self.save_id = uuid.uuid4().hex
-        self._tmp: str | None = None
+        self._tmp: Temporary | None = None
         self._t0 = 0.0
 
     # -- DCP interface ------------------------------------------------------------------------
@@ -162,6 +169,8 @@ class GdsPersistWriter(StorageWriter):
         if checkpoint_id:
             self.path = os.fspath(checkpoint_id)
         self.save_id = uuid.uuid4().hex
+        if self._tmp is not None:  # a save that failed before finish(): give it up
+            abort(self._tmp)
         self._tmp = None
         self.rank_bytes = []
 
@@ -201,15 +210,16 @@ class GdsPersistWriter(StorageWriter):
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         check_replaceable(self.path)
-        self._tmp = make_temporary(self.path)
+        tmp = self._tmp = make_temporary(self.path)
         try:
             assignment = self._assign(plans)
         except BaseException:
-            abort(self._tmp)
+            abort(tmp)
+            self._tmp = None
             raise
         out = []
         for rank, (plan, (items, ranges)) in enumerate(zip(plans, assignment, strict=False)):
-            out.append(replace(plan, items=items, storage_data=_RankPlan(self._tmp, rank, ranges)))
+            out.append(replace(plan, items=items, storage_data=_RankPlan(tmp.dir, rank, ranges)))
         return out
 
     def _assign(
@@ -385,8 +395,8 @@ class GdsPersistWriter(StorageWriter):
         tmp, self._tmp = self._tmp, None
         try:
             manifest = build_manifest(metadata, results, self)
-            write_manifest(tmp, dump_manifest(manifest))
-            commit(tmp, self.path)
+            write_manifest(tmp.dir, dump_manifest(manifest))
+            commit(tmp, settings.current(backend=self.backend).io_timeout_s)
         except BaseException:
             abort(tmp)
             raise

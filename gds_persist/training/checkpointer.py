@@ -75,7 +75,13 @@ import torch
 
 from .. import settings
 from ..distributed import make_comm
-from ..errors import CheckpointError, CheckpointTimeout, SnapshotTooLarge, WorkerDied
+from ..errors import (
+    CheckpointError,
+    CheckpointReplacedError,
+    CheckpointTimeout,
+    SnapshotTooLarge,
+    WorkerDied,
+)
 from ..flatten import Flattened, flatten
 from ..load import load as core_load
 from ..results import SaveInfo, WarmupReport
@@ -96,6 +102,7 @@ log = logging.getLogger("gds_persist")
 
 MODES = ("auto", "fence", "snapshot")
 WARMUP_WAIT_S = 60.0  # longest the first write waits for the warm-up to finish
+_LOAD_ATTEMPTS = 3  # load(): steps removed by another process's retention while being opened
 WRITERS = ("thread", "process")
 
 
@@ -375,23 +382,35 @@ class Checkpointer:
 
         Loading a step older than the latest marks a resume from it: the next ``save`` publishes
         it as ``latest`` again, and the newer checkpoints are removed once that save commits.
+
+        Another process may save and prune under ``root`` meanwhile (a training job while this
+        one evaluates): a step removed by retention while it is being opened is replaced by the
+        then latest one (default ``step``; a few times at most), or raises
+        :class:`CheckpointReplacedError` (an explicit ``step``). Once open, it loads whole.
         """
         if self._pending_handles():
             self.wait()
-        latest = self.latest_step()
-        # with a process group, every rank loads the step rank 0 chose
-        step = self._comm.broadcast_json(latest if step is None else step, 0, "checkpoint step")
-        if step is None:
-            raise CheckpointError(f"no committed checkpoint in {self.root} to load")
-        path = _steps.step_path(self.root, step)
         kwargs = dict(self._load_kwargs)
         if self.process_group is not None:
             kwargs["process_group"] = self.process_group
-        state = core_load(path, map_location=map_location, verify=verify, **kwargs)
+        for attempt in range(_LOAD_ATTEMPTS):
+            latest = self.latest_step()
+            # with a process group, every rank loads the step rank 0 chose
+            chosen = self._comm.broadcast_json(latest if step is None else step, 0,
+                                               "checkpoint step")
+            if chosen is None:
+                raise CheckpointError(f"no committed checkpoint in {self.root} to load")
+            path = _steps.step_path(self.root, chosen)
+            try:  # every rank raises the same CheckpointReplacedError (ranks agree in load)
+                state = core_load(path, map_location=map_location, verify=verify, **kwargs)
+                break
+            except CheckpointReplacedError:
+                if step is not None or attempt == _LOAD_ATTEMPTS - 1:
+                    raise
         with self._lock:
-            self.loaded_step = step
-            self._floor = step
-            self._rollback_to = step if latest is not None and step < latest else None
+            self.loaded_step = chosen
+            self._floor = chosen
+            self._rollback_to = chosen if latest is not None and chosen < latest else None
         return state
 
     @property

@@ -6,14 +6,21 @@
       step-00000041/            a committed checkpoint (a gds_persist.save directory)
       step-00000042/
       latest                    "step-00000042\\n": the newest published step, replaced atomically
-      .step-00000043.tmp-<id>/  a save in progress, or one a crash interrupted (never loaded)
+      .step-00000043.tmp-<id>/  a save in progress, or one a crash interrupted (never loaded),
+      .step-00000043.tmp-<id>.lock  with the lock its owner holds while alive (core ``save``)
 
 Order of a publish: the step directory is committed (core ``save``: fsync + atomic rename), then
 ``latest`` is replaced (temp file, fsync, rename, fsync of the root), then old steps are removed.
 A crash anywhere leaves ``latest`` naming a committed step, or missing / naming a step that is
 gone, in which case :func:`latest_step` falls back to the newest committed step directory.
-Removal renames a directory to a hidden ``.step-N.old-<id>`` before deleting it, so a crash in the
+Removal renames a directory to a hidden ``.step-N.del-<id>`` before deleting it, so a crash in the
 middle of a delete never leaves a half-deleted directory that looks committed.
+
+Other processes may use the root at once (an evaluation job loading ``latest``, a second
+Checkpointer): leftovers of saves are removed only once their owner is gone (core ``save``'s
+owner locks), ``.latest.tmp-*`` files of other publishers only once untouched for an hour, and
+a reader loading a step that retention removes keeps reading the files it holds open
+(``gds_persist.transfer.opened``).
 """
 
 from __future__ import annotations
@@ -24,11 +31,12 @@ import shutil
 import uuid
 
 from ..format import MANIFEST_NAME
-from ..transfer.commit import fsync_path
+from ..transfer.commit import fsync_path, remove_stale_temporaries, remove_tree
+from ..transfer.locks import STALE_UNLOCKED_S, untouched_for
 
 LATEST = "latest"
 _STEP = re.compile(r"^step-(\d+)$")
-_HIDDEN_STEP = re.compile(r"^\.step-(\d+)\.(?:tmp|old)-")
+_HIDDEN_STEP = re.compile(r"^\.step-(\d+)\.(tmp|old|del)-")
 _HIDDEN_LATEST = ".latest.tmp-"
 
 
@@ -82,8 +90,9 @@ def latest_step(root: str) -> int | None:
 
 def write_latest(root: str, step: int) -> None:
     """Point ``latest`` at ``step`` atomically and durably."""
-    for name in os.listdir(root):
-        if name.startswith(_HIDDEN_LATEST):
+    for name in os.listdir(root):  # another publisher's may be in flight: only old ones
+        if name.startswith(_HIDDEN_LATEST) and untouched_for(os.path.join(root, name),
+                                                             STALE_UNLOCKED_S):
             _remove(os.path.join(root, name))
     tmp = os.path.join(root, f"{_HIDDEN_LATEST}{uuid.uuid4().hex[:12]}")
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
@@ -101,11 +110,15 @@ def write_latest(root: str, step: int) -> None:
 
 
 def remove_step(root: str, step: int) -> None:
-    """Delete a step directory: hide it with one rename (atomic), then remove it."""
+    """Delete a step directory: hide it with one rename (atomic), then remove it. A reader
+    holding it open keeps reading it; one gone already (another process removed it) is fine."""
     path = step_path(root, step)
-    hidden = os.path.join(root, f".{step_name(step)}.old-{uuid.uuid4().hex[:12]}")
-    os.rename(path, hidden)
-    shutil.rmtree(hidden)
+    hidden = os.path.join(root, f".{step_name(step)}.del-{uuid.uuid4().hex[:12]}")
+    try:
+        os.rename(path, hidden)
+    except FileNotFoundError:
+        return
+    remove_tree(hidden)
 
 
 def apply_retention(root: str, newest: int, keep_last: int | None) -> list[int]:
@@ -123,10 +136,16 @@ def apply_retention(root: str, newest: int, keep_last: int | None) -> list[int]:
     removed = [s for s in above + old if s != newest]
     for s in removed:
         remove_step(root, s)
+    saves = set()
     for name in os.listdir(root):
         m = _HIDDEN_STEP.match(name)
         if m and int(m.group(1)) <= newest:
-            _remove(os.path.join(root, name))
+            if m.group(2) == "del":  # an interrupted delete
+                _remove(os.path.join(root, name))
+            else:
+                saves.add(int(m.group(1)))
+    for s in sorted(saves):  # of saves: only those whose owner is gone
+        remove_stale_temporaries(root, step_name(s))
     if removed:
         fsync_path(root)
     return removed

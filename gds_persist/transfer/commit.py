@@ -4,7 +4,23 @@ A save writes everything into a temporary sibling directory ``.NAME.tmp-<id>``; 
 fsyncs it and swaps it into place. With an existing checkpoint at the path, the swap is one
 ``renameat2(RENAME_EXCHANGE)``, so at every instant the path holds either the old or the new
 complete checkpoint. Killed anywhere before that, the old checkpoint is untouched and only a
-temporary directory is left, which :func:`load` refuses and the next save of that path removes.
+temporary directory is left, which :func:`load` refuses and a later save of that path removes.
+
+Several processes, one path (``docs/FORMAT.md``, "Several processes, one path"):
+
+* **Saves run at once and the last to commit wins.** Each save owns its temporary directory by
+  an exclusive ``flock`` on ``.NAME.tmp-<id>.lock``, created and locked before the directory and
+  held until the save has committed or given up (then both are removed). A save removes another
+  save's leftovers only when it can take their lock - their owner has exited or died - so it
+  never deletes a live save's files. (A temporary without a lock file comes from an older
+  gds_persist; it is removed once untouched for :data:`~.locks.STALE_UNLOCKED_S`.)
+* **Commits take turns** on ``.NAME.commit.lock`` (exclusive, held for the swap and the fsync of
+  the parent; waiting is bounded by ``io_timeout_s``, then :class:`CheckpointTimeout` names the
+  holder). So the two-rename fallback (no ``RENAME_EXCHANGE`` on the filesystem) cannot
+  interleave with another commit, and commits are ordered: the checkpoint at the path is the one
+  whose commit came last, complete; every save that returned did commit, none is lost silently.
+* The replaced checkpoint is removed after the lock is released; a reader that opened it first
+  keeps reading it (``gds_persist.transfer.opened``).
 """
 
 from __future__ import annotations
@@ -13,20 +29,43 @@ import ctypes
 import errno
 import os
 import shutil
+import time
 import uuid
+import weakref
+from dataclasses import dataclass, field
 
 from ..errors import CheckpointError
 from ..format import MANIFEST_NAME
+from .locks import (
+    STALE_UNLOCKED_S,
+    FileLock,
+    acquire,
+    acquire_new,
+    try_acquire,
+    untouched_for,
+)
 
 _TMP_MARK = ".tmp-"
 _OLD_MARK = ".old-"
+LOCK_SUFFIX = ".lock"
+_COMMIT_LOCK = ".commit.lock"
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
+DEFAULT_TIMEOUT_S = 600.0
+# False: always the two-rename fallback, as on filesystems without RENAME_EXCHANGE (the tests
+# run that path this way; it is also an escape hatch should a filesystem's exchange misbehave).
+USE_RENAME_EXCHANGE = True
 
 
 def is_temporary(path: str) -> bool:
     name = os.path.basename(os.path.normpath(path))
     return name.startswith(".") and (_TMP_MARK in name or _OLD_MARK in name)
+
+
+def commit_lock_path(path: str) -> str:
+    """The lock file commits of ``path`` take turns on (it exists only during a commit)."""
+    parent, name = os.path.split(os.path.abspath(path))
+    return os.path.join(parent, f".{name}{_COMMIT_LOCK}")
 
 
 def fsync_path(path: str) -> None:
@@ -37,12 +76,26 @@ def fsync_path(path: str) -> None:
         os.close(fd)
 
 
+def remove_tree(path: str) -> bool:
+    """Remove a directory tree; True once it is gone. Tolerates entries vanishing and appearing
+    (another cleaner, a reader's short-lived probe file) by trying again a few times."""
+    for attempt in range(5):
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.lexists(path):
+            return True
+        time.sleep(0.01 * (attempt + 1))
+    return False
+
+
 def check_replaceable(path: str) -> None:
     """Refuse to replace anything at ``path`` that is not a gds_persist checkpoint."""
     if not os.path.lexists(path):
         return
     if os.path.isdir(path) and not os.path.islink(path):
-        entries = os.listdir(path)
+        try:
+            entries = os.listdir(path)
+        except FileNotFoundError:  # replaced or removed by another process just now
+            return
         if not entries or MANIFEST_NAME in entries:
             return
     raise CheckpointError(
@@ -51,20 +104,147 @@ def check_replaceable(path: str) -> None:
     )
 
 
-def make_temporary(path: str) -> str:
-    parent, name = os.path.split(os.path.abspath(path))
+@dataclass
+class Temporary:
+    """The temporary directory of one save of ``path`` and the lock that proves it is alive.
+
+    ``dir`` is ``.NAME.tmp-<id>``; after :meth:`swap_in` it holds the replaced checkpoint (or
+    nothing). Finish with :func:`commit` or :func:`abort`; dropped unfinished (a failed DCP
+    save), the lock is released when the object is collected and a later save cleans up.
+    """
+
+    path: str
+    dir: str
+    ident: str
+    lock: FileLock
+    _commit_lock: FileLock | None = field(default=None, repr=False)
+    _parked: str | None = field(default=None, repr=False)  # two-rename fallback: old checkpoint
+
+    def __post_init__(self) -> None:
+        self._finalizer = weakref.finalize(self, _close_quietly, self.lock)
+
+    def swap_in(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+        """Put the fsynced ``dir`` at ``path`` under the commit lock, which stays held until
+        :meth:`finish` (a data-parallel save removes stale data directories under it)."""
+        fsync_path(self.dir)
+        path, parent = self.path, os.path.dirname(self.path)
+        lock = acquire(commit_lock_path(path), timeout_s=timeout_s,
+                       what=f"committing {path} (another process is committing it)")
+        try:
+            check_replaceable(path)
+            if os.path.lexists(path) and _exchange(self.dir, path):
+                pass  # self.dir now holds the previous checkpoint
+            elif os.path.lexists(path):  # no exchange: two renames, old kept until the new is in
+                old = os.path.join(parent, os.path.basename(self.dir).replace(_TMP_MARK,
+                                                                              _OLD_MARK, 1))
+                os.rename(path, old)
+                try:
+                    os.rename(self.dir, path)
+                except BaseException:
+                    os.rename(old, path)  # put the previous checkpoint back before reporting
+                    raise
+                self._parked = old
+            else:
+                os.rename(self.dir, path)
+            fsync_path(parent)
+        except BaseException:
+            lock.release(remove=True)
+            raise
+        self._commit_lock = lock
+
+    def finish(self) -> None:
+        """After :meth:`swap_in` (or instead of it: an abort): release the commit lock, remove
+        the replaced checkpoint (or the unfinished one) and this save's lock. Never raises for
+        a cleanup that fails: what is left is removed by a later save."""
+        if self._commit_lock is not None:
+            lock, self._commit_lock = self._commit_lock, None
+            lock.release(remove=True)
+        gone = remove_tree(self.dir)
+        if self._parked is not None:
+            gone = remove_tree(self._parked) and gone
+        self.lock.release(remove=gone)  # kept (unlocked) if something is left: a later save
+        self._finalizer.detach()         # sees a dead owner and removes it
+
+
+def _close_quietly(lock: FileLock) -> None:
+    try:
+        lock.release()
+    except OSError:
+        pass
+
+
+def make_temporary(path: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Temporary:
+    """Remove leftovers of dead saves of ``path``, then create this save's lock and temporary
+    directory (in that order: a temporary directory never exists without its lock file)."""
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
     os.makedirs(parent, exist_ok=True)
-    remove_stale_temporaries(parent, name)
-    tmp = os.path.join(parent, f".{name}{_TMP_MARK}{uuid.uuid4().hex[:12]}")
-    os.mkdir(tmp)
-    return tmp
+    remove_stale_temporaries(parent, name, timeout_s)
+    while True:
+        ident = uuid.uuid4().hex[:12]
+        tmp = os.path.join(parent, f".{name}{_TMP_MARK}{ident}")
+        lock = acquire_new(tmp + LOCK_SUFFIX, timeout_s=timeout_s, what=f"saving {path}")
+        if lock is not None:
+            break
+    try:
+        os.mkdir(tmp)
+    except BaseException:
+        lock.release(remove=True)
+        raise
+    return Temporary(path, tmp, ident, lock)
 
 
-def remove_stale_temporaries(parent: str, name: str) -> None:
-    """Remove what interrupted saves of ``name`` left behind (only its own marked siblings)."""
-    for entry in os.listdir(parent):
-        if entry.startswith(f".{name}{_TMP_MARK}") or entry.startswith(f".{name}{_OLD_MARK}"):
-            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+def remove_stale_temporaries(parent: str, name: str,
+                             timeout_s: float = DEFAULT_TIMEOUT_S) -> list[str]:
+    """Remove what dead saves of ``name`` left behind: only its own marked siblings, and only
+    those whose owner lock can be taken (owner gone). Returns the removed entries.
+
+    A save killed in the two-rename fallback between its renames left the path empty and the
+    previous checkpoint parked at ``.NAME.old-<id>``: that is put back first.
+    """
+    tmp_prefix, old_prefix = f".{name}{_TMP_MARK}", f".{name}{_OLD_MARK}"
+    path = os.path.join(parent, name)
+    entries = os.listdir(parent)
+    removed = []
+    for entry in entries:
+        if not (entry.startswith(tmp_prefix) and entry.endswith(LOCK_SUFFIX)):
+            continue
+        lock = try_acquire(os.path.join(parent, entry))
+        if lock is None:  # alive (or just finished)
+            continue
+        gone = False
+        try:
+            ident = entry[len(tmp_prefix):-len(LOCK_SUFFIX)]
+            old = os.path.join(parent, old_prefix + ident)
+            if os.path.isdir(old) and not os.path.lexists(path):
+                _put_back(old, path, timeout_s)
+            gone = remove_tree(os.path.join(parent, tmp_prefix + ident)) and remove_tree(old)
+            removed.append(entry)
+        finally:
+            lock.release(remove=gone)
+    commit_lock = try_acquire(commit_lock_path(path))  # left by a save killed mid-commit
+    if commit_lock is not None:
+        commit_lock.release(remove=True)
+    for entry in entries:  # no lock file: an older gds_persist's; remove it only when untouched
+        if entry.endswith(LOCK_SUFFIX) or not entry.startswith((tmp_prefix, old_prefix)):
+            continue
+        full = os.path.join(parent, entry)
+        ident = entry[len(tmp_prefix if entry.startswith(tmp_prefix) else old_prefix):]
+        if os.path.lexists(os.path.join(parent, tmp_prefix + ident + LOCK_SUFFIX)):
+            continue
+        if untouched_for(full, STALE_UNLOCKED_S) and remove_tree(full):
+            removed.append(entry)
+    return removed
+
+
+def _put_back(old: str, path: str, timeout_s: float) -> None:
+    lock = acquire(commit_lock_path(path), timeout_s=timeout_s, what=f"restoring {path}")
+    try:
+        if not os.path.lexists(path):
+            os.rename(old, path)
+            fsync_path(os.path.dirname(path))
+    finally:
+        lock.release(remove=True)
 
 
 def write_manifest(directory: str, data: bytes) -> None:
@@ -83,6 +263,8 @@ def write_manifest(directory: str, data: bytes) -> None:
 
 def _exchange(a: str, b: str) -> bool:
     """Atomically swap two paths; False where the kernel or filesystem cannot."""
+    if not USE_RENAME_EXCHANGE:
+        return False
     libc = ctypes.CDLL(None, use_errno=True)
     fn = getattr(libc, "renameat2", None)
     if fn is None:
@@ -96,29 +278,18 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(err)}")
 
 
-def commit(tmp: str, path: str) -> None:
-    """Publish the fully written, fsynced ``tmp`` directory at ``path``."""
-    path = os.path.abspath(path)
-    parent = os.path.dirname(path)
-    fsync_path(tmp)
-    if os.path.lexists(path) and _exchange(tmp, path):
-        fsync_path(parent)
-        shutil.rmtree(tmp)  # now holds the previous checkpoint
-        return
-    if os.path.lexists(path):  # no exchange available: two renames, old kept until the new is in
-        old = os.path.join(parent, os.path.basename(tmp).replace(_TMP_MARK, _OLD_MARK, 1))
-        os.rename(path, old)
-        try:
-            os.rename(tmp, path)
-        except BaseException:
-            os.rename(old, path)  # put the previous checkpoint back before reporting
-            raise
-        fsync_path(parent)
-        shutil.rmtree(old)
-        return
-    os.rename(tmp, path)
-    fsync_path(parent)
+def commit(tmp: Temporary, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Publish the fully written ``tmp`` directory at its path (taking turns with other commits
+    of that path, waiting at most ``timeout_s``); on failure the previous checkpoint is intact
+    and ``tmp`` is removed."""
+    try:
+        tmp.swap_in(timeout_s)
+    except BaseException:
+        tmp.finish()
+        raise
+    tmp.finish()
 
 
-def abort(tmp: str) -> None:
-    shutil.rmtree(tmp, ignore_errors=True)
+def abort(tmp: Temporary) -> None:
+    """Give up a save: remove its temporary directory and release its lock."""
+    tmp.finish()

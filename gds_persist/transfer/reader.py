@@ -26,7 +26,6 @@ device memory and checksummed there.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -38,7 +37,7 @@ import numpy as np
 import torch
 
 from ..errors import ChecksumError, TruncatedError
-from ..format import DataFile, Extent, crc32c, crc32c_combine
+from ..format import Extent, crc32c, crc32c_combine
 from ..stages import stage
 from .crc import device_crc32c_many, device_crc32c_or_none
 from .cuda_copy import StreamCopier, copier_for
@@ -63,22 +62,6 @@ def checksum_mismatch(what: str, path: str, e: Extent, actual: int) -> ChecksumE
         f"recorded crc32c {e.crc32c:08x}, read {actual:08x}; the data file is corrupted - load "
         "an earlier checkpoint"
     )
-
-
-def check_file(directory: str, f: DataFile) -> str:
-    """The path of data file ``f`` in ``directory``; :class:`TruncatedError` if it is missing
-    or shorter than the manifest says."""
-    path = os.path.join(directory, f.name)
-    try:
-        actual = os.stat(path).st_size
-    except FileNotFoundError:
-        raise TruncatedError(f"data file {path} is missing; the checkpoint is incomplete") from None
-    if actual < f.size:
-        raise TruncatedError(
-            f"data file {path} is {actual} bytes but the manifest records {f.size}: it was "
-            "truncated; restore it or use an earlier checkpoint"
-        )
-    return path
 
 
 @dataclass
@@ -114,20 +97,23 @@ class FileReader(FilePipeline):
         if actual != e.crc32c:
             raise checksum_mismatch(self.describe(e.storage), path, e, actual)
 
-    def read(self, path: str, extents: Sequence[Extent], dests: Dests | None) -> None:
+    def read(self, path: str, extents: Sequence[Extent], dests: Dests | None, *,
+             source: str | None = None) -> None:
         """Read ``extents`` of ``path`` into ``dests`` (per storage); ``None``: no copy (only
-        the hooks see the bytes)."""
-        self.read_files([(path, extents)], dests)
+        the hooks see the bytes). ``source``: what to open instead of ``path`` (the held file's
+        ``/proc/self/fd/N``, :mod:`gds_persist.transfer.opened`); ``path`` names it in errors."""
+        self.read_files([(path, extents, source)], dests)
 
-    def read_files(self, files: Sequence[tuple[str, Sequence[Extent]]],
+    def read_files(self, files: Sequence[tuple[str, Sequence[Extent], str | None]],
                    dests: Dests | None) -> None:
-        """Read the extents of several files, all of them concurrently."""
+        """Read the extents of several files (``(path, extents, source)`` as for :meth:`read`),
+        all of them concurrently."""
         opened: list[_OpenFile] = []
         try:
-            for path, extents in files:
+            for path, extents, source in files:
                 with stage("open"):
                     opened.append(_OpenFile(path, sorted(extents, key=lambda e: e.offset),
-                                            self.backend.open(path, write=False)))
+                                            self.backend.open(source or path, write=False)))
             device = [f for f in opened if self._to_device(f, dests)]
             for f in device:
                 assert dests is not None

@@ -1,0 +1,244 @@
+"""Reading a checkpoint that other processes may replace or delete meanwhile: hold it open first.
+
+Every reader (load, verify, export, the DCP reader, the CLI) opens the checkpoint directory,
+reads ``manifest.json`` through that descriptor, and opens every data file it is going to read
+before it reads any byte of them (:class:`OpenCheckpoint`). From then on a save that replaces
+the path, a Checkpointer removing the step, or a data-parallel save removing the old data
+directories cannot take the files away: an unlinked file stays readable through a descriptor.
+Backends open :meth:`OpenCheckpoint.source` - ``/proc/self/fd/N``, which reopens the very file
+held (with O_DIRECT, and for kvikio's cuFile too), where the real path may name another
+checkpoint's file by now.
+
+The one window is between opening the directory and opening the last file: if a file is missing
+then, :meth:`OpenCheckpoint.replaced` tells a replaced or removed checkpoint (the path now names
+another directory, or none) from a damaged one. Replaced: :class:`CheckpointReplacedError`,
+which :func:`open_checkpoint` and :func:`opened` answer by opening the path again (bounded, with
+a short pause); damaged: the usual :class:`TruncatedError` / :class:`NotCommittedError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+import weakref
+from collections.abc import Callable, Iterable
+from typing import Any, TypeVar
+
+from ..errors import CheckpointReplacedError, NotCommittedError, TruncatedError
+from ..format import MANIFEST_NAME, Manifest, data_file_path, parse_manifest
+from .commit import commit_lock_path, is_temporary
+
+T = TypeVar("T")
+OPEN_ATTEMPTS = 8  # openings of one path in a row that may each find it replaced
+_PROC_FD = "/proc/self/fd"
+_HAS_PROC_FD = os.path.isdir(_PROC_FD)
+
+
+def root_map(m: Manifest, data_dirs: Any) -> dict[str, str]:
+    """``load(data_dirs=...)``: a dict {recorded root: new root}, or a list of new roots in the
+    order of the manifest's data directories."""
+    if data_dirs is None:
+        return {}
+    if isinstance(data_dirs, dict):
+        return {os.path.normpath(k): os.path.abspath(v) for k, v in data_dirs.items()}
+    data_dirs = list(data_dirs)
+    recorded = list(dict.fromkeys(d.root for d in m.dirs))
+    if len(data_dirs) != len(recorded):
+        raise ValueError(f"data_dirs has {len(data_dirs)} entries but the checkpoint records "
+                         f"{len(recorded)} data directories ({recorded}); pass a list of that "
+                         "length or a dict {recorded: new}")
+    return {old: os.path.abspath(os.fspath(new))
+            for old, new in zip(recorded, data_dirs, strict=True)}
+
+
+def _close_all(fds: dict[Any, int]) -> None:
+    while fds:
+        _, fd = fds.popitem()
+        os.close(fd)
+
+
+class OpenCheckpoint:
+    """A committed checkpoint held open: its directory, its validated ``manifest`` and the data
+    files opened so far (:meth:`open_files`). Close it (or use it as a context manager); one
+    dropped unclosed closes its descriptors when collected."""
+
+    def __init__(self, path: str, dir_fd: int, raw: bytes, manifest: Manifest):
+        self.path = path
+        self.manifest = manifest
+        self.digest = hashlib.sha256(raw).hexdigest()  # which checkpoint (for agreeing ranks)
+        self.roots: dict[str, str] = {}  # moved data directories (set_data_dirs)
+        self._fds: dict[Any, int] = {"dir": dir_fd}  # "dir", then data file index -> fd
+        self._finalizer = weakref.finalize(self, _close_all, self._fds)
+
+    def __enter__(self) -> OpenCheckpoint:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._finalizer()
+
+    def set_data_dirs(self, data_dirs: Any) -> None:
+        """Where moved data directories are now (``load(data_dirs=...)``, see :func:`root_map`);
+        before any file is opened."""
+        self.roots = root_map(self.manifest, data_dirs)
+
+    def replaced(self) -> str:
+        """``"removed"`` or ``"replaced"`` if ``path`` no longer names the held directory,
+        else ``""``."""
+        try:
+            now = os.stat(self.path)
+        except (FileNotFoundError, NotADirectoryError):
+            return "removed"
+        held = os.fstat(self._fds["dir"])
+        return "" if (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino) else "replaced"
+
+    def file_path(self, index: int) -> str:
+        """Where data file ``index`` lives (for messages and backend choice)."""
+        return data_file_path(self.path, self.manifest, index, self.roots)
+
+    def source(self, index: int) -> str:
+        """What a backend opens to read data file ``index``: the held file itself."""
+        fd = self._fds[index]
+        return f"{_PROC_FD}/{fd}" if _HAS_PROC_FD else self.file_path(index)
+
+    def open_files(self, indices: Iterable[int]) -> None:
+        """Open (and check the size of) data files ``indices`` not opened yet.
+
+        Raises :class:`CheckpointReplacedError` if one is gone because the checkpoint was
+        replaced or removed since its directory was opened, :class:`TruncatedError` if one is
+        missing or shorter than the manifest says.
+        """
+        for index in sorted(set(indices) - self._fds.keys()):
+            f = self.manifest.files[index]
+            full = self.file_path(index)
+            try:
+                if f.dir == 0:
+                    fd = os.open(f.name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._fds["dir"])
+                else:
+                    fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
+            except FileNotFoundError:
+                why = self.replaced()
+                if why:
+                    raise CheckpointReplacedError(replaced_message(self.path, why)) from None
+                raise TruncatedError(
+                    f"data file {full} is missing; the checkpoint is incomplete") from None
+            self._fds[index] = fd
+            actual = os.fstat(fd).st_size
+            if actual < f.size:
+                raise TruncatedError(
+                    f"data file {full} is {actual} bytes but the manifest records {f.size}: it "
+                    "was truncated; restore it or use an earlier checkpoint"
+                )
+
+
+def replaced_message(path: str, why: str) -> str:
+    """The words of a :class:`CheckpointReplacedError`; ``why``: "replaced" or "removed"."""
+    if why == "removed":
+        return (f"{path} was removed by another process (a Checkpointer's retention, or a "
+                "delete) while this process was opening it; there is nothing to load there now")
+    return (f"{path} was replaced by another process's save while this process was opening "
+            "it; load it again (it now holds the newer checkpoint)")
+
+
+def _open_once(path: str, last_try: bool) -> OpenCheckpoint:
+    if is_temporary(path):
+        raise NotCommittedError(
+            f"{path} is the temporary directory of an interrupted or running save, not a "
+            "committed checkpoint; load the checkpoint path itself"
+        )
+    try:
+        dir_fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        if not last_try and os.path.lexists(commit_lock_path(path)):
+            # a commit without RENAME_EXCHANGE empties the path for a moment
+            raise CheckpointReplacedError(replaced_message(path, "replaced")) from None
+        raise NotCommittedError(
+            f"{path} does not exist: it is not a committed gds_persist checkpoint (an "
+            "interrupted save leaves only a hidden .NAME.tmp-* sibling)"
+        ) from None
+    except NotADirectoryError:
+        raise NotCommittedError(
+            f"{path} is not a directory: it is not a gds_persist checkpoint") from None
+    try:
+        try:
+            fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+        except FileNotFoundError:
+            held = os.fstat(dir_fd)
+            try:
+                now = os.stat(path)
+                same = (now.st_dev, now.st_ino) == (held.st_dev, held.st_ino)
+            except FileNotFoundError:
+                same = False
+            if not same:
+                raise CheckpointReplacedError(replaced_message(path, "replaced")) from None
+            raise NotCommittedError(
+                f"{path} has no manifest.json: it is not a committed gds_persist checkpoint "
+                "(an interrupted save leaves only a hidden .NAME.tmp-* sibling)"
+            ) from None
+        try:
+            chunks = []
+            while chunk := os.read(fd, 1 << 20):
+                chunks.append(chunk)
+        finally:
+            os.close(fd)
+        raw = b"".join(chunks)
+        manifest = parse_manifest(raw, os.path.join(path, MANIFEST_NAME))
+        return OpenCheckpoint(path, dir_fd, raw, manifest)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+
+
+def pause(attempt: int) -> None:
+    """The wait before opening a replaced checkpoint again."""
+    time.sleep(min(0.002 * (2 ** attempt), 0.1))
+
+
+def open_checkpoint(path: str | os.PathLike[str], data_dirs: Any = None) -> OpenCheckpoint:
+    """Open the committed checkpoint at ``path`` (its directory and manifest); data files are
+    opened by :meth:`OpenCheckpoint.open_files`. Raises :class:`NotCommittedError` /
+    :class:`ManifestError` for what is not a valid committed checkpoint."""
+    path = os.fspath(path)
+    for attempt in range(OPEN_ATTEMPTS):
+        try:
+            ck = _open_once(path, attempt == OPEN_ATTEMPTS - 1)
+        except CheckpointReplacedError:
+            if attempt == OPEN_ATTEMPTS - 1:
+                raise
+            pause(attempt)
+            continue
+        try:
+            ck.set_data_dirs(data_dirs)
+        except BaseException:
+            ck.close()
+            raise
+        return ck
+    raise AssertionError("unreachable")
+
+
+def opened(path: str | os.PathLike[str], use: Callable[[OpenCheckpoint], T],
+           data_dirs: Any = None) -> T:
+    """``use(checkpoint)`` on the checkpoint at ``path`` held open, closed afterwards. ``use``
+    opens the data files it needs before reading any; if the checkpoint was replaced before it
+    could, it is opened again and ``use`` runs again (at most ``OPEN_ATTEMPTS`` times in all),
+    so ``use`` must not have done anything by then that it cannot repeat."""
+    path = os.fspath(path)
+    for attempt in range(OPEN_ATTEMPTS):
+        try:
+            ck = open_checkpoint(path, data_dirs)
+        except NotCommittedError:
+            if attempt:  # it was there a moment ago
+                raise CheckpointReplacedError(replaced_message(path, "removed")) from None
+            raise
+        try:
+            return use(ck)
+        except CheckpointReplacedError:
+            if attempt == OPEN_ATTEMPTS - 1:
+                raise
+        finally:
+            ck.close()
+        pause(attempt)
+    raise AssertionError("unreachable")
