@@ -122,7 +122,8 @@ def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | N
             with stage("choose backend"):
                 backend, reason = _read_backend(
                     cfg, directory, wants_device,
-                    (ck.source(largest), ck.manifest.files[largest].size))
+                    (ck.source(largest), ck.manifest.files[largest].size,
+                     ck.manifest.files[largest].name))
             chosen.append((backend.name, reason))
             reader = FileReader(backend, ring, pool, cfg.io_timeout_s, verify=verify,
                                 describe=describe, on_checksum=on_checksum, on_bytes=on_bytes,
@@ -133,7 +134,7 @@ def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | N
 
 
 def _read_backend(cfg: settings.Settings, directory: str, wants_device: bool,
-                  sample: tuple[str, int]) -> tuple[Backend, str]:
+                  sample: tuple[str, int, str]) -> tuple[Backend, str]:
     try:
         return choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
                               cfg.block_bytes, read_sample=sample)

@@ -52,14 +52,14 @@ def choose_backend(
     io_threads: int = 4,
     block_bytes: int = 16 << 20,
     auto_kvikio: str | None = None,
-    read_sample: tuple[str, int] | None = None,
+    read_sample: tuple[str, int, str] | None = None,
 ) -> tuple[Backend, str]:
     """Resolve a backend name for files in ``directory``; returns the backend and why.
 
     ``auto_kvikio`` (None: the setting in force) says when ``auto`` takes kvikio
-    (:mod:`.auto`). ``read_sample``: for a load, a data file there and its size: where ``auto``
-    would read with O_DIRECT, it reads through the page cache instead if that measured faster on
-    this filesystem (:mod:`.read_mode`)."""
+    (:mod:`.auto`). ``read_sample``: for a load, a data file there (what to open, its size,
+    its name): where ``auto`` would read with O_DIRECT, it reads through the page cache instead
+    if that measured faster on this filesystem (:mod:`.read_mode`)."""
     from .kvikio_backend import kvikio_facts
 
     if requested not in BACKEND_NAMES:

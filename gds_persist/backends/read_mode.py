@@ -26,9 +26,11 @@ BUFFERED_MARGIN = 1.15  # buffered must be this much faster: O_DIRECT keeps the 
 _choices: dict[int, tuple[bool, str]] = {}  # st_dev -> (buffered?, reason)
 
 
-def measured_read_mode(path: str, size: int, threads: int) -> tuple[bool, str] | None:
+def measured_read_mode(path: str, size: int, name: str,
+                       threads: int) -> tuple[bool, str] | None:
     """Whether reads from ``path``'s filesystem should go through the page cache, and why,
-    measured once per filesystem on ``path`` (a data file of ``size`` bytes); None when the file
+    measured once per filesystem on ``path`` (data file ``name`` of ``size`` bytes, or a
+    descriptor of it under /proc/self/fd); None when the file
     is too small to measure and nothing was measured on that filesystem before."""
     dev = os.stat(path).st_dev
     if dev in _choices:
@@ -43,7 +45,7 @@ def measured_read_mode(path: str, size: int, threads: int) -> tuple[bool, str] |
     choice = "page cache (buffered)" if use_buffered else "O_DIRECT"
     reason = (f"reads via {choice}: measured on this filesystem {direct / 1e9:.2f} GB/s with "
               f"O_DIRECT vs {buffered / 1e9:.2f} GB/s buffered ({SAMPLE_BYTES >> 20} MiB cold "
-              f"each, {os.path.basename(path)})")
+              f"each, {name})")
     _choices[dev] = (use_buffered, reason)
     return _choices[dev]
 
