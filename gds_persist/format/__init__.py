@@ -4,36 +4,48 @@
 * :mod:`.tree`: the encoding of a state dict's structure, and the one walker over it;
 * :mod:`.leaves`: the extra leaf node kinds of that tree (format version 3);
 * :mod:`.manifest`: the manifest, dumped, parsed and validated (spec: ``docs/FORMAT.md``);
-* :mod:`.checksum`: CRC32C, the format's checksum, and the algebra that combines it.
+* :mod:`.checksum`: CRC32C, the format's checksum, and the algebra that combines it;
+* :mod:`.hashing`: BLAKE3-128, the content hash of incremental saves (format version 4);
+* :mod:`.codec`: the lossless codec of encoded extents (format version 4).
 
 This module only re-exports them.
 """
 
 from __future__ import annotations
 
-from . import leaves, tree
+from . import codec, hashing, leaves, tree
 from .checksum import crc32c, crc32c_combine
+from .hashing import content_hash
 from .manifest import (
     CHECKSUM_ALGORITHM,
     FORMAT_NAME,
     FORMAT_VERSION,
     MANIFEST_NAME,
     READABLE_VERSIONS,
+    REFERENCES_VERSION,
     Manifest,
+    base_dir_path,
     canonical,
     data_file_path,
     dump_manifest,
     full_tree,
+    local_prefix,
+    manifest_storage_keys,
     parse_manifest,
     sections_tree,
     storage_descriptions,
+    storage_keys,
 )
 from .records import (
     ALIGNMENT,
+    CODEC_BLOSC2,
+    CODEC_NONE,
+    CODECS,
     DTYPES,
     MAX_DEPTH,
     SAFE_FILE_NAME,
     STRIPE_MARK,
+    BaseRef,
     DataDir,
     DataFile,
     Extent,
@@ -51,14 +63,19 @@ from .records import (
 __all__ = [
     "ALIGNMENT",
     "CHECKSUM_ALGORITHM",
+    "CODECS",
+    "CODEC_BLOSC2",
+    "CODEC_NONE",
     "DTYPES",
     "FORMAT_NAME",
     "FORMAT_VERSION",
     "MANIFEST_NAME",
     "MAX_DEPTH",
     "READABLE_VERSIONS",
+    "REFERENCES_VERSION",
     "SAFE_FILE_NAME",
     "STRIPE_MARK",
+    "BaseRef",
     "DataDir",
     "DataFile",
     "Extent",
@@ -67,7 +84,10 @@ __all__ = [
     "StorageRecord",
     "TensorRecord",
     "align_up",
+    "base_dir_path",
     "canonical",
+    "codec",
+    "content_hash",
     "crc32c",
     "crc32c_combine",
     "data_file_name",
@@ -75,12 +95,16 @@ __all__ = [
     "dtype_name",
     "dump_manifest",
     "full_tree",
+    "hashing",
     "leaves",
     "local_file_name",
+    "local_prefix",
+    "manifest_storage_keys",
     "parse_manifest",
     "rank_data_file_name",
     "sections_tree",
     "storage_descriptions",
+    "storage_keys",
     "stripe_dir_name",
     "tree",
 ]

@@ -22,6 +22,14 @@ reading plain checkpoints) adds, for data-parallel saves (``docs/DISTRIBUTED.md`
 Version 3 (written only when a tree holds one of them) is version 2 plus the extra leaf node
 kinds of :mod:`.leaves` (numpy arrays and scalars, bytes, paths, enums, typed containers,
 opt-in pickles), so that a reader which predates them says "upgrade" instead of failing on a node.
+
+Version 4 (written only when a checkpoint uses one of them) is version 3 plus:
+
+* ``bases``: sibling checkpoints (same parent directory, plain names) whose data files this one
+  refers to, each with the SHA-256 of its ``manifest.json``; a file's ``base`` is 0 for its own
+  files and ``k`` for a file of ``bases[k-1]`` (an incremental save);
+* per extent ``codec`` / ``stored`` / ``stored_crc32c`` (an extent stored encoded by the lossless
+  codec of :mod:`.codec`) and ``blake3`` (the content hash of :mod:`.hashing`).
 """
 
 from __future__ import annotations
@@ -38,11 +46,22 @@ from ..errors import ManifestError
 from . import leaves, records
 from . import tree as _tree
 from .checksum import crc32c
-from .records import ALIGNMENT, DTYPES, SAFE_FILE_NAME, STRIPE_DIR_NAME, STRIPE_MARK
+from .records import (
+    ALIGNMENT,
+    BLAKE3_128_HEX,
+    CODEC_NONE,
+    CODECS,
+    DTYPES,
+    SAFE_FILE_NAME,
+    SHA256_HEX,
+    STRIPE_DIR_NAME,
+    STRIPE_MARK,
+)
 
 FORMAT_NAME = "gds_persist"
-FORMAT_VERSION = 3  # the newest version written; each checkpoint gets the oldest that holds it
-READABLE_VERSIONS = (1, 2, 3)
+FORMAT_VERSION = 4  # the newest version written; each checkpoint gets the oldest that holds it
+READABLE_VERSIONS = (1, 2, 3, 4)
+REFERENCES_VERSION = 4  # bases, encoded extents, content hashes
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "crc32c"
 _MAX_SIZE = 1 << 62  # larger than any file; rejects overflowing sizes early
@@ -59,15 +78,26 @@ class Manifest:
     alignment: int = ALIGNMENT
     dirs: list[records.DataDir] = field(default_factory=list)  # version 2
     sections: list[records.Section] = field(default_factory=list)  # version 2
+    bases: list[records.BaseRef] = field(default_factory=list)  # version 4
 
     @property
     def total_bytes(self) -> int:
-        return sum(f.size for f in self.files)
+        """Bytes of this checkpoint's own data files (not those of its bases)."""
+        return sum(f.size for f in self.files if not f.base)
+
+    @property
+    def referenced_bytes(self) -> int:
+        """Decoded bytes of the extents that live in the data files of base checkpoints."""
+        return sum(e.length for e in self.extents if self.files[e.file].base)
 
     @property
     def version(self) -> int:
-        """The format version this manifest needs: 3 only if a tree holds an extra leaf node,
+        """The format version this manifest needs: 4 only if it refers to base checkpoints or
+        has an encoded or content-hashed extent, else 3 only if a tree holds an extra leaf node,
         else 2 only if it uses a version-2 field, else 1."""
+        if (self.bases or any(f.base for f in self.files)
+                or any(e.codec != CODEC_NONE or e.blake3 for e in self.extents)):
+            return REFERENCES_VERSION
         if any(_tree.uses_leaves(t) for t in (self.tree, *(s.tree for s in self.sections))):
             return leaves.VERSION
         uses_v2 = self.dirs or self.sections or any(f.dir for f in self.files)
@@ -80,18 +110,18 @@ def dump_manifest(m: Manifest) -> bytes:
         "alignment": m.alignment,
         "checksum": CHECKSUM_ALGORITHM,
         "byteorder": "little",
-        "files": [
-            _fields(f) if version >= 2 else {"name": f.name, "size": f.size} for f in m.files
-        ],
+        "files": [_file_fields(f, version) for f in m.files],
         "storages": [_fields(s) for s in m.storages],
         "tensors": [_fields(t) for t in m.tensors],
-        "extents": [_fields(e) for e in m.extents],
+        "extents": [_extent_fields(e, version) for e in m.extents],
         "tree": m.tree,
         "writer": m.writer,
     }
     if version >= 2:
         body["dirs"] = [_fields(d) for d in m.dirs]
         body["sections"] = [_fields(sec) for sec in m.sections]
+    if version >= REFERENCES_VERSION:
+        body["bases"] = [_fields(b) for b in m.bases]
     text = canonical(body)
     # The document is {"format", "version", "body_crc32c", "body"} with the body spliced in as
     # its canonical text: encoded once, by the C encoder (an indented dump runs the pure-Python
@@ -104,6 +134,25 @@ def dump_manifest(m: Manifest) -> bytes:
 def _fields(record: Any) -> dict[str, Any]:
     """A record's fields (ints, strs, tuples, JSON trees): ``asdict`` without its deep copy."""
     return dict(vars(record))
+
+
+_EXTENT_V1 = ("storage", "start", "length", "file", "offset", "crc32c")
+
+
+def _file_fields(f: records.DataFile, version: int) -> dict[str, Any]:
+    if version >= REFERENCES_VERSION:
+        return _fields(f)
+    if version >= 2:
+        return {"name": f.name, "size": f.size, "dir": f.dir}
+    return {"name": f.name, "size": f.size}
+
+
+def _extent_fields(e: records.Extent, version: int) -> dict[str, Any]:
+    if version < REFERENCES_VERSION:
+        return {k: getattr(e, k) for k in _EXTENT_V1}
+    out = _fields(e)
+    out["stored"], out["stored_crc32c"] = e.stored_length, e.stored_checksum
+    return out
 
 
 def canonical(body: dict[str, Any]) -> bytes:
@@ -182,9 +231,12 @@ class _ManifestValidator:
         if b.get("byteorder") != "little":
             raise self.fail("only little-endian checkpoints are supported")
         dirs = self.dirs() if self.version >= 2 else []
-        file_fields = {"name": 0, "size": 0, **({"dir": 0} if self.version >= 2 else {})}
+        bases = self.bases() if self.version >= REFERENCES_VERSION else []
+        file_fields = {"name": 0, "size": 0, **({"dir": 0} if self.version >= 2 else {}),
+                       **({"base": 0} if self.version >= REFERENCES_VERSION else {})}
         files = [
-            self.file(i, f, len(dirs)) for i, f in enumerate(self.entries("files", file_fields))
+            self.file(i, f, len(dirs), len(bases))
+            for i, f in enumerate(self.entries("files", file_fields))
         ]
         storages = [
             self.storage(i, s)
@@ -195,7 +247,8 @@ class _ManifestValidator:
             self.tensor(i, t, storages)
             for i, t in enumerate(self.entries("tensors", tensor_fields))
         ]
-        extent_fields = {k: 0 for k in records.Extent.__dataclass_fields__}
+        extent_fields = ({k: 0 for k in records.Extent.__dataclass_fields__}
+                         if self.version >= REFERENCES_VERSION else dict.fromkeys(_EXTENT_V1, 0))
         extents = [
             self.extent(i, e, files, storages)
             for i, e in enumerate(self.entries("extents", extent_fields))
@@ -206,13 +259,32 @@ class _ManifestValidator:
         writer = b.get("writer")
         if not isinstance(writer, dict):
             raise self.fail("'writer' must be an object")
-        if len({(f.dir, f.name) for f in files}) != len(files):
+        if len({(f.base, f.dir, f.name) for f in files}) != len(files):
             raise self.fail("two files have the same name in the same directory")
         return Manifest(
-            files, storages, tensors, extents, b["tree"], writer, ALIGNMENT, dirs, sections
+            files, storages, tensors, extents, b["tree"], writer, ALIGNMENT, dirs, sections, bases
         )
 
-    def file(self, i: int, f: dict[str, Any], n_dirs: int = 0) -> records.DataFile:
+    def bases(self) -> list[records.BaseRef]:
+        out = []
+        for i, d in enumerate(self.entries("bases", {"name": 0, "manifest_sha256": 0})):
+            name, digest = d["name"], d["manifest_sha256"]
+            if (not isinstance(name, str) or not SAFE_FILE_NAME.match(name)
+                    or STRIPE_MARK in name or ".tmp-" in name or ".old-" in name
+                    or ".del-" in name):
+                raise self.fail(
+                    f"bases[{i}] name {name!r} is not the plain name of a sibling checkpoint "
+                    "directory (references outside the checkpoint's parent directory are "
+                    "refused)")
+            if not isinstance(digest, str) or not SHA256_HEX.match(digest):
+                raise self.fail(f"bases[{i}] manifest_sha256 {digest!r} is not 64 hex digits")
+            out.append(records.BaseRef(name, digest))
+        if len({b.name for b in out}) != len(out):
+            raise self.fail("'bases' lists a checkpoint twice")
+        return out
+
+    def file(self, i: int, f: dict[str, Any], n_dirs: int = 0,
+             n_bases: int = 0) -> records.DataFile:
         name = f["name"]
         if not isinstance(name, str) or not SAFE_FILE_NAME.match(name) or name == MANIFEST_NAME:
             raise self.fail(
@@ -228,7 +300,13 @@ class _ManifestValidator:
                 f"files[{i}] dir {directory!r} is not 0 (the checkpoint directory) or "
                 f"one of the {n_dirs} data directories"
             )
-        return records.DataFile(name, f["size"], directory)
+        base = f.get("base", 0)
+        if not _is_int(base, 0, n_bases):
+            raise self.fail(f"files[{i}] base {base!r} is not 0 (this checkpoint) or one of "
+                            f"the {n_bases} base checkpoints")
+        if base and directory:
+            raise self.fail(f"files[{i}] of a base checkpoint must be in its directory (dir 0)")
+        return records.DataFile(name, f["size"], directory, base)
 
     def dirs(self) -> list[records.DataDir]:
         out = []
@@ -328,9 +406,11 @@ class _ManifestValidator:
             raise self.fail(f"extents[{i}] refers to a storage or file that does not exist: {e}")
         if e["offset"] % ALIGNMENT:
             raise self.fail(f"extents[{i}] offset {e['offset']} is not {ALIGNMENT}-aligned")
-        if e["offset"] + e["length"] > files[e["file"]].size:
+        extra = self.extent_v4(i, e) if self.version >= REFERENCES_VERSION else {}
+        stored = extra.get("stored") or e["length"]
+        if e["offset"] + stored > files[e["file"]].size:
             raise self.fail(
-                f"extents[{i}] ends at {e['offset'] + e['length']}, beyond "
+                f"extents[{i}] ends at {e['offset'] + stored}, beyond "
                 f"{files[e['file']].name} ({files[e['file']].size} bytes)"
             )
         if e["start"] + e["length"] > storages[e["storage"]].nbytes:
@@ -339,7 +419,27 @@ class _ManifestValidator:
             )
         if not _is_int(e["crc32c"], 0, 0xFFFFFFFF):
             raise self.fail(f"extents[{i}] crc32c {e['crc32c']!r} is not a 32-bit value")
-        return records.Extent(**e)
+        return records.Extent(**{k: e[k] for k in _EXTENT_V1}, **extra)
+
+    def extent_v4(self, i: int, e: dict[str, Any]) -> dict[str, Any]:
+        """The version-4 fields of an extent, checked; raw (``none``) extents get the in-memory
+        form (``stored`` and ``stored_crc32c`` 0: the same as ``length`` and ``crc32c``)."""
+        codec, stored, stored_crc, digest = (e["codec"], e["stored"], e["stored_crc32c"],
+                                             e["blake3"])
+        if codec not in CODECS:
+            raise self.fail(f"extents[{i}] codec {codec!r} is not one of {list(CODECS)}")
+        if not _is_int(stored) or not _is_int(stored_crc, 0, 0xFFFFFFFF):
+            raise self.fail(f"extents[{i}] stored / stored_crc32c is not an integer in range")
+        if not isinstance(digest, str) or (digest and not BLAKE3_128_HEX.match(digest)):
+            raise self.fail(f"extents[{i}] blake3 {digest!r} is not \"\" or 32 hex digits")
+        if codec == CODEC_NONE:
+            if stored != e["length"] or stored_crc != e["crc32c"]:
+                raise self.fail(f"extents[{i}] is stored raw: its stored length and "
+                                "stored_crc32c must equal length and crc32c")
+            return {"codec": codec, "stored": 0, "stored_crc32c": 0, "blake3": digest}
+        if stored < 1 or e["length"] < 1:
+            raise self.fail(f"extents[{i}] is encoded but empty")
+        return {"codec": codec, "stored": stored, "stored_crc32c": stored_crc, "blake3": digest}
 
     def coverage(
         self, extents: list[records.Extent], storages: list[records.StorageRecord]
@@ -376,6 +476,8 @@ def data_file_path(
     Raises :class:`ManifestError` if the file's real path (symlinks resolved) leaves its directory.
     """
     f = m.files[index]
+    if f.base:
+        return base_file_path(checkpoint, m, index)
     if f.dir == 0:
         base = checkpoint
     else:
@@ -389,6 +491,62 @@ def data_file_path(
             f"{real_base}; refusing to read it"
         )
     return full
+
+
+def base_dir_path(checkpoint: str, m: Manifest, base: int) -> str:
+    """The directory of ``m.bases[base - 1]``: a sibling of ``checkpoint``. Raises
+    :class:`ManifestError` if it is the checkpoint itself or (symlinks resolved) not a directory
+    of the same parent: a reference never leaves the checkpoint's root."""
+    ref = m.bases[base - 1]
+    parent = os.path.dirname(os.path.abspath(checkpoint))
+    if ref.name == os.path.basename(os.path.abspath(checkpoint)):
+        raise ManifestError(f"{checkpoint} refers to itself as its base checkpoint {ref.name}")
+    full = os.path.join(parent, ref.name)
+    real_parent, real = os.path.realpath(parent), os.path.realpath(full)
+    if os.path.dirname(real) != real_parent:
+        raise ManifestError(
+            f"base checkpoint {full} of {checkpoint} resolves to {real}, outside the "
+            f"checkpoint's root {real_parent}; refusing to read it")
+    return full
+
+
+def base_file_path(checkpoint: str, m: Manifest, index: int) -> str:
+    """Where data file ``index`` (one of a base checkpoint's files) lives; refused like
+    :func:`data_file_path` if it leaves the base directory."""
+    f = m.files[index]
+    base = base_dir_path(checkpoint, m, f.base)
+    full = os.path.join(base, f.name)
+    real_base, real = os.path.realpath(base), os.path.realpath(full)
+    if os.path.commonpath([real_base, real]) != real_base:
+        raise ManifestError(
+            f"data file {full} resolves to {real}, outside its directory {real_base}; "
+            "refusing to read it")
+    return full
+
+
+def storage_keys(tree: Any, tensors: list[records.TensorRecord],
+                 prefix: str = "") -> dict[int, str]:
+    """Storage index -> the key path of its first tensor (lowest tensor index) in ``tree``:
+    what an incremental save compares storages by (``prefix`` names a rank's local part)."""
+    keys: dict[int, tuple[int, str]] = {}
+    for i, path in _tree.tensor_paths(tree).items():
+        s = tensors[i].storage
+        if s not in keys or i < keys[s][0]:
+            keys[s] = (i, prefix + path)
+    return {s: p for s, (_, p) in keys.items()}
+
+
+def manifest_storage_keys(m: Manifest) -> dict[int, str]:
+    """:func:`storage_keys` of every storage of a checkpoint: the main tree's by key path,
+    rank-local ones prefixed with their rank (``rank 3: [0]['state']...``)."""
+    keys = storage_keys(m.tree, m.tensors)
+    for sec in m.sections:
+        keys.update(storage_keys(sec.tree, m.tensors, local_prefix(sec.rank)))
+    return keys
+
+
+def local_prefix(rank: int) -> str:
+    return f"rank {rank}: "
 
 
 def sections_tree(m: Manifest, ranks: Any = None) -> Any:

@@ -60,6 +60,18 @@ class DataFile:
     name: str
     size: int
     dir: int = 0  # 0: the checkpoint directory; k >= 1: Manifest.dirs[k - 1] (format version 2)
+    base: int = 0  # 0: this checkpoint's own file; k >= 1: a file of Manifest.bases[k - 1], a
+    # sibling checkpoint that physically holds the bytes (format version 4)
+
+
+@dataclass(frozen=True)
+class BaseRef:
+    """A sibling checkpoint (same parent directory) whose data files this one refers to, and its
+    identity: the SHA-256 of its ``manifest.json``, so a base replaced or moved since is refused
+    instead of read (format version 4)."""
+
+    name: str  # a plain directory name inside the parent directory of the checkpoint
+    manifest_sha256: str  # 64 lowercase hex digits
 
 
 @dataclass(frozen=True)
@@ -78,9 +90,21 @@ class Section:
     tree: Any
 
 
+CODEC_NONE = "none"  # stored as the raw bytes
+CODEC_BLOSC2 = "blosc2"  # stored as one blosc2 chunk (gds_persist.format.codec)
+CODECS = (CODEC_NONE, CODEC_BLOSC2)
+
+
 @dataclass(frozen=True)
 class Extent:
-    """Bytes ``[start, start+length)`` of storage ``storage``, at ``offset`` of file ``file``."""
+    """Bytes ``[start, start+length)`` of storage ``storage``, at ``offset`` of file ``file``.
+
+    ``crc32c`` is the CRC32C of those (decoded) bytes. Format version 4 adds: ``codec`` (how the
+    bytes are stored; ``none``: raw, ``stored_length == length``), ``stored`` and
+    ``stored_crc32c`` (length and CRC32C of the bytes on disk when encoded; 0 for ``none``, where
+    they equal ``length`` and ``crc32c``), and ``blake3`` (the BLAKE3-128 content hash of the
+    decoded bytes as 32 hex digits, or ``""`` when not computed).
+    """
 
     storage: int
     start: int
@@ -88,6 +112,24 @@ class Extent:
     file: int
     offset: int
     crc32c: int = 0
+    codec: str = CODEC_NONE
+    stored: int = 0
+    stored_crc32c: int = 0
+    blake3: str = ""
+
+    @property
+    def stored_length(self) -> int:
+        """Bytes this extent occupies at ``offset`` (before padding to ``ALIGNMENT``)."""
+        return self.length if self.codec == CODEC_NONE else self.stored
+
+    @property
+    def stored_checksum(self) -> int:
+        """CRC32C of the bytes on disk."""
+        return self.crc32c if self.codec == CODEC_NONE else self.stored_crc32c
+
+    @property
+    def encoded(self) -> bool:
+        return self.codec != CODEC_NONE
 
 
 def align_up(n: int, alignment: int = ALIGNMENT) -> int:
@@ -97,6 +139,8 @@ def align_up(n: int, alignment: int = ALIGNMENT) -> int:
 # --- file and directory names -------------------------------------------------------------------
 
 SAFE_FILE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}$")
+SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+BLAKE3_128_HEX = re.compile(r"^[0-9a-f]{32}$")
 STRIPE_MARK = ".gds-"  # external data directories are named ``<prefix>.gds-<save id>``
 STRIPE_DIR_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,200}\.gds-[0-9a-f]{6,64}$")
 
