@@ -16,7 +16,10 @@ overlaps the model's set-up and first steps. Steps, each timed, none ever raisin
    its mode (the driver open), plus the 4 KiB cuFile probe where kvikio is chosen;
 4. ``crc_kernel``: with CUDA and cupy, the device CRC32C kernel compiled (NVRTC; cupy keeps the
    binary in its on-disk cache, ``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``, so a later
-   process only loads it), loaded and run once on 4 KiB against the host CRC32C.
+   process only loads it), loaded and run once on 4 KiB against the host CRC32C;
+5. ``hash_kernel``: the same for the device BLAKE3-128 kernel (``kernels/blake3.cu``), which
+   incremental saves (``Checkpointer(incremental=True)``, ``save(..., base=...)``) run on CUDA
+   tensors.
 
 The device is the calling thread's current CUDA device where CUDA is initialised, the only GPU
 where there is one, else unknown (several GPUs and no ``torch.cuda.set_device`` yet: warming GPU 0
@@ -122,6 +125,8 @@ def _run(directory: str | None, dev: torch.device | None, why: str,
         else:
             _step(report, "backend", lambda: _backend(cfg, directory, dev is not None))
         _step(report, "crc_kernel", (lambda: _crc_kernel(dev)) if dev is not None else no_cuda)
+        _step(report, "hash_kernel", (lambda: _hash_kernel(dev)) if dev is not None
+              else no_cuda)
     report.seconds = time.perf_counter() - t0
     return report
 
@@ -174,6 +179,21 @@ def _backend(cfg: settings.Settings, directory: str, cuda: bool) -> str:
     os.makedirs(directory, exist_ok=True)
     be, reason = choose_backend(cfg.backend, directory, cuda, cfg.io_threads, cfg.block_bytes)
     return f"done: {be.name} ({reason})"
+
+
+def _hash_kernel(dev: torch.device) -> str:
+    from .format.hashing import content_hash
+    from .transfer.device_hash import cuda_hash_many, device_hash_status
+
+    ok, why = device_hash_status()
+    if not ok:
+        return f"skipped: {why}"
+    data = torch.randint(0, 256, (4097,), dtype=torch.uint8, device=dev)
+    (got,) = cuda_hash_many([data])  # compiles (or loads from cupy's cache) and launches
+    want = content_hash(data.cpu().numpy())
+    if got != want:
+        return f"failed: the device BLAKE3-128 of 4097 B was {got}, the host's {want}"
+    return f"done: device BLAKE3 kernel compiled/loaded and checked on {dev}"
 
 
 def _crc_kernel(dev: torch.device) -> str:

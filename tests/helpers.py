@@ -150,3 +150,19 @@ def available_backends(directory: str) -> list[BackendCase]:
     if kvikio_missing() is None:
         out.append(BackendCase("kvikio", "cuda"))
     return out
+
+
+def device_kernel_or_skip(status: Callable[[], tuple[bool, str]]) -> None:
+    """Skip (saying why) unless CUDA, cupy and the device kernel that ``status`` reports on
+    (``device_crc_status``, ``device_hash_status``) are usable."""
+    import pytest
+
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
+    try:
+        import cupy  # noqa: F401
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"cupy not importable ({e})")
+    ok, why = status()
+    if not ok:
+        pytest.skip(why)

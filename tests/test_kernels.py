@@ -315,6 +315,7 @@ def test_wheel_ships_the_kernel_source(tmp_path):
     (wheel,) = tmp_path.glob("gds_persist-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "gds_persist/kernels/crc32c.cu" in names
+    assert "gds_persist/kernels/blake3.cu" in names  # the content-hash kernel (test_hash_kernel)
     assert "gds_persist/kernels/__init__.py" in names
     assert "gds_persist/py.typed" in names
     assert not any(n.startswith("kernels/") for n in names)  # no stray top-level package
@@ -389,18 +390,12 @@ def test_kernel_source_uses_no_deprecated_stream_api():
 # --- on a GPU -------------------------------------------------------------------------------------
 
 def _cuda_or_skip():
-    torch = pytest.importorskip("torch")
-    if not torch.cuda.is_available():
-        pytest.skip("no CUDA device (torch.cuda.is_available() is False)")
-    try:
-        import cupy  # noqa: F401
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"cupy not importable ({e})")
+    import torch
+    from helpers import device_kernel_or_skip
+
     from gds_persist.transfer.device_crc import device_crc_status
 
-    ok, why = device_crc_status()
-    if not ok:
-        pytest.skip(why)
+    device_kernel_or_skip(device_crc_status)
     return torch
 
 

@@ -15,7 +15,7 @@ from gds_persist.backends import supports_o_direct
 from gds_persist.transfer import staging
 from gds_persist.warmup import NO_CUDA, default_device
 
-STEPS = ["cuda", "staging", "backend", "crc_kernel"]
+STEPS = ["cuda", "staging", "backend", "crc_kernel", "hash_kernel"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU outcome; this has CUDA")
@@ -24,6 +24,7 @@ def test_warmup_on_cpu(tmp_path: Path) -> None:
     assert list(report.steps) == STEPS and not report.failed
     outcome = {k: v for k, (v, _) in report.steps.items()}
     assert outcome["cuda"] == f"skipped: {NO_CUDA}" == outcome["crc_kernel"]
+    assert outcome["hash_kernel"] == f"skipped: {NO_CUDA}"
     assert outcome["staging"] == ("done: 4 x 1048576 B staging ring (not pinned), kept for the "
                                   "next save/load")
     name = "direct" if supports_o_direct(str(tmp_path))[0] else "buffered"
@@ -93,5 +94,6 @@ def test_gpu_warmup_does_every_step(tmp_path: Path) -> None:
     assert all(v.startswith("done: ") for v in outcome.values()), outcome
     assert "(pinned)" in outcome["staging"]
     assert "checked on cuda:" in outcome["crc_kernel"]
+    assert "checked on cuda:" in outcome["hash_kernel"]
     again = gds_persist.warmup(tmp_path)  # everything is warm now: the kernel is cached
     assert again.steps["crc_kernel"][1] < max(report.steps["crc_kernel"][1], 0.5)

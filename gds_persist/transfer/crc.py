@@ -17,7 +17,7 @@ from ..format.checksum import crc32c
 from .device_crc import as_bytes, cuda_crc32c_many
 
 log = logging.getLogger("gds_persist")
-_fallback_logged = False
+_fallback_logged: set[str] = set()
 
 
 def device_crc32c(data: torch.Tensor) -> int:
@@ -56,7 +56,12 @@ def device_crc32c_or_none(pieces: list[torch.Tensor]) -> list[int] | None:
 
 
 def _log_fallback(e: BackendError) -> None:
-    global _fallback_logged
-    if not _fallback_logged:
-        _fallback_logged = True
-        log.warning("gds_persist: %s; CRCs of CUDA memory use a host copy", e)
+    log_fallback_once("CRCs", e)
+
+
+def log_fallback_once(what: str, e: BackendError) -> None:
+    """Log, once per process and kind (``what``), that a device kernel is unusable and its
+    ``what`` of CUDA memory use a host copy."""
+    if what not in _fallback_logged:
+        _fallback_logged.add(what)
+        log.warning("gds_persist: %s; %s of CUDA memory use a host copy", e, what)

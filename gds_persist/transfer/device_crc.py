@@ -21,16 +21,17 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
 from ..errors import BackendError
 
 log = logging.getLogger("gds_persist")
+T = TypeVar("T")
 
 KERNEL_FILE = "crc32c.cu"
 KERNEL_NAME = "gdsp_crc32c"
@@ -49,17 +50,19 @@ def segment_bytes_for(nbytes: int) -> int:
 
 
 def kernel_source(name: str = KERNEL_FILE) -> str:
-    """The CUDA C source ``name``: package data of an installed wheel (``gds_persist/kernels``),
-    else the top-level ``kernels/`` directory of a source checkout."""
+    """The CUDA C source ``name``: the top-level ``kernels/`` directory of the source checkout
+    this package was imported from, else package data of an installed wheel
+    (``gds_persist/kernels``). The checkout comes first: a worktree imported by path must not
+    compile the kernels of another checkout installed in the environment."""
+    checkout = Path(__file__).resolve().parents[2] / "kernels" / name
+    if checkout.is_file():
+        return checkout.read_text(encoding="utf-8")
     try:
         resource = resources.files("gds_persist.kernels").joinpath(name)
         if resource.is_file():
             return resource.read_text(encoding="utf-8")
     except ModuleNotFoundError:
         pass
-    checkout = Path(__file__).resolve().parent.parent / "kernels" / name
-    if checkout.is_file():
-        return checkout.read_text(encoding="utf-8")
     raise FileNotFoundError(
         f"CUDA kernel source {name} not found in the package (gds_persist/kernels) nor at "
         f"{checkout}; reinstall gds_persist (the wheel ships kernels/*.cu as package data)"
@@ -95,8 +98,15 @@ def _kernel(device_index: int) -> Any:
 
 def device_crc_status() -> tuple[bool, str]:
     """Whether CRCs of CUDA memory run on the device, and why not (never raises)."""
-    if _unavailable is not None:
-        return False, _unavailable
+    return kernel_status(_unavailable,
+                         "device CRC32C kernel (kernels/crc32c.cu via cupy.RawModule/NVRTC)")
+
+
+def kernel_status(unavailable: str | None, working: str) -> tuple[bool, str]:
+    """A device kernel's status: ``unavailable`` (why it failed once) or what stops it here,
+    else ``working``."""
+    if unavailable is not None:
+        return False, unavailable
     try:
         import cupy  # noqa: F401
     except ImportError as e:
@@ -104,7 +114,7 @@ def device_crc_status() -> tuple[bool, str]:
                        "pip install 'gds_persist[gpu]'")
     if not torch.cuda.is_available():
         return False, "no usable CUDA device/driver"
-    return True, "device CRC32C kernel (kernels/crc32c.cu via cupy.RawModule/NVRTC)"
+    return True, working
 
 
 def as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -159,6 +169,21 @@ def _launch_all(pieces: Sequence[torch.Tensor], device: torch.device) -> list[in
     return [int(v) & 0xFFFFFFFF for v in totals.cpu().tolist()]  # waits for the kernels
 
 
+def per_device(pieces: Sequence[torch.Tensor],
+               launch: Callable[[Sequence[torch.Tensor], torch.device], list[T]],
+               fill: T) -> list[T]:
+    """``launch(pieces of one device, device)`` for every device the pieces are on; the results
+    in the order of ``pieces``."""
+    by_device: dict[torch.device, list[int]] = {}
+    for i, p in enumerate(pieces):
+        by_device.setdefault(p.device, []).append(i)
+    result = [fill] * len(pieces)
+    for device, indices in by_device.items():
+        for i, value in zip(indices, launch([pieces[i] for i in indices], device), strict=True):
+            result[i] = value
+    return result
+
+
 def cuda_crc32c_many(pieces: Sequence[torch.Tensor]) -> list[int]:
     """CRC32C of each CUDA tensor's bytes, all launched before one wait (one sync per device).
 
@@ -173,15 +198,7 @@ def cuda_crc32c_many(pieces: Sequence[torch.Tensor]) -> list[int]:
     if _unavailable is not None:
         raise BackendError(_unavailable)
     try:
-        by_device: dict[torch.device, list[int]] = {}
-        for i, p in enumerate(pieces):
-            by_device.setdefault(p.device, []).append(i)
-        result = [0] * len(pieces)
-        for device, indices in by_device.items():
-            for i, crc in zip(indices, _launch_all([pieces[i] for i in indices], device),
-                              strict=True):
-                result[i] = crc
-        return result
+        return per_device(pieces, _launch_all, 0)
     except Exception as e:  # noqa: BLE001 - no cupy, NVRTC failure, ...: unusable from now on
         _unavailable = f"device CRC32C kernel unusable ({type(e).__name__}: {e})"
         raise BackendError(_unavailable) from e
