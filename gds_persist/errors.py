@@ -36,6 +36,12 @@ class CheckpointReplacedError(CheckpointError):
     one path")."""
 
 
+class ReferencedCheckpointError(CheckpointError):
+    """An incremental checkpoint refers to bytes held by a sibling checkpoint (its base) that is
+    missing, was moved, or was replaced since: nothing wrong is read; restore the base, or load
+    a standalone checkpoint (``gds-persist materialize`` makes one while the base exists)."""
+
+
 class BackendError(CheckpointError):
     """The requested I/O backend cannot be used here (unknown name, no O_DIRECT, no GPU stack)."""
 

@@ -7,6 +7,8 @@ Save (one data file)::
 
     h = backend.open(path, write=True, size=n)  # creates, preallocates n bytes (ENOSPC here)
     backend.pwrite(h, buf, offset)               # any number, from several threads at once
+    backend.set_size(h, m)                       # only when fewer bytes were written than
+                                                 # reserved (encoded or referred units)
     backend.sync(h)                              # data durable (fsync) before the manifest
     backend.close(h)                             # always, also after an error
 
@@ -24,6 +26,7 @@ Load::
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import Any
 
@@ -44,6 +47,13 @@ class Backend(ABC):
 
     @abstractmethod
     def pread(self, handle: Any, buf: Any, offset: int) -> int: ...
+
+    def set_size(self, handle: Any, size: int) -> None:
+        """Make the file ``size`` bytes long (trims a file created with a larger reservation);
+        the default leaves it as it is (longer files are valid checkpoints)."""
+        fd = handle if isinstance(handle, int) else getattr(handle, "fd", None)
+        if isinstance(fd, int):
+            os.ftruncate(fd, size)
 
     @abstractmethod
     def sync(self, handle: Any) -> None: ...

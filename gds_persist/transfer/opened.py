@@ -9,6 +9,12 @@ Backends open :meth:`OpenCheckpoint.source` - ``/proc/self/fd/N``, which reopens
 held (with O_DIRECT, and for kvikio's cuFile too), where the real path may name another
 checkpoint's file by now.
 
+An incremental checkpoint (format version 4) also reads files of its bases, sibling
+checkpoints named in its manifest: each base directory is opened and its ``manifest.json``
+checked against the SHA-256 recorded for it before any of its files is opened and held the same
+way. A base that is missing (deleted or moved by hand) or replaced since is
+:class:`ReferencedCheckpointError`, never bytes of another checkpoint.
+
 The one window is between opening the directory and opening the last file: if a file is missing
 then, :meth:`OpenCheckpoint.replaced` tells a replaced or removed checkpoint (the path now names
 another directory, or none) from a damaged one. Replaced: :class:`CheckpointReplacedError`,
@@ -25,8 +31,13 @@ import weakref
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
-from ..errors import CheckpointReplacedError, NotCommittedError, TruncatedError
-from ..format import MANIFEST_NAME, Manifest, data_file_path, parse_manifest
+from ..errors import (
+    CheckpointReplacedError,
+    NotCommittedError,
+    ReferencedCheckpointError,
+    TruncatedError,
+)
+from ..format import MANIFEST_NAME, Manifest, base_dir_path, data_file_path, parse_manifest
 from .commit import commit_lock_path, is_temporary
 
 T = TypeVar("T")
@@ -99,6 +110,10 @@ class OpenCheckpoint:
         """Where data file ``index`` lives (for messages and backend choice)."""
         return data_file_path(self.path, self.manifest, index, self.roots)
 
+    def fd(self, index: int) -> int:
+        """The held descriptor of data file ``index`` (opened by :meth:`open_files`)."""
+        return self._fds[index]
+
     def source(self, index: int) -> str:
         """What a backend opens to read data file ``index``: the held file itself."""
         fd = self._fds[index]
@@ -115,7 +130,10 @@ class OpenCheckpoint:
             f = self.manifest.files[index]
             full = self.file_path(index)
             try:
-                if f.dir == 0:
+                if f.base:
+                    fd = os.open(f.name, os.O_RDONLY | os.O_CLOEXEC,
+                                 dir_fd=self._base_dir(f.base))
+                elif f.dir == 0:
                     fd = os.open(f.name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self._fds["dir"])
                 else:
                     fd = os.open(full, os.O_RDONLY | os.O_CLOEXEC)
@@ -123,6 +141,11 @@ class OpenCheckpoint:
                 why = self.replaced()
                 if why:
                     raise CheckpointReplacedError(replaced_message(self.path, why)) from None
+                if f.base:
+                    raise ReferencedCheckpointError(
+                        f"data file {full} of {self.manifest.bases[f.base - 1].name}, the base "
+                        f"checkpoint {self.path} refers to, is missing: the base is damaged; "
+                        "restore it, or load an earlier standalone checkpoint") from None
                 raise TruncatedError(
                     f"data file {full} is missing; the checkpoint is incomplete") from None
             self._fds[index] = fd
@@ -132,6 +155,53 @@ class OpenCheckpoint:
                     f"data file {full} is {actual} bytes but the manifest records {f.size}: it "
                     "was truncated; restore it or use an earlier checkpoint"
                 )
+
+
+    def _base_dir(self, base: int) -> int:
+        """The held directory of ``manifest.bases[base - 1]``, opened and identified (its
+        manifest's SHA-256) on first use."""
+        key = ("base", base)
+        if key in self._fds:
+            return self._fds[key]
+        ref = self.manifest.bases[base - 1]
+        full = base_dir_path(self.path, self.manifest, base)  # ManifestError outside the root
+        referred = sum(e.length for e in self.manifest.extents
+                       if self.manifest.files[e.file].base == base)
+        what = (f"{self.path} refers to {referred} bytes held by the sibling checkpoint "
+                f"{ref.name}")
+        fix = ("restore that checkpoint there, or load an earlier standalone checkpoint "
+               "('gds-persist materialize' makes a standalone copy while the base exists)")
+        try:
+            fd = os.open(full, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except (FileNotFoundError, NotADirectoryError):
+            why = self.replaced()
+            if why:
+                raise CheckpointReplacedError(replaced_message(self.path, why)) from None
+            raise ReferencedCheckpointError(
+                f"{what}, which is missing ({full} was deleted or moved); {fix}") from None
+        self._fds[key] = fd
+        try:
+            manifest_fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_CLOEXEC, dir_fd=fd)
+        except FileNotFoundError:
+            raise ReferencedCheckpointError(
+                f"{what}, but {full} holds no committed checkpoint (no manifest.json); "
+                f"{fix}") from None
+        try:
+            chunks = []
+            while chunk := os.read(manifest_fd, 1 << 20):
+                chunks.append(chunk)
+        finally:
+            os.close(manifest_fd)
+        digest = hashlib.sha256(b"".join(chunks)).hexdigest()
+        if digest != ref.manifest_sha256:
+            why = self.replaced()
+            if why:
+                raise CheckpointReplacedError(replaced_message(self.path, why))
+            raise ReferencedCheckpointError(
+                f"{what}, but {full} was replaced since: its manifest.json has SHA-256 "
+                f"{digest[:16]}..., the reference recorded {ref.manifest_sha256[:16]}...; the "
+                f"referenced bytes are gone; {fix}")
+        return fd
 
 
 def replaced_message(path: str, why: str) -> str:

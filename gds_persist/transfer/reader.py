@@ -22,6 +22,13 @@ stream them elsewhere (an export).
 
 Device path (``accepts_device`` backend, CUDA destinations only): extents are read straight into
 device memory and checksummed there.
+
+Encoded extents (format version 4: stored as one blosc2 chunk, :mod:`gds_persist.format.codec`)
+are one request each: the stored bytes are read into a staging buffer, their CRC32C checked
+against ``stored_crc32c``, decoded straight into a host destination (into a scratch buffer for a
+CUDA destination, then copied up), and the CRC32C of the decoded bytes goes to ``on_checksum``
+like any extent's. Stored bytes that do not match, or do not decode, go to ``on_error`` as a
+:class:`ChecksumError` naming the tensor (the default raises it).
 """
 
 from __future__ import annotations
@@ -37,17 +44,18 @@ import numpy as np
 import torch
 
 from ..errors import ChecksumError, TruncatedError
-from ..format import Extent, crc32c, crc32c_combine
+from ..format import Extent, align_up, codec, crc32c, crc32c_combine
 from ..stages import stage
 from .crc import device_crc32c_many, device_crc32c_or_none
 from .cuda_copy import StreamCopier, copier_for
 from .pipeline import FilePipeline, drain_quietly, result_within, wait_all
 from .segments import Segment, cut, extent_spans, whole_blocks
-from .staging import AlignedBuffer
+from .staging import AlignedBuffer, page_aligned_tensor
 
 Describe = Callable[[int], str]  # storage index -> the key path(s) of its tensors
 OnChecksum = Callable[[str, Extent, int], None]  # (file path, extent, CRC32C of the bytes read)
 OnBytes = Callable[[Extent, int, memoryview], None]  # (extent, offset in its storage, bytes)
+OnError = Callable[[ChecksumError], None]  # stored bytes that do not match or do not decode
 Dests = Sequence[torch.Tensor | None]  # flat uint8 destination per storage; None: not read
 DIRECT_MIN = 1 << 20  # an extent this large is read into its destination directly when aligned
 CACHE_CHUNK = 1 << 20  # copy out and checksum this much at a time
@@ -64,12 +72,30 @@ def checksum_mismatch(what: str, path: str, e: Extent, actual: int) -> ChecksumE
     )
 
 
+def stored_mismatch(what: str, path: str, e: Extent, actual: int) -> ChecksumError:
+    """The error for encoded bytes on disk that do not match their recorded CRC32C."""
+    return ChecksumError(
+        f"checksum mismatch in {what}: file {path}, offset {e.offset}, {e.stored} stored "
+        f"({e.codec}-encoded) bytes: recorded stored_crc32c {e.stored_crc32c:08x}, read "
+        f"{actual:08x}; the data file is corrupted - load an earlier checkpoint"
+    )
+
+
+def undecodable(what: str, path: str, e: Extent, why: str) -> ChecksumError:
+    return ChecksumError(
+        f"{what}: the {e.stored} stored ({e.codec}-encoded) bytes at file {path}, offset "
+        f"{e.offset} do not decode to its {e.length} bytes ({why}); the data file is corrupted "
+        "- load an earlier checkpoint"
+    )
+
+
 @dataclass
 class _OpenFile:
     path: str
-    extents: list[Extent]  # sorted by offset
+    extents: list[Extent]  # raw extents, sorted by offset
     handle: Any
     pieces: list[PieceCrc] = field(default_factory=list)  # host CRCs of pieces, any order
+    encoded: list[Extent] = field(default_factory=list)  # encoded extents (version 4)
 
 
 @dataclass
@@ -86,11 +112,18 @@ class FileReader(FilePipeline):
     describe: Describe = field(default=lambda storage: f"storage #{storage}", kw_only=True)
     on_checksum: OnChecksum | None = field(default=None, kw_only=True)
     on_bytes: OnBytes | None = field(default=None, kw_only=True)
+    on_error: OnError | None = field(default=None, kw_only=True)
 
     def __post_init__(self) -> None:
         self.checksums = self.verify or self.on_checksum is not None
         self._on_checksum: OnChecksum = self.on_checksum or self.check
         self._bytes_lock = threading.Lock()
+        self._scratch = threading.local()
+
+    def _error(self, error: ChecksumError) -> None:
+        if self.on_error is None:
+            raise error
+        self.on_error(error)
 
     def check(self, path: str, e: Extent, actual: int) -> None:
         """The default ``on_checksum``: raise if ``actual`` is not the recorded CRC32C."""
@@ -112,9 +145,11 @@ class FileReader(FilePipeline):
         try:
             for path, extents, source in files:
                 with stage("open"):
-                    opened.append(_OpenFile(path, sorted(extents, key=lambda e: e.offset),
-                                            self.backend.open(source or path, write=False)))
-            device = [f for f in opened if self._to_device(f, dests)]
+                    ordered = sorted(extents, key=lambda e: e.offset)
+                    opened.append(_OpenFile(path, [e for e in ordered if not e.encoded],
+                                            self.backend.open(source or path, write=False),
+                                            encoded=[e for e in ordered if e.encoded]))
+            device = [f for f in opened if not f.encoded and self._to_device(f, dests)]
             for f in device:
                 assert dests is not None
                 self._read_to_device(f, dests)
@@ -157,12 +192,18 @@ class FileReader(FilePipeline):
         copier = copier_for(cuda)
         on_device = self.checksums and bool(cuda) and device_crc32c_or_none(
             [cuda[0][:1]]) is not None  # the kernel runs: CUDA pieces are checked there
-        requests = [(f, seg) for f in files for seg in self._segments(f, hosts)]
+        segments = sorted([(f, seg) for f in files for seg in self._segments(f, hosts)],
+                          key=lambda r: r[1].lo)
+        encoded = sorted([(f, e) for f in files for e in f.encoded], key=lambda r: r[1].offset)
+        requests: list[tuple[_OpenFile, Segment | Extent]] = [*segments, *encoded]
         in_flight: deque[Future[None]] = deque()
         window = 2 * self.ring.count  # requests queued at once (direct ones hold no buffer)
         try:
-            for f, seg in sorted(requests, key=lambda r: r[1].lo):  # every file at once
-                in_flight.append(self._submit(f, seg, dests, hosts, copier, on_device))
+            for f, request in requests:  # every file at once
+                if isinstance(request, Extent):
+                    in_flight.append(self._submit_encoded(f, request, dests, hosts, copier))
+                else:
+                    in_flight.append(self._submit(f, request, dests, hosts, copier, on_device))
                 while len(in_flight) > window or (in_flight and in_flight[0].done()):
                     result_within(in_flight.popleft(), self.timeout_s, f"reading {f.path}")
             wait_all(in_flight, self.timeout_s, f"reading {files[0].path}")
@@ -199,6 +240,75 @@ class FileReader(FilePipeline):
             raise
         fut.add_done_callback(self._releaser(buf))  # a cancelled read frees its buffer
         return fut
+
+    def _submit_encoded(self, f: _OpenFile, e: Extent, dests: Dests | None,
+                        hosts: Sequence[np.ndarray | None],
+                        copier: StreamCopier | None) -> Future[None]:
+        span = align_up(e.stored)
+        buf = None
+        if span <= self.ring.block_bytes:  # type: ignore[union-attr]
+            with stage("wait for a staging buffer"):
+                buf = self.ring.acquire()  # type: ignore[union-attr]
+        try:
+            fut = self.pool.submit(self._read_encoded, f, e, buf, dests, hosts, copier)
+        except BaseException:
+            if buf is not None:
+                self.ring.release(buf)  # type: ignore[union-attr]
+            raise
+        if buf is not None:
+            fut.add_done_callback(self._releaser(buf))
+        return fut
+
+    def _read_encoded(self, f: _OpenFile, e: Extent, buf: AlignedBuffer | None,
+                      dests: Dests | None, hosts: Sequence[np.ndarray | None],
+                      copier: StreamCopier | None) -> None:
+        try:
+            span = align_up(e.stored)
+            if buf is not None:
+                view, array = buf.view[:span], buf.array[:span]
+            else:  # stored by a writer with larger units than this reader's staging buffers
+                big = page_aligned_tensor(span)
+                array = big.numpy()
+                view = memoryview(array.data)
+            self._pread(f, view, e.offset)
+            stored = array[: e.stored]
+            if self.checksums:
+                with stage("checksum (stored)", e.stored):
+                    actual = crc32c(stored)
+                if actual != e.stored_crc32c:
+                    self._error(stored_mismatch(self.describe(e.storage), f.path, e, actual))
+                    return
+            dest = dests[e.storage] if dests is not None else None
+            host = hosts[e.storage] if hosts and dest is not None and not dest.is_cuda else None
+            out = (host[e.start : e.start + e.length] if host is not None
+                   else self._scratch_array(e.length))
+            try:
+                with stage("decompress", e.length):
+                    codec.decode(stored, out)
+            except ValueError as why:
+                self._error(undecodable(self.describe(e.storage), f.path, e, str(why)))
+                return
+            if self.on_bytes is not None:
+                with self._bytes_lock:
+                    self.on_bytes(e, e.start, memoryview(out.data))
+            if dest is not None and dest.is_cuda:
+                assert copier is not None
+                with stage("copy to device", e.length):
+                    copier.copy_and_wait(dest[e.start : e.start + e.length],
+                                         torch.from_numpy(out))
+            if self.checksums:
+                with stage("checksum", e.length):
+                    self._on_checksum(f.path, e, crc32c(out))
+        finally:
+            if buf is not None:
+                self.ring.release(buf)  # type: ignore[union-attr]
+
+    def _scratch_array(self, nbytes: int) -> np.ndarray:
+        """This thread's reusable host buffer for decoded bytes bound elsewhere."""
+        held = getattr(self._scratch, "array", None)
+        if held is None or held.nbytes < nbytes:
+            held = self._scratch.array = np.empty(max(nbytes, 1), dtype=np.uint8)
+        return held[:nbytes]
 
     def _pread(self, f: _OpenFile, view: memoryview, offset: int, what: str = "read") -> None:
         with stage(what, view.nbytes):

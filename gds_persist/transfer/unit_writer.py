@@ -1,0 +1,309 @@
+"""Writing units (format version 4): extents whose place in a file is known only once written.
+
+A version-4 save cuts every storage into *units* (canonical byte ranges, one extent each;
+:mod:`gds_persist.incremental`) and hands each data file a list of them. Every unit is one job on
+the I/O threads, doing its whole share of the work in one pass over the bytes while they are in
+cache:
+
+1. **hash** (incremental saves): BLAKE3-128 of its bytes (CUDA units were hashed on the device
+   up front, in one batch: ``kernels/blake3.cu``); then ``decide(unit, hash)`` says whether
+   identical bytes already live in a base checkpoint - if so nothing is written and nothing is
+   copied off the GPU;
+2. **checksum**: CRC32C of the (decoded) bytes;
+3. **compress** (``compress=True``): one blosc2 chunk (:mod:`gds_persist.format.codec`), kept
+   only when it saves at least one 4096-byte block, else the bytes are stored raw;
+4. **place and write**: the unit takes the next 4096-aligned offset of its file (under a lock, as
+   results arrive, so variable-length encoded units pack without a precomputed layout) and is
+   written: raw host bytes straight from the tensor's memory where its address is aligned (the
+   last partial block through a staging buffer), everything else from a staging buffer, zero
+   padded to the block.
+
+CUDA units are copied into a staging buffer by their own job (side stream, waited for by that
+job only), so copies, checksums, compression and writes of different units overlap. Every job
+takes at most one staging buffer, inside the job, and frees it before it ends: no job waits for a
+buffer that a queued job holds. With a backend that accepts device memory and no compression,
+CUDA units go from device memory to the file directly (CRC32C on the device).
+
+Files are created with room for all their units (so a full disk fails first) and trimmed to what
+was written before the fsync. File sizes and extents come back to the caller, who writes them
+into the manifest.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..format import ALIGNMENT, CODEC_BLOSC2, Extent, align_up, codec, crc32c
+from ..format.hashing import content_hash
+from ..stages import stage
+from .crc import device_crc32c_many
+from .cuda_copy import copier_for
+from .hashing import hash_pieces
+from .pipeline import FilePipeline, drain_quietly, result_within, wait_all
+from .staging import AlignedBuffer
+from .writer import DIRECT_MIN
+
+Decide = Callable[[int, str], bool]  # (unit index, its BLAKE3-128) -> True: refer, write nothing
+
+
+@dataclass(frozen=True)
+class Unit:
+    """Bytes ``[start, start + length)`` of ``sources[storage]``, stored as one extent."""
+
+    storage: int
+    start: int
+    length: int
+    typesize: int = 1  # the element size of the storage's dtype (the codec's type size)
+
+
+@dataclass
+class _File:
+    index: int
+    path: str
+    units: list[int]
+    handle: Any = None
+    size_hint: int = 0
+    next_offset: int = 0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def allocate(self, nbytes: int) -> int:
+        with self.lock:
+            offset = self.next_offset
+            self.next_offset += align_up(nbytes, ALIGNMENT)
+            return offset
+
+
+@dataclass
+class UnitResults:
+    """What :meth:`UnitWriter.write_files` did: per file its final size; per unit written, its
+    sealed extent (``file``: the file's index in the call); per unit hashed, its BLAKE3-128;
+    the units ``decide`` referred elsewhere."""
+
+    sizes: list[int]
+    extents: dict[int, Extent]
+    hashes: dict[int, str]
+    referred: set[int]
+
+
+@dataclass
+class UnitWriter(FilePipeline):
+    """Writes units into data files (backend calls per file: open, pwrite..., set_size, sync,
+    close; close also after an error)."""
+
+    compress: bool = field(default=False, kw_only=True)
+    hashes: bool = field(default=False, kw_only=True)  # compute every unit's BLAKE3-128
+    decide: Decide | None = field(default=None, kw_only=True)
+    codec_threads: int = field(default=1, kw_only=True)  # blosc2's own threads (it holds the GIL)
+
+    def write_files(self, paths: Sequence[str], files: Sequence[Sequence[int]],
+                    units: Sequence[Unit], sources: Sequence[torch.Tensor],
+                    known: dict[int, str] | None = None) -> UnitResults:
+        """Write ``units[k]`` for every ``k`` of ``files[i]`` into ``paths[i]`` (``sources``:
+        flat uint8 tensors by storage); ``known``: hashes already computed."""
+        assert self.ring is not None and self.ring.block_bytes >= align_up(
+            max((u.length for u in units), default=0))
+        self._units = units
+        self._sources = sources
+        self._hosts = [s.numpy() if not s.is_cuda else None for s in sources]
+        self._results = UnitResults([], {}, dict(known or {}), set())
+        self._copier = copier_for(list(sources))
+        opened: list[_File] = []
+        try:
+            for i, (path, members) in enumerate(zip(paths, files, strict=True)):
+                f = _File(i, path, list(members))
+                f.size_hint = sum(align_up(units[k].length) for k in members)
+                with stage("open + preallocate"):
+                    f.handle = self.backend.open(path, write=True, size=f.size_hint)
+                opened.append(f)
+            self._hash_cuda_units(opened)
+            for f in opened:  # units referred elsewhere after the device hash: nothing to do
+                f.units = [k for k in f.units if k not in self._results.referred]
+            self._run(opened)
+            self._finish(opened)
+            self._results.sizes = [f.next_offset for f in opened]
+            return self._results
+        finally:
+            for f in opened:
+                self.backend.close(f.handle)
+
+    # ------------------------------------------------------------------ hashing, deciding
+
+    def _hash_cuda_units(self, files: list[_File]) -> None:
+        if not self.hashes:
+            return
+        todo = [k for f in files for k in f.units
+                if self._sources[self._units[k].storage].is_cuda and k not in self._results.hashes]
+        pieces = [self._piece(k) for k in todo]
+        for k, h in zip(todo, hash_pieces(pieces), strict=True):
+            self._results.hashes[k] = h
+        for f in files:
+            for k in f.units:
+                h = self._results.hashes.get(k, "")
+                if (h and self._sources[self._units[k].storage].is_cuda
+                        and self.decide is not None and self.decide(k, h)):
+                    self._results.referred.add(k)
+
+    def _piece(self, k: int) -> torch.Tensor:
+        u = self._units[k]
+        return self._sources[u.storage][u.start : u.start + u.length]
+
+    # ------------------------------------------------------------------ the jobs
+
+    def _run(self, files: list[_File]) -> None:
+        jobs: list[tuple[_File, int]] = []
+        longest = max((len(f.units) for f in files), default=0)
+        for i in range(longest):  # round-robin: every file makes progress at once
+            jobs += [(f, f.units[i]) for f in files if i < len(f.units)]
+        device_write = self._device_write_ok(files)
+        if device_write:
+            self._device_crcs = dict(zip(
+                [k for _, k in jobs],
+                device_crc32c_many([self._piece(k) for _, k in jobs]) if jobs else [],
+                strict=True))
+        in_flight: deque[Future[None]] = deque()
+        window = 2 * self.ring.count  # type: ignore[union-attr]
+        try:
+            for f, k in jobs:
+                job = self._from_device if device_write else self._job
+                in_flight.append(self.pool.submit(job, f, k))
+                while len(in_flight) > window or (in_flight and in_flight[0].done()):
+                    result_within(in_flight.popleft(), self.timeout_s, f"writing {f.path}")
+            wait_all(in_flight, self.timeout_s, f"writing {files[0].path if files else ''}")
+        except BaseException:
+            drain_quietly(in_flight, self.timeout_s)
+            raise
+
+    def _device_write_ok(self, files: list[_File]) -> bool:
+        return (self.backend.accepts_device and not self.compress and all(
+            self._sources[self._units[k].storage].is_cuda for f in files for k in f.units))
+
+    def _from_device(self, f: _File, k: int) -> None:
+        u = self._units[k]
+        offset = f.allocate(u.length)
+        with stage("write (from device)", u.length):
+            self.backend.pwrite(f.handle, self._piece(k), offset)
+        self._seal(f, k, offset, self._device_crcs[k], None)
+
+    def _job(self, f: _File, k: int) -> None:
+        u = self._units[k]
+        if self._sources[u.storage].is_cuda:
+            buf = self.ring.acquire()  # type: ignore[union-attr]
+            try:
+                assert self._copier is not None
+                with stage("copy to staging (D2H)", u.length):
+                    self._copier.copy_and_wait(buf.tensor[: u.length], self._piece(k))
+                self._store(f, k, buf.array[: u.length], buf)
+            finally:
+                self.ring.release(buf)  # type: ignore[union-attr]
+            return
+        host = self._hosts[u.storage]
+        assert host is not None
+        data = host[u.start : u.start + u.length]
+        if self.hashes and k not in self._results.hashes:
+            with stage("hash", u.length):
+                self._results.hashes[k] = content_hash(data)  # dict writes: atomic under the GIL
+        if self.decide is not None and self.decide(k, self._results.hashes.get(k, "")):
+            self._results.referred.add(k)
+            return
+        self._store(f, k, data, None)
+
+    def _store(self, f: _File, k: int, data: np.ndarray, buf: AlignedBuffer | None) -> None:
+        """Checksum, maybe compress, place and write one unit's bytes ``data`` (which live in
+        ``buf`` when given, else in the tensor's own memory)."""
+        u = self._units[k]
+        with stage("checksum", u.length):
+            crc = crc32c(data)
+        encoded = None
+        if self.compress and u.length >= codec.COMPRESS_MIN:
+            with stage("compress", u.length):
+                candidate = codec.encode(data, u.typesize, self.codec_threads)
+            if codec.worth_storing(u.length, len(candidate)):
+                encoded = candidate
+        if encoded is not None:
+            with stage("checksum (stored)", len(encoded)):
+                stored_crc = crc32c(encoded)
+            offset = f.allocate(len(encoded))
+            self._write_staged(f, np.frombuffer(encoded, dtype=np.uint8), offset, buf)
+            self._seal(f, k, offset, crc, (len(encoded), stored_crc))
+            return
+        offset = f.allocate(u.length)
+        align = self.backend.host_alignment
+        direct = 0
+        if (buf is None and align is not None and u.length >= DIRECT_MIN
+                and data.ctypes.data % align == 0):
+            direct = u.length - u.length % ALIGNMENT
+        if direct:
+            with stage("write (from the tensor)", direct):
+                self.backend.pwrite(f.handle, data[:direct].data, offset)
+        if direct < u.length:
+            self._write_staged(f, data[direct:], offset + direct, buf)
+        self._seal(f, k, offset, crc, None)
+
+    def _write_staged(self, f: _File, data: np.ndarray, offset: int,
+                      buf: AlignedBuffer | None) -> None:
+        """Write ``data`` at ``offset`` through a staging buffer (``buf`` if given: ``data`` may
+        already be in it), zero-padded to the next block."""
+        own = buf is None
+        if own:
+            with stage("wait for a staging buffer"):
+                buf = self.ring.acquire()  # type: ignore[union-attr]
+        assert buf is not None
+        try:
+            n = data.nbytes
+            out = buf.array
+            if not (data.ctypes.data == out.ctypes.data):
+                with stage("copy to staging", n):
+                    np.copyto(out[:n], data)
+            padded = align_up(n, ALIGNMENT)
+            out[n:padded] = 0
+            with stage("write", padded):
+                self.backend.pwrite(f.handle, buf.view[:padded], offset)
+        finally:
+            if own:
+                self.ring.release(buf)  # type: ignore[union-attr]
+
+    def _seal(self, f: _File, k: int, offset: int, crc: int,
+              stored: tuple[int, int] | None) -> None:
+        u = self._units[k]
+        h = self._results.hashes.get(k, "")
+        if stored is None:
+            e = Extent(u.storage, u.start, u.length, f.index, offset, crc, blake3=h)
+        else:
+            e = Extent(u.storage, u.start, u.length, f.index, offset, crc, CODEC_BLOSC2,
+                       stored[0], stored[1], h)
+        self._results.extents[k] = e
+        if self.progress is not None:
+            self.progress(align_up(e.stored_length))
+
+    # ------------------------------------------------------------------ end of the files
+
+    def _finish(self, files: list[_File]) -> None:
+        """Trim every file to what was written, then fsync them all concurrently."""
+        for f in files:
+            if f.next_offset != f.size_hint:
+                self.backend.set_size(f.handle, f.next_offset)
+        with stage("fsync"):
+            syncs = deque(self.pool.submit(self.backend.sync, f.handle) for f in files)
+            try:
+                wait_all(syncs, self.timeout_s, f"fsync of {files[0].path if files else ''}")
+            except BaseException:
+                drain_quietly(syncs, self.timeout_s)
+                raise
+
+
+def codec_threads() -> int:
+    """Threads blosc2 compresses with (python-blosc2 holds the GIL while it works, so its own
+    threads are the parallelism): the cores this process may use."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # pragma: no cover - not Linux
+        return max(1, os.cpu_count() or 1)
