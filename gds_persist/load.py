@@ -77,6 +77,7 @@ from .transfer.reader import (
     FileReader,
     OnBytes,
     OnChecksum,
+    OnError,
     checksum_mismatch,
 )
 from .transfer.staging import io_session, page_aligned_tensor
@@ -92,7 +93,7 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
 def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | None,
                  cfg: settings.Settings, *, verify: bool = True,
                  describe: Describe | None = None, on_checksum: OnChecksum | None = None,
-                 on_bytes: OnBytes | None = None,
+                 on_bytes: OnBytes | None = None, on_error: OnError | None = None,
                  progress: Callable[[int], None] | None = None) -> list[tuple[str, str]]:
     """Read ``extents`` of the open checkpoint ``ck`` into ``dests`` (flat uint8 tensors by
     storage; None: only the hooks see the bytes), the files of each directory concurrently, with
@@ -127,7 +128,7 @@ def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | N
             chosen.append((backend.name, reason))
             reader = FileReader(backend, ring, pool, cfg.io_timeout_s, verify=verify,
                                 describe=describe, on_checksum=on_checksum, on_bytes=on_bytes,
-                                progress=progress)
+                                on_error=on_error, progress=progress)
             reader.read_files([(ck.file_path(i), by_file[i], ck.source(i)) for i in indices],
                               dests)
     return chosen
@@ -274,11 +275,18 @@ def _plan_load(m: Manifest, path: str, rank_local: Any, comm: Comm, cfg: setting
     share = bool(distributed and comm.size > 1 and cfg.load_strategy != "read_all" and replicated)
     shared, by_rank = _my_pieces(m, set(replicated), comm) if share else ([], [])
     mine = [] if share else [e for e in m.extents if e.storage in set(needed)]
-    own_storages = set(needed) - set(replicated)
-    reads = mine + (by_rank[comm.rank] + [e for e in m.extents if e.storage in own_storages]
-                    if share else [])
+    reads = mine + (by_rank[comm.rank] + _own_reads(m, needed, replicated) if share else [])
     return _LoadPlan(tree, wanted, needed, replicated, share, shared, by_rank, mine,
                      {e.file for e in reads})
+
+
+def _own_reads(m: Manifest, needed: list[int], replicated: list[int]) -> list[Extent]:
+    """In a shared load, what a rank reads whole itself: its rank-local storages, and the
+    encoded extents of replicated ones (an encoded extent cannot be cut between ranks)."""
+    own_storages = set(needed) - set(replicated)
+    shared = set(replicated)
+    return [e for e in m.extents
+            if e.storage in own_storages or (e.encoded and e.storage in shared)]
 
 
 def _open_agreed(path: str, comm: Comm, what: str,
@@ -358,16 +366,15 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
                 dests[s] = _destination(rec.nbytes,
                                         _target_device(rec.device, map_location, distributed))
         if not lp.share:
-            read_bytes[0] = sum(align_up(e.length) for e in lp.mine)
+            read_bytes[0] = sum(align_up(e.stored_length) for e in lp.mine)
             counter = ByteCounter(progress, read_bytes[0])
             chosen.extend(read_extents(ck, lp.mine, dests, cfg, verify=verify,
                                        describe=describe, progress=counter.hook))
             counter.finish()
             return []
-        own_storages = set(lp.needed) - set(lp.replicated)
-        own = [e for e in m.extents if e.storage in own_storages]
+        own = _own_reads(m, lp.needed, lp.replicated)
         sub = lp.by_rank[comm.rank]
-        read_bytes[0] = sum(align_up(e.length) for e in sub + own)
+        read_bytes[0] = sum(align_up(e.stored_length) for e in sub + own)
         counter = ByteCounter(progress, read_bytes[0])
         piece_crcs: dict[tuple[int, int], int] = {}
 
@@ -410,7 +417,7 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
 def _my_pieces(m: Manifest, replicated: set[int],
                comm: Comm) -> tuple[list[Extent], list[list[Extent]]]:
     """The replicated extents in file order, and each rank's aligned pieces of them."""
-    shared = sorted((e for e in m.extents if e.storage in replicated),
+    shared = sorted((e for e in m.extents if e.storage in replicated and not e.encoded),
                     key=lambda e: (e.file, e.offset))
     parts = plan_reads([e.length for e in shared], comm.size)
     by_rank = []
@@ -459,6 +466,10 @@ def verify(
 ) -> VerifyReport:
     """Re-read every extent and check its CRC32C without keeping the data; reports all mismatches.
 
+    Extents of an incremental checkpoint that live in its base checkpoints are checked like its
+    own (the bases are identified first); encoded extents are checked twice: the stored bytes
+    against ``stored_crc32c``, then the decoded bytes against ``crc32c``.
+
     Raises for problems that stop the check (bad manifest, missing or truncated file).
     ``data_dirs`` as for :func:`load`.
     """
@@ -475,12 +486,14 @@ def verify(
             if actual != e.crc32c:
                 errors.append(checksum_mismatch(describe(e.storage), file, e, actual))
 
-        counter = ByteCounter(progress, m.total_bytes)
+        counter = ByteCounter(progress, sum(align_up(e.stored_length) for e in m.extents))
         read_extents(ck, m.extents, None, cfg, describe=describe, on_checksum=collect,
-                     progress=counter.hook)
+                     on_error=errors.append, progress=counter.hook)
         counter.finish()
         return VerifyReport(
-            path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors
+            path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors,
+            referenced_bytes=m.referenced_bytes,
+            encoded_extents=sum(1 for e in m.extents if e.encoded),
         )
 
     return opened(path, check, data_dirs)

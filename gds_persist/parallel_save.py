@@ -46,6 +46,7 @@ import torch
 from . import settings
 from ._version import __version__
 from .backends import choose_backend
+from .compression import choose as choose_compression
 from .distributed import make_comm
 from .errors import DistributedError, ReplicationError
 from .flatten import Flattened, flatten
@@ -59,10 +60,24 @@ from .format import (
     StorageRecord,
     TensorRecord,
     dump_manifest,
+    local_prefix,
     parse_manifest,
+    storage_keys,
     stripe_dir_name,
 )
 from .format import tree as _tree
+from .incremental import (
+    Candidate,
+    Holder,
+    References,
+    assemble_references,
+    check_base_path,
+    check_written,
+    cut_units,
+    open_base,
+    typesizes,
+    write_units,
+)
 from .progress import ByteCounter, ProgressCallback
 from .results import DistributedSaveInfo
 from .schedule import DistributedPlan, RankInfo, plan_save
@@ -79,6 +94,7 @@ from .transfer.commit import (
 from .transfer.crc import device_crc32c
 from .transfer.locks import STALE_UNLOCKED_S, FileLock, acquire, try_acquire, untouched_for
 from .transfer.pipeline import byte_view
+from .transfer.unit_writer import Unit
 from .transfer.writer import write_plan
 
 KeyPath = _tree.KeyPath
@@ -233,12 +249,20 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
                   check_replicas: str = "structure", backend: str | None = None,
                   block_bytes: int | None = None, staging_bytes: int | None = None,
                   io_threads: int | None = None,
-                  progress: ProgressCallback | None = None) -> DistributedSaveInfo:
-    """See :func:`gds_persist.save` (the data-parallel arguments)."""
+                  progress: ProgressCallback | None = None,
+                  base: str | os.PathLike[str] | None = None, compression: str | None = None,
+                  content_hash: bool | None = None) -> DistributedSaveInfo:
+    """See :func:`gds_persist.save` (the data-parallel arguments). With ``base`` each rank
+    refers to the base's bytes for the units of its own share; ``compression`` is decided by each
+    rank for its own files."""
     t0 = time.perf_counter()
     path = os.path.abspath(os.fspath(path))
     cfg = settings.current(backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
-                           io_threads=io_threads)
+                           io_threads=io_threads, compression=compression)
+    if base is not None:
+        base = check_base_path(path, os.fspath(base))
+    hashes = content_hash if content_hash is not None else base is not None
+    units_mode = base is not None or hashes or cfg.compression != "none"
     if check_replicas not in CHECK_REPLICAS:
         raise ValueError(f"check_replicas={check_replicas!r}; valid: {', '.join(CHECK_REPLICAS)}")
     paths = normalize_paths(rank_local)
@@ -303,8 +327,12 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
         def write() -> dict[str, Any]:
             counter = ByteCounter(progress, sum(plan.files[i].plan.size
                                                 for i in plan.files_of(comm.rank)))
-            result = _write_my_files(plan, comm.rank, prep, tmp, roots, stripe, cfg, state,
-                                     counter.hook)
+            if units_mode:
+                result = _write_my_units(plan, comm.rank, prep, tmp, roots, stripe, cfg, state,
+                                         path, base, hashes, counter.hook)
+            else:
+                result = _write_my_files(plan, comm.rank, prep, tmp, roots, stripe, cfg, state,
+                                         counter.hook)
             counter.finish()
             return result
 
@@ -353,21 +381,44 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
 
     prep = state["prep"]
     mine = [plan.files[i].plan for i in plan.files_of(comm.rank)]
+    mine_sizes = results[comm.rank].get("sizes")
+    rank_bytes = (sum(mine_sizes.values()) if mine_sizes is not None
+                  else sum(f.size for f in mine))
+    written_total = (sum(sum(r["sizes"].values()) for r in results) if mine_sizes is not None
+                     else plan.total_bytes)
     placement = plan.placement + "; " + infos[comm.rank]["affinity_why"]
     payload = (sum(s.nbytes for s in prep.replicated.storages)
                + sum(sum(i["local_sizes"]) for i in infos))
     return DistributedSaveInfo(
         path=path, backend=results[comm.rank]["backend"], reason=results[comm.rank]["reason"],
-        bytes_written=plan.total_bytes, payload_bytes=payload,
+        bytes_written=written_total, payload_bytes=payload,
         seconds=time.perf_counter() - t0,
         tensors=len(prep.replicated.tensors) + sum(r["n_tensors"] for r in results),
         storages=len(prep.replicated.storages) + sum(len(i["local_sizes"]) for i in infos),
         files=[f.plan.name for f in plan.files],
         rank=comm.rank, world_size=comm.size, writers=list(plan.writers),
-        rank_bytes=sum(f.size for f in mine), rank_files=[f.name for f in mine],
+        rank_bytes=rank_bytes, rank_files=[f.name for f in mine],
         rank_write_seconds=results[comm.rank]["seconds"], writer_balance=plan.writer_balance,
         node_balance=plan.node_balance, nodes=len(plan.nodes), placement=placement, phases=phases,
+        referenced_bytes=sum(r.get("referred_bytes", 0) for r in results),
+        compression=results[comm.rank].get("compression", "none"),
+        compression_reason=results[comm.rank].get("compression_reason", ""),
+        base=os.path.basename(base) if base is not None else None,
     )
+
+
+def _enter_directory(d: int, tmp: str, roots: Sequence[str], stripe: str,
+                     state: dict[str, Any], cfg: settings.Settings) -> str:
+    """Where this rank writes the files of plan directory ``d`` (-1: the temporary checkpoint
+    directory); a data directory is created once and held (shared lock) until the save ends."""
+    directory = tmp if d < 0 else os.path.join(roots[d], stripe)
+    if d >= 0 and directory not in state["dirs"]:
+        os.makedirs(directory, exist_ok=True)
+        state["dirs"].append(directory)
+        state["stripe_locks"].append(acquire(
+            os.path.join(directory, STRIPE_LOCK), shared=True, timeout_s=cfg.io_timeout_s,
+            what=f"saving into {directory}"))
+    return directory
 
 
 def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
@@ -389,13 +440,7 @@ def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
     backend_name, reason = "none", "this rank had nothing to write"
     wants_device = any(s.is_cuda for s in objects)
     for d, files in sorted(by_dir.items()):
-        directory = tmp if d < 0 else os.path.join(roots[d], stripe)
-        if d >= 0 and directory not in state["dirs"]:
-            os.makedirs(directory, exist_ok=True)
-            state["dirs"].append(directory)
-            state["stripe_locks"].append(acquire(
-                os.path.join(directory, STRIPE_LOCK), shared=True, timeout_s=cfg.io_timeout_s,
-                what=f"saving into {directory}"))
+        directory = _enter_directory(d, tmp, roots, stripe, state, cfg)
         local_files = [
             replace(f, extents=tuple(replace(e, storage=compact(e.storage)) for e in f.extents))
             for f in files]
@@ -425,7 +470,9 @@ def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, An
               world: int) -> Manifest:
     used = sorted({f.dir for f in plan.files if f.dir >= 0})
     dir_index = {d: k + 1 for k, d in enumerate(used)}
-    files = [DataFile(f.plan.name, f.plan.size, dir_index.get(f.dir, 0)) for f in plan.files]
+    sizes = {int(i): size for r in results for i, size in (r.get("sizes") or {}).items()}
+    files = [DataFile(f.plan.name, sizes.get(i, f.plan.size), dir_index.get(f.dir, 0))
+             for i, f in enumerate(plan.files)]
     dirs = [DataDir(roots[d], stripe) for d in used]
     storages = list(prep.replicated.storages)
     tensors = list(prep.replicated.tensors)
@@ -444,6 +491,10 @@ def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, An
             sections.append(Section(rank, _tree.shift_tensors(local["tree"], t_base)))
     extents = sorted((Extent(*e) for r in results for e in r["extents"]),
                      key=lambda e: (e.file, e.offset))
+    referred = [(storage, _candidate(c)) for r in results for storage, c in r.get("referred", [])]
+    ref_files, bases, ref_extents = assemble_references(referred, len(files))
+    files += ref_files
+    extents += ref_extents
     hosts = sorted({i["host"] for i in infos})
     writer = {
         "backend": ",".join(sorted({r["backend"] for r in results if r["backend"] != "none"})),
@@ -451,8 +502,118 @@ def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, An
         "host": hosts[0] if len(hosts) == 1 else f"{len(hosts)} hosts", "world_size": world,
         "save_id": save_id, "plan": plan.summary(),
     }
+    if "compression" in results[0]:
+        writer["compression"] = {"mode": results[0]["compression_mode"],
+                                 "applied": [r["compression"] for r in results],
+                                 "reason": results[0]["compression_reason"]}
+    if bases or any(r.get("base") for r in results):
+        writer["incremental"] = {"base": results[0].get("base"),
+                                 "referred_bytes": sum(r["referred_bytes"] for r in results)}
     return Manifest(files, storages, tensors, extents, prep.replicated.tree, writer,
-                    dirs=dirs, sections=sections)
+                    dirs=dirs, sections=sections, bases=bases)
+
+
+def _candidate(c: dict[str, Any]) -> Candidate:
+    return Candidate(c["blake3"], Extent(*c["extent"]), Holder(c["holder"], c["sha256"]),
+                     c["file"], c["size"])
+
+
+def _extent_full(e: Extent) -> list[Any]:
+    return [e.storage, e.start, e.length, e.file, e.offset, e.crc32c, e.codec, e.stored,
+            e.stored_crc32c, e.blake3]
+
+
+def _write_my_units(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
+                    roots: Sequence[str], stripe: str, cfg: settings.Settings,
+                    state: dict[str, Any], path: str, base: str | None, hashes: bool,
+                    hook: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """:func:`_write_my_files` for a version-4 save: this rank's share cut into units, each
+    hashed and referred to (``base``) or written, maybe encoded, into its planned files."""
+    t0 = time.perf_counter()
+    replicated = len(prep.replicated.storages)
+    base_index = plan.local_storage_base[rank]
+    objects = prep.replicated.storage_objects + prep.local.storage_objects
+    records = list(prep.replicated.tensors) + [
+        replace(t, storage=t.storage + replicated) for t in prep.local.tensors]
+    sizes_of = typesizes(records, len(objects))
+    keys = storage_keys(prep.replicated.tree, prep.replicated.tensors)
+    keys.update({s + replicated: k for s, k in storage_keys(
+        prep.local.tree, prep.local.tensors, local_prefix(rank)).items()})
+
+    def compact(g: int) -> int:  # global storage index -> index into ``objects``
+        return g if g < replicated else replicated + g - base_index
+
+    def globalise(c: int) -> int:
+        return c if c < replicated else base_index + c - replicated
+
+    by_dir: dict[int, list[int]] = {}
+    for i in plan.files_of(rank):
+        by_dir.setdefault(plan.files[i].dir, []).append(i)
+    index = open_base(path, base) if base is not None else None
+    sealed: list[Extent] = []
+    referred: list[list[Any]] = []
+    sizes: dict[int, int] = {}
+    referred_bytes = 0
+    backend_name, reason = "none", "this rank had nothing to write"
+    compress, compression_reason = False, "this rank had nothing to write"
+    wants_device = any(s.is_cuda for s in objects)
+    sources = [byte_view(s) for s in objects]
+    try:
+        for d, file_indices in sorted(by_dir.items()):
+            directory = _enter_directory(d, tmp, roots, stripe, state, cfg)
+            units: list[Unit] = []
+            files: list[list[int]] = []
+            for i in file_indices:
+                pieces = [(compact(e.storage), e.start, e.length)
+                          for e in plan.files[i].plan.extents]
+                first = len(units)
+                units += cut_units(pieces, sizes_of)
+                files.append(list(range(first, len(units))))
+            be, reason = choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
+                                        cfg.block_bytes)
+            backend_name = be.name
+            compress, compression_reason = choose_compression(cfg.compression, be, directory,
+                                                              units, sources, cfg)
+            names = [plan.files[i].plan.name for i in file_indices]
+            state["written"] += [os.path.join(directory, n) for n in names]
+            # only what lives in the checkpoint directory may be referred to later
+            refs = References(index if d < 0 else None, keys, units)
+            w = write_units(be, directory, names, files, units, objects, cfg, compress=compress,
+                            hashes=hashes, refs=refs, progress=hook)
+            check_written(units, w)
+            for local_file, size in enumerate(w.sizes):
+                sizes[file_indices[local_file]] = size
+            for e in w.extents:
+                sealed.append(replace(e, storage=globalise(e.storage),
+                                      file=file_indices[e.file]))
+            for storage, c in w.referred:
+                referred.append([globalise(storage), {
+                    "blake3": c.blake3, "extent": _extent_full(c.extent), "holder": c.holder.name,
+                    "sha256": c.holder.manifest_sha256, "file": c.file_name,
+                    "size": c.file_size}])
+            referred_bytes += refs.referred_bytes()
+            if d >= 0:  # new directory entries must be durable before the commit
+                for entry in (directory, roots[d], os.path.dirname(roots[d])):
+                    fsync_path(entry)
+        if index is not None:
+            index.check_unchanged()
+    finally:
+        if index is not None:
+            index.close()
+    local = prep.local
+    return {
+        "extents": [_extent_full(e) for e in sealed],
+        "sizes": {str(i): size for i, size in sizes.items()},
+        "referred": referred, "referred_bytes": referred_bytes,
+        "base": os.path.basename(base) if base is not None else None,
+        "compression": "lossless" if compress else "none",
+        "compression_mode": cfg.compression, "compression_reason": compression_reason,
+        "backend": backend_name, "reason": reason, "plan": plan.digest(),
+        "seconds": time.perf_counter() - t0,
+        "n_tensors": len(local.tensors),
+        "local": {"tree": local.tree, "tensors": [list(astuple(t)) for t in local.tensors],
+                  "storages": [[s.nbytes, s.device] for s in local.storages]},
+    }
 
 
 def _release(state: dict[str, Any], committed: bool) -> None:

@@ -26,6 +26,12 @@ class SaveInfo:
     tensors: int
     storages: int
     files: list[str] = field(default_factory=list)
+    # writing fewer bytes (format version 4): payload bytes not written because the checkpoint
+    # refers to identical bytes of ``base``; what compression did ("none" / "lossless") and why
+    referenced_bytes: int = 0
+    compression: str = "none"
+    compression_reason: str = ""
+    base: str | None = None
 
     @property
     def gbps(self) -> float:
@@ -83,6 +89,8 @@ class VerifyReport:
     extents: int
     bytes_checked: int
     errors: list[ChecksumError]
+    referenced_bytes: int = 0  # of bytes_checked: held by base checkpoints (format version 4)
+    encoded_extents: int = 0  # of extents: stored encoded, checked stored and decoded
 
     @property
     def ok(self) -> bool:
@@ -102,7 +110,8 @@ class ExportInfo:
 
 @dataclass
 class WarmupReport:
-    """What ``warmup`` did: per step (``cuda``, ``staging``, ``backend``, ``crc_kernel``) its
+    """What ``warmup`` did: per step (``cuda``, ``staging``, ``backend``, ``crc_kernel``,
+    ``hash_kernel``) its
     outcome (``"done: ..."``, ``"skipped: why"`` or ``"failed: why"``) and seconds."""
 
     steps: dict[str, tuple[str, float]] = field(default_factory=dict)

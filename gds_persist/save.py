@@ -3,10 +3,12 @@ rank-local parts, or data directories) the data-parallel save of :mod:`.parallel
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import socket
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -14,9 +16,22 @@ import torch
 from . import settings
 from ._version import __version__
 from .backends import choose_backend
+from .compression import choose as choose_compression
 from .errors import DiskFullError
 from .flatten import Flattened, flatten
-from .format import Extent, Manifest, dump_manifest
+from .format import Extent, Manifest, align_up, codec, data_file_name, dump_manifest, storage_keys
+from .incremental import (
+    References,
+    check_base_path,
+    check_written,
+    cut_units,
+    describe_references,
+    manifest_files,
+    open_base,
+    spread,
+    typesizes,
+    write_units,
+)
 from .layout import SavePlan, file_streams, plan_single_writer
 from .parallel_save import save_parallel
 from .progress import ByteCounter, ProgressCallback
@@ -30,6 +45,7 @@ from .transfer.commit import (
     make_temporary,
     write_manifest,
 )
+from .transfer.pipeline import byte_view
 from .transfer.writer import write_plan
 
 
@@ -48,6 +64,9 @@ def save(
     data_dirs: Any = None,
     check_replicas: str = "structure",
     allow_pickle: bool = False,
+    base: str | os.PathLike[str] | None = None,
+    compression: str | None = None,
+    content_hash: bool | None = None,
 ) -> SaveInfo:
     """Write ``state_dict`` to the checkpoint directory ``path``, durably and atomically.
 
@@ -90,6 +109,16 @@ def save(
     ``torch.serialization.add_safe_globals``). Single-process saves only: replicas of a pickle
     need not be byte-identical across ranks.
 
+    Writing fewer bytes (format version 4, docs/FORMAT.md): ``base`` names an earlier checkpoint
+    in the same parent directory; every unit of a storage (up to 16 MiB of it) whose key path,
+    byte range and BLAKE3-128 content hash equal the base's is not written again - the new
+    checkpoint refers to the base's bytes (or to the checkpoint the base itself refers to).
+    ``content_hash`` (default: True with a base) records the hashes that let this checkpoint
+    serve as a base later. ``compression``: ``"none"`` (default, or the ``compression``
+    setting), ``"lossless"`` (each unit stored encoded by blosc2 bit-shuffle + LZ4 where that
+    shrinks it) or ``"auto"`` (only where measured to make this save faster on this drive; the
+    reason is in ``SaveInfo.compression_reason``). Loads return bit-identical tensors either way.
+
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
     backend, :class:`CheckpointTimeout` when another process's commit of ``path`` hangs,
@@ -112,15 +141,25 @@ def save(
             staging_bytes=staging_bytes,
             io_threads=io_threads,
             progress=progress,
+            base=base,
+            compression=compression,
+            content_hash=content_hash,
         )
     t0 = time.perf_counter()
     cfg = settings.current(
-        backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes, io_threads=io_threads
+        backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
+        io_threads=io_threads, compression=compression,
     )
+    if base is not None:
+        check_base_path(os.fspath(path), os.fspath(base))
     with stage("flatten"):
         flat = (state_dict if isinstance(state_dict, Flattened)
                 else flatten(state_dict, allow_pickle))
-    return _save_single(flat, os.fspath(path), cfg, progress, t0)
+    hashes = content_hash if content_hash is not None else base is not None
+    if base is None and not hashes and cfg.compression == "none":
+        return _save_single(flat, os.fspath(path), cfg, progress, t0)
+    return _save_units(flat, os.fspath(path), cfg, progress, t0,
+                       os.fspath(base) if base is not None else None, hashes)
 
 
 def _save_single(
@@ -136,7 +175,7 @@ def _save_single(
         plan = plan_single_writer(sizes, streams)
         check_replaceable(path)
         tmp = make_temporary(path, cfg.io_timeout_s)
-    try:
+    with _aborted_on_error(tmp, path, f"this checkpoint needs {plan.total_bytes} bytes of data; "):
         with stage("choose backend"):
             be, reason = choose_backend(
                 cfg.backend,
@@ -147,32 +186,10 @@ def _save_single(
             )
         counter = ByteCounter(progress, plan.total_bytes)
         extents = write_plan(be, tmp.dir, plan.files, flat.storage_objects, cfg, counter.hook)
-        if getattr(be, "fallback_reason", None):  # kvikio switched to POSIX I/O mid-save
-            reason = f"{reason}; {be.fallback_reason}"  # type: ignore[attr-defined]
-        writer = {
-            "backend": be.name,
-            "reason": reason,
-            "gds_persist": __version__,
-            "torch": torch.__version__,
-            "host": socket.gethostname(),
-            "world_size": 1,
-        }
+        reason = _with_fallback(be, reason)
         with stage("commit (manifest, fsync, rename)"):
-            _commit_single(tmp, plan, flat, extents, writer, cfg.io_timeout_s)
+            _commit_single(tmp, plan, flat, extents, _writer_info(be, reason), cfg.io_timeout_s)
         counter.finish()
-    except OSError as e:
-        abort(tmp)
-        if e.errno == errno.ENOSPC:
-            raise DiskFullError(
-                errno.ENOSPC,
-                f"no space left on the filesystem of {path}: this checkpoint needs "
-                f"{plan.total_bytes} bytes of data; free space or save elsewhere (the partial "
-                "save was removed and earlier checkpoints are untouched)",
-            ) from e
-        raise
-    except BaseException:
-        abort(tmp)
-        raise
     payload = sum(s.nbytes for s in flat.storages)
     return SaveInfo(
         path,
@@ -185,6 +202,101 @@ def _save_single(
         len(flat.storages),
         [f.name for f in plan.files],
     )
+
+
+def _save_units(flat: Flattened, path: str, cfg: settings.Settings,
+                progress: ProgressCallback | None, t0: float, base: str | None,
+                hashes: bool) -> SaveInfo:
+    """A version-4 save: units hashed, referred to or written (maybe encoded) as they come."""
+    with stage("plan + temporary directory"):
+        sizes = [s.nbytes for s in flat.storages]
+        units = cut_units([(i, 0, n) for i, n in enumerate(sizes) if n],
+                          typesizes(flat.tensors, len(sizes)))
+        streams = file_streams(sum(sizes), cfg.io_threads, cfg.block_bytes, cfg.file_streams)
+        files = spread(units, streams)
+        names = [data_file_name(k) for k in range(len(files))]
+        check_replaceable(path)
+        tmp = make_temporary(path, cfg.io_timeout_s)
+    index = None
+    try:
+        with _aborted_on_error(tmp, path, ""):
+            if base is not None:
+                with stage("open the base"):
+                    index = open_base(path, base)
+            with stage("choose backend"):
+                be, reason = choose_backend(cfg.backend, tmp.dir,
+                                            any(s.is_cuda for s in flat.storage_objects),
+                                            cfg.io_threads, cfg.block_bytes)
+            sources = [byte_view(s) for s in flat.storage_objects]
+            with stage("choose compression"):
+                compress, compression_reason = choose_compression(cfg.compression, be, tmp.dir,
+                                                                  units, sources, cfg)
+            refs = References(index, storage_keys(flat.tree, flat.tensors), units)
+            counter = ByteCounter(progress, sum(align_up(u.length) for u in units))
+            written = write_units(be, tmp.dir, names, files, units, flat.storage_objects, cfg,
+                                  compress=compress, hashes=hashes or index is not None,
+                                  refs=refs, progress=counter.hook)
+            check_written(units, written)
+            reason = _with_fallback(be, reason)
+            data_files, bases, extents, kept = manifest_files(
+                names, written.sizes, written.extents, written.referred, tmp.dir)
+            writer = _writer_info(be, reason)
+            writer["compression"] = {"mode": cfg.compression, "applied": compress,
+                                     "codec": codec.DESCRIPTION if compress else "none",
+                                     "reason": compression_reason}
+            incremental = describe_references(refs)
+            if incremental:
+                writer["incremental"] = incremental
+            with stage("commit (manifest, fsync, rename)"):
+                manifest = Manifest(data_files, flat.storages, flat.tensors, extents, flat.tree,
+                                    writer, bases=bases)
+                if index is not None:
+                    index.check_unchanged()
+                write_manifest(tmp.dir, dump_manifest(manifest))
+                commit(tmp, cfg.io_timeout_s)
+            counter.finish()
+    finally:
+        if index is not None:
+            index.close()
+    payload = sum(s.nbytes for s in flat.storages)
+    return SaveInfo(
+        path, be.name, reason, sum(written.sizes), payload, time.perf_counter() - t0,
+        len(flat.tensors), len(flat.storages), kept,
+        referenced_bytes=refs.referred_bytes(),
+        compression="lossless" if compress else "none",
+        compression_reason=compression_reason,
+        base=os.path.basename(base) if base is not None else None,
+    )
+
+
+@contextlib.contextmanager
+def _aborted_on_error(tmp: Temporary, path: str, needs: str) -> Iterator[None]:
+    """Remove the temporary directory if the body fails; a full disk becomes DiskFullError."""
+    try:
+        yield
+    except OSError as e:
+        abort(tmp)
+        if e.errno == errno.ENOSPC:
+            raise DiskFullError(
+                errno.ENOSPC,
+                f"no space left on the filesystem of {path}: {needs}free space or save "
+                "elsewhere (the partial save was removed and earlier checkpoints are untouched)",
+            ) from e
+        raise
+    except BaseException:
+        abort(tmp)
+        raise
+
+
+def _with_fallback(be: Any, reason: str) -> str:
+    if getattr(be, "fallback_reason", None):  # kvikio switched to POSIX I/O mid-save
+        return f"{reason}; {be.fallback_reason}"
+    return reason
+
+
+def _writer_info(be: Any, reason: str) -> dict[str, Any]:
+    return {"backend": be.name, "reason": reason, "gds_persist": __version__,
+            "torch": torch.__version__, "host": socket.gethostname(), "world_size": 1}
 
 
 def _commit_single(tmp: Temporary, plan: SavePlan, flat: Flattened, extents: list[Extent],

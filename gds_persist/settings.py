@@ -33,6 +33,9 @@ AUTO_KVIKIO = ("gds", "always", "never")
 # process group. The default was chosen by bench/bench_parallel.py (docs/DISTRIBUTED.md):
 # broadcast matched read_all there while reading each byte once; gloo's all-gather was far slower.
 LOAD_STRATEGIES = ("broadcast", "allgather", "read_all")
+# How a save stores its bytes (gds_persist.compression): "none" - raw; "lossless" - encoded by
+# the lossless codec where it shrinks them; "auto" - encoded only where measured to be faster.
+COMPRESSIONS = ("none", "lossless", "auto")
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,7 @@ class Settings:
     auto_kvikio: str = "gds"  # when backend="auto" takes kvikio; see AUTO_KVIKIO
     file_streams: int = 0  # data files one writer spreads a save over; 0: one per I/O thread
     # for large saves (gds_persist.layout.file_streams says why and when)
+    compression: str = "none"  # none | lossless | auto; see COMPRESSIONS
 
     @property
     def ring_buffers(self) -> int:
@@ -94,6 +98,9 @@ def _validate(s: Settings) -> Settings:
     if s.auto_kvikio not in AUTO_KVIKIO:
         raise ValueError(f"setting auto_kvikio={s.auto_kvikio!r} must be one of "
                          f"{', '.join(AUTO_KVIKIO)}")
+    if s.compression not in COMPRESSIONS:
+        raise ValueError(f"setting compression={s.compression!r} must be one of "
+                         f"{', '.join(COMPRESSIONS)}")
     if s.load_strategy not in LOAD_STRATEGIES:
         raise ValueError(f"setting load_strategy={s.load_strategy!r} must be one of "
                          f"{', '.join(LOAD_STRATEGIES)}")

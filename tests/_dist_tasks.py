@@ -224,3 +224,42 @@ def zero_resume(ctx: Any, path: str) -> Any:
     return {"same": all(torch.equal(a, b) for a, b in zip(expected, params, strict=True)),
             "shard_back": shard_back and len(saved_shard) == len(opt.optim.state),
             "own_shard_tensors": len(opt.optim.state)}
+
+
+def modified_state(local_rank: int | None = None) -> dict[str, Any]:
+    """:func:`make_state` after a fine-tuning step that changed only a few tensors (issue 13)."""
+    state = make_state()
+    state["model"]["qkv"] = state["model"]["qkv"] + 1
+    state["optimizer"]["state"][3]["exp_avg"] = state["optimizer"]["state"][3]["exp_avg"] * 2
+    if local_rank is not None:
+        local = make_local(local_rank)
+        if local_rank == 1:
+            local["shard"] = local["shard"] + 1
+        state["zero"] = local
+    return state
+
+
+def save_incremental(ctx: Any, n: int, path: str, base: str | None, modified: bool,
+                     with_local: bool = False, **kw: Any) -> dict[str, Any] | None:
+    group = ctx.group(n)
+    if group is None:
+        return None
+    if modified:
+        state = modified_state(ctx.rank if with_local else None)
+    else:
+        state = make_state()
+        if with_local:
+            state["zero"] = make_local(ctx.rank)
+    if with_local:
+        kw["rank_local"] = "zero"
+    info = gds_persist.save(state, path, process_group=group, base=base, content_hash=True, **kw)
+    return {"referenced": info.referenced_bytes, "bytes": info.bytes_written,
+            "compression": info.compression, "payload": info.payload_bytes}
+
+
+def load_modified(ctx: Any, m: int, path: str, strategy: str) -> Any:
+    group = ctx.group(m)
+    if group is None:
+        return None
+    out = gds_persist.load(path, process_group=group, strategy=strategy)
+    return mismatches(out, modified_state(ctx.rank if "zero" in out else None))

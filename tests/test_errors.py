@@ -543,6 +543,7 @@ _ALL_SETTING_VALUES: dict[str, tuple[Any, Any, Any]] = {
     "load_strategy": ("allgather", "read_all", "allgather"),
     "auto_kvikio": ("always", "never", "always"),
     "file_streams": (2, 3, 5),
+    "compression": ("lossless", "auto", "lossless"),  # issue 13: gds_persist.compression
 }
 SETTING_VALUES = {k: v for k, v in _ALL_SETTING_VALUES.items() if k in settings.ENV_VARS}
 
