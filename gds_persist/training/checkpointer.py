@@ -74,6 +74,7 @@ from typing import Any
 import torch
 
 from .. import settings
+from ..compression import check_mode as check_compression
 from ..distributed import make_comm
 from ..errors import (
     CheckpointError,
@@ -83,6 +84,7 @@ from ..errors import (
     WorkerDied,
 )
 from ..flatten import Flattened, flatten
+from ..format import MANIFEST_NAME
 from ..load import load as core_load
 from ..results import SaveInfo, WarmupReport
 from ..save import save as core_save
@@ -126,6 +128,7 @@ class CheckpointerStats:
     mode_reason: str = ""  # why (mode="auto": what it saw; else "requested explicitly")
     write_s: float = 0.0  # total seconds spent in gds_persist.save by the writer
     bytes_written: int = 0
+    bytes_referenced: int = 0  # incremental=True: payload bytes referred to, not written
 
 
 class SaveHandle:
@@ -210,6 +213,12 @@ class Checkpointer:
     :func:`gds_persist.save` (objects no node kind holds are stored pickled; not with a
     ``process_group``). ``warmup``: start :func:`gds_persist.warmup` for ``root`` in the
     background now (default True).
+
+    ``incremental=True``: every checkpoint records BLAKE3-128 content hashes, and each save refers
+    to the previous committed step (``save(..., base=...)``) for every unit whose bytes did not
+    change - frozen weights, embeddings that rarely change - instead of writing it again.
+    Retention keeps every step a kept step refers to. ``compression``: ``"none"``,
+    ``"lossless"`` or ``"auto"`` as for :func:`gds_persist.save` (default: the setting).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -218,7 +227,8 @@ class Checkpointer:
                  timeout_s: float = 1800.0, max_pending: int | None = None,
                  block_bytes: int | None = None, staging_bytes: int | None = None,
                  io_threads: int | None = None, writer: str = "thread",
-                 allow_pickle: bool = False, warmup: bool = True):
+                 allow_pickle: bool = False, warmup: bool = True,
+                 incremental: bool = False, compression: str | None = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
         if writer not in WRITERS:
@@ -232,6 +242,8 @@ class Checkpointer:
         if allow_pickle and process_group is not None:
             raise ValueError("allow_pickle=True is for single-process saves; it cannot be "
                              "combined with process_group")
+        if compression is not None:
+            check_compression(compression)
         if keep_last is not None and keep_last < 1:
             raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
         if max_pending is not None and max_pending < 1:
@@ -253,6 +265,11 @@ class Checkpointer:
         self._save_kwargs: dict[str, Any] = {"backend": backend, "block_bytes": block_bytes,
                                              "staging_bytes": staging_bytes,
                                              "io_threads": io_threads}
+        if compression is not None:
+            self._save_kwargs["compression"] = compression
+        self.incremental = incremental
+        if incremental:
+            self._save_kwargs["content_hash"] = True
         self._load_kwargs: dict[str, Any] = {"backend": backend}
         # Ranks agree on publishing each step and on the step a load reads (SoloComm: no group).
         self._comm = make_comm(process_group, settings.current().collective_timeout_s)
@@ -264,6 +281,7 @@ class Checkpointer:
         self._undelivered: deque[SaveHandle] = deque()  # failed, error not yet raised
         latest = _steps.latest_step(self.root)
         self._floor = -1 if latest is None else latest  # save(step) needs step >= this
+        self._base_step: int | None = latest  # incremental: the step the next save refers to
         self._rollback_to: int | None = None
         self._snapshot_bytes = snapshot_bytes
         self._arena: SnapshotArena | None = None
@@ -410,6 +428,7 @@ class Checkpointer:
         with self._lock:
             self.loaded_step = chosen
             self._floor = chosen
+            self._base_step = chosen
             self._rollback_to = chosen if latest is not None and chosen < latest else None
         return state
 
@@ -684,6 +703,9 @@ class Checkpointer:
             kwargs = dict(self._save_kwargs)
             if self.process_group is not None:
                 kwargs["process_group"] = self.process_group
+            base = self._base_for(h)
+            if base is not None:
+                kwargs["base"] = base
             if job.remote is not None:
                 assert self._helper is not None
                 try:
@@ -711,7 +733,19 @@ class Checkpointer:
             self._stats.committed += 1
             self._stats.write_s += info.seconds
             self._stats.bytes_written += info.bytes_written
+            self._stats.bytes_referenced += info.referenced_bytes
+            self._base_step = h.step
         h._finish(info=info)
+
+    def _base_for(self, h: SaveHandle) -> str | None:
+        """incremental=True: the committed step this save refers to (the last one this
+        Checkpointer committed, or loaded, or found at start), if it is still there."""
+        if not self.incremental or self._base_step is None:
+            return None
+        path = _steps.step_path(self.root, self._base_step)
+        if path == h.path or not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            return None
+        return path
 
     def _publish(self, h: SaveHandle) -> None:
         if not self._publisher:

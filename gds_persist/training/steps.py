@@ -14,7 +14,9 @@ Order of a publish: the step directory is committed (core ``save``: fsync + atom
 A crash anywhere leaves ``latest`` naming a committed step, or missing / naming a step that is
 gone, in which case :func:`latest_step` falls back to the newest committed step directory.
 Removal renames a directory to a hidden ``.step-N.del-<id>`` before deleting it, so a crash in the
-middle of a delete never leaves a half-deleted directory that looks committed.
+middle of a delete never leaves a half-deleted directory that looks committed. A step that a kept
+step refers to (``Checkpointer(incremental=True)``: the bytes it did not write again) is kept
+with it, however old.
 
 Other processes may use the root at once (an evaluation job loading ``latest``, a second
 Checkpointer): leftovers of saves are removed only once their owner is gone (core ``save``'s
@@ -30,7 +32,8 @@ import re
 import shutil
 import uuid
 
-from ..format import MANIFEST_NAME
+from ..errors import ManifestError
+from ..format import MANIFEST_NAME, parse_manifest
 from ..transfer.commit import fsync_path, remove_stale_temporaries, remove_tree
 from ..transfer.locks import STALE_UNLOCKED_S, untouched_for
 
@@ -127,13 +130,16 @@ def apply_retention(root: str, newest: int, keep_last: int | None) -> list[int]:
     Removes committed steps above ``newest`` (left from a timeline abandoned by resuming from an
     older step), all but the ``keep_last`` newest steps up to ``newest``, and leftovers of
     interrupted saves and deletes of steps up to ``newest`` (no save of those is still running).
-    ``newest`` itself is never removed. Returns the removed steps.
+    ``newest`` itself is never removed, nor any step whose bytes a kept step refers to (an
+    incremental checkpoint's bases, :func:`referenced_steps`). Returns the removed steps.
     """
     steps = committed_steps(root)
     above = [s for s in steps if s > newest]
     upto = [s for s in steps if s <= newest]
     old = upto[:-keep_last] if keep_last is not None else []
-    removed = [s for s in above + old if s != newest]
+    candidates = {s for s in above + old if s != newest}
+    protected = referenced_steps(root, [s for s in steps if s not in candidates])
+    removed = [s for s in above + old if s != newest and s not in protected]
     for s in removed:
         remove_step(root, s)
     saves = set()
@@ -149,6 +155,31 @@ def apply_retention(root: str, newest: int, keep_last: int | None) -> list[int]:
     if removed:
         fsync_path(root)
     return removed
+
+
+def references(root: str, step: int) -> set[str]:
+    """Names of the checkpoints whose data files step ``step`` refers to (its manifest's
+    ``bases``); empty when it has none or its manifest cannot be read (such a step cannot be
+    loaded anyway)."""
+    try:
+        with open(os.path.join(step_path(root, step), MANIFEST_NAME), "rb") as f:
+            raw = f.read()
+        return {b.name for b in parse_manifest(raw, step_name(step)).bases}
+    except (OSError, ManifestError):
+        return set()
+
+
+def referenced_steps(root: str, kept: list[int]) -> set[int]:
+    """The steps whose bytes the ``kept`` steps refer to, directly or through each other."""
+    protected: set[int] = set()
+    todo = list(kept)
+    while todo:
+        for name in references(root, todo.pop()):
+            step = parse_step(name)
+            if step is not None and step not in protected:
+                protected.add(step)
+                todo.append(step)
+    return protected
 
 
 def _remove(path: str) -> None:
