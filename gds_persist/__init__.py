@@ -24,6 +24,7 @@ from .errors import (
     ManifestError,
     NotCommittedError,
     PickleRefusedError,
+    ReferencedCheckpointError,
     ReplicationError,
     SnapshotTooLarge,
     TruncatedError,
@@ -31,6 +32,7 @@ from .errors import (
 )
 from .interop import export_checkpoint, import_checkpoint
 from .load import load, read_manifest, verify
+from .materialize import materialize
 from .results import LoadInfo, SaveInfo, WarmupReport
 from .save import save
 from .training.checkpointer import Checkpointer, SaveHandle
@@ -50,6 +52,7 @@ __all__ = [
     "ManifestError",
     "NotCommittedError",
     "PickleRefusedError",
+    "ReferencedCheckpointError",
     "ReplicationError",
     "SaveHandle",
     "SaveInfo",
@@ -61,6 +64,7 @@ __all__ = [
     "export_checkpoint",
     "import_checkpoint",
     "load",
+    "materialize",
     "read_manifest",
     "save",
     "settings",

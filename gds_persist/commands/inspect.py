@@ -5,13 +5,14 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..format import DTYPES, full_tree
+from ..format import DTYPES, Extent, Manifest, full_tree
 from ..format.tree import tensor_paths
 from ..load import read_manifest
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="list tensors, dtypes, shapes, sizes, extents and checksums")
+    p = sub.add_parser("inspect", help="list tensors, dtypes, shapes, sizes, extents and "
+                       "checksums; what is referenced in base checkpoints and what is compressed")
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the validated manifest as JSON")
     p.set_defaults(run=run)
@@ -31,13 +32,31 @@ def run(args: argparse.Namespace) -> int:
         f"{w.get('backend')} ({w.get('reason')}), world size {w.get('world_size')}"
     )
     print(
-        f"  {len(m.tensors)} tensors in {len(m.storages)} storages, {len(m.files)} data files, "
-        f"{m.total_bytes} bytes on disk"
+        f"  format version {m.version}; {len(m.tensors)} tensors in {len(m.storages)} storages, "
+        f"{len(m.files)} data files, {m.total_bytes} bytes on disk"
     )
+    payload = sum(s.nbytes for s in m.storages)
+    if m.bases:
+        print(f"  incremental: {m.referenced_bytes} of {payload} payload bytes are referenced "
+              f"in base checkpoints (siblings): "
+              + ", ".join(f"{b.name} (manifest sha256 {b.manifest_sha256[:16]}...)"
+                          for b in m.bases))
+    encoded = [e for e in m.extents if e.encoded]
+    if encoded:
+        raw = sum(e.length for e in encoded)
+        stored = sum(e.stored for e in encoded)
+        print(f"  compression: {len(encoded)} of {len(m.extents)} extents encoded "
+              f"({encoded[0].codec}), {raw} bytes stored in {stored} ({raw / stored:.3f}x)")
+    reason = (w.get("compression") or {}).get("reason") if isinstance(w.get("compression"),
+                                                                      dict) else None
+    if reason:
+        print(f"  compression choice: {reason}")
     if m.sections:
         print(f"  rank-local state of ranks {[s.rank for s in m.sections]}")
     for f in m.files:
         where = "" if not f.dir else f" in {m.dirs[f.dir - 1].root}/{m.dirs[f.dir - 1].name}"
+        if f.base:
+            where = f" of base checkpoint {m.bases[f.base - 1].name} (referenced)"
         print(f"  file {f.name}{where}: {f.size} bytes")
     extents_of: dict[int, list] = {}
     for e in m.extents:
@@ -48,15 +67,22 @@ def run(args: argparse.Namespace) -> int:
     )
     for i, t in enumerate(m.tensors):
         nbytes = DTYPES[t.dtype].itemsize * _numel(t.shape)
-        where = ", ".join(
-            f"{m.files[e.file].name}@{e.offset}+{e.length} {e.crc32c:08x}"
-            for e in extents_of.get(t.storage, [])
-        )
+        where = ", ".join(_extent_text(m, e) for e in extents_of.get(t.storage, []))
         print(
             f"  {paths.get(i, '?'):<48} {t.dtype:<14} {str(list(t.shape)):<20} {nbytes:>12}  "
             f"storage {t.storage}: {where or '(empty)'}"
         )
     return 0
+
+
+def _extent_text(m: Manifest, e: Extent) -> str:
+    f = m.files[e.file]
+    text = f"{f.name}@{e.offset}+{e.length} {e.crc32c:08x}"
+    if e.encoded:
+        text += f" [{e.codec} {e.stored} stored]"
+    if f.base:
+        text += f" [referenced: {m.bases[f.base - 1].name}]"
+    return text
 
 
 def _numel(shape: tuple[int, ...]) -> int:

@@ -32,6 +32,10 @@ def run(args: argparse.Namespace) -> int:
     for error in report.errors:
         print(f"MISMATCH: {error}", file=sys.stderr)
     status = "OK" if report.ok else f"FAILED ({len(report.errors)} corrupted extents)"
+    extra = ""
+    if report.referenced_bytes or report.encoded_extents:
+        extra = (f" ({report.referenced_bytes} of them held by base checkpoints; "
+                 f"{report.encoded_extents} encoded extents checked stored and decoded)")
     print(f"{status}: {report.path}: {report.extents} extents in {report.files} files, "
-          f"{report.bytes_checked} bytes checked in {seconds:.2f} s")
+          f"{report.bytes_checked} bytes checked{extra} in {seconds:.2f} s")
     return 0 if report.ok else 1
