@@ -46,6 +46,9 @@ LAYERS: dict[str, int] = {
     "gds_persist.load": 3,
     "gds_persist.exchange": 3,
     "gds_persist.warmup": 3,
+    "gds_persist.incremental": 3,
+    "gds_persist.compression": 3,
+    "gds_persist.materialize": 3,
     # 4 training: Checkpointer, snapshots, the helper process
     "gds_persist.training": 4,
     # 5 integrations: DCP, interop, the CLI, the trainer plugins
