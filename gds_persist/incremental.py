@@ -73,15 +73,20 @@ def typesizes(tensors: Sequence[TensorRecord], n_storages: int) -> list[int]:
     return [s or 1 for s in out]
 
 
-def spread(units: Sequence[Unit], files: int) -> list[list[int]]:
-    """Unit indices in order, cut into ``files`` runs of about equal bytes (one per file)."""
-    total = sum(u.length for u in units)
+def spread(units: Sequence[Unit], files: int,
+           first: Callable[[int], bool] | None = None) -> list[list[int]]:
+    """Unit indices over ``files`` files of about equal bytes: each unit, in order, to the file
+    with the fewest bytes so far (so the units of one storage, and those that change from one
+    checkpoint to the next, spread over every file and are written in parallel). Within each
+    file the units ``first`` selects come first (they are written first)."""
     out: list[list[int]] = [[] for _ in range(max(1, files))]
-    done = 0
+    load = [0] * len(out)
     for k, u in enumerate(units):
-        part = min(len(out) - 1, done * len(out) // total) if total else 0
-        out[part].append(k)
-        done += u.length
+        i = min(range(len(out)), key=load.__getitem__)
+        out[i].append(k)
+        load[i] += u.length
+    if first is not None:
+        out = [sorted(f, key=lambda k: not first(k)) for f in out]
     return out
 
 
@@ -222,6 +227,17 @@ class References:
             return False
         self.matched[k] = c  # dict writes are atomic under the GIL
         return True
+
+    def likely_changed(self, k: int) -> bool:
+        """Whether unit ``k`` probably changed since the base: no base extent for its key and
+        range, or the base wrote that extent itself (it changed at the base's save). Such units
+        are written first, so the drive starts while the other units are still being hashed."""
+        if self.base is None:
+            return True
+        u = self.units[k]
+        key = self.keys.get(u.storage)
+        c = self.base.candidates.get((key, u.start, u.length)) if key is not None else None
+        return c is None or c.holder.name == os.path.basename(self.base.path)
 
     def referred_bytes(self) -> int:
         return sum(self.units[k].length for k in self.matched)

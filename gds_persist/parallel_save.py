@@ -578,6 +578,7 @@ def _write_my_units(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
             state["written"] += [os.path.join(directory, n) for n in names]
             # only what lives in the checkpoint directory may be referred to later
             refs = References(index if d < 0 else None, keys, units)
+            files = [sorted(f, key=lambda k: not refs.likely_changed(k)) for f in files]
             w = write_units(be, directory, names, files, units, objects, cfg, compress=compress,
                             hashes=hashes, refs=refs, progress=hook)
             check_written(units, w)

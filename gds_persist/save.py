@@ -207,14 +207,15 @@ def _save_single(
 def _save_units(flat: Flattened, path: str, cfg: settings.Settings,
                 progress: ProgressCallback | None, t0: float, base: str | None,
                 hashes: bool) -> SaveInfo:
-    """A version-4 save: units hashed, referred to or written (maybe encoded) as they come."""
+    """A version-4 save: units hashed, referred to or written (maybe encoded) as they come.
+    Where ``compression="auto"`` chose raw bytes and there is neither a base nor hashes to
+    record, the plain save instead (version 1-3, the same bytes as ``compression="none"``)."""
     with stage("plan + temporary directory"):
         sizes = [s.nbytes for s in flat.storages]
         units = cut_units([(i, 0, n) for i, n in enumerate(sizes) if n],
                           typesizes(flat.tensors, len(sizes)))
         streams = file_streams(sum(sizes), cfg.io_threads, cfg.block_bytes, cfg.file_streams)
-        files = spread(units, streams)
-        names = [data_file_name(k) for k in range(len(files))]
+        names = [data_file_name(k) for k in range(streams)]
         check_replaceable(path)
         tmp = make_temporary(path, cfg.io_timeout_s)
     index = None
@@ -231,7 +232,25 @@ def _save_units(flat: Flattened, path: str, cfg: settings.Settings,
             with stage("choose compression"):
                 compress, compression_reason = choose_compression(cfg.compression, be, tmp.dir,
                                                                   units, sources, cfg)
+            compression_info = {"mode": cfg.compression, "applied": compress,
+                                "codec": codec.DESCRIPTION if compress else "none",
+                                "reason": compression_reason}
+            if not compress and not hashes and index is None:  # auto chose raw: a plain save
+                plan = plan_single_writer(sizes, streams)
+                counter = ByteCounter(progress, plan.total_bytes)
+                plain = write_plan(be, tmp.dir, plan.files, flat.storage_objects, cfg,
+                                   counter.hook)
+                writer = _writer_info(be, _with_fallback(be, reason))
+                writer["compression"] = compression_info
+                with stage("commit (manifest, fsync, rename)"):
+                    _commit_single(tmp, plan, flat, plain, writer, cfg.io_timeout_s)
+                counter.finish()
+                return SaveInfo(path, be.name, writer["reason"], plan.total_bytes,
+                                sum(sizes), time.perf_counter() - t0, len(flat.tensors),
+                                len(flat.storages), [f.name for f in plan.files],
+                                compression_reason=compression_reason)
             refs = References(index, storage_keys(flat.tree, flat.tensors), units)
+            files = spread(units, streams, refs.likely_changed)
             counter = ByteCounter(progress, sum(align_up(u.length) for u in units))
             written = write_units(be, tmp.dir, names, files, units, flat.storage_objects, cfg,
                                   compress=compress, hashes=hashes or index is not None,
@@ -241,9 +260,7 @@ def _save_units(flat: Flattened, path: str, cfg: settings.Settings,
             data_files, bases, extents, kept = manifest_files(
                 names, written.sizes, written.extents, written.referred, tmp.dir)
             writer = _writer_info(be, reason)
-            writer["compression"] = {"mode": cfg.compression, "applied": compress,
-                                     "codec": codec.DESCRIPTION if compress else "none",
-                                     "reason": compression_reason}
+            writer["compression"] = compression_info
             incremental = describe_references(refs)
             if incremental:
                 writer["incremental"] = incremental

@@ -159,6 +159,7 @@ class UnitWriter(FilePipeline):
     # ------------------------------------------------------------------ the jobs
 
     def _run(self, files: list[_File]) -> None:
+        """Every file's units, round-robin over the files, each file's in its given order."""
         jobs: list[tuple[_File, int]] = []
         longest = max((len(f.units) for f in files), default=0)
         for i in range(longest):  # round-robin: every file makes progress at once
