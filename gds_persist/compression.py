@@ -5,15 +5,19 @@
 * ``"lossless"``: every unit of at least ``COMPRESS_MIN`` bytes that the codec shrinks by a whole
   block is stored encoded;
 * ``"auto"``: encode only where it makes this save faster on the drive it meets. A sample of the
-  state (up to ``SAMPLE_BYTES``, spread over its large units) is compressed and timed with the
-  threads the writer would use, giving the ratio ``r`` and the compress rate ``C``; the drive's
-  durable write rate ``D`` is measured with the save's backend (:mod:`gds_persist.backends.
-  write_rate`, once per filesystem per process). Compressing and writing overlap, so a
-  compressed save moves payload at about ``min(C, r * D)`` against ``D`` raw: ``auto``
-  compresses when that is at least ``AUTO_GAIN`` times ``D``, and the reason (recorded in the
-  manifest's ``writer`` and in :class:`~gds_persist.SaveInfo`) gives the figures either way.
-  On a memory-backed filesystem (tmpfs) ``D`` is far above any codec's rate, so ``auto`` stores
-  raw there.
+  state (``SAMPLE_UNITS`` slices, ``SAMPLE_BYTES`` in all, at evenly spaced byte positions) goes
+  through the CPU work an encoded unit costs the writer - compress (blosc2's threads: all the
+  cores this process may use; it holds the GIL, so I/O threads cannot add to it), CRC32C of the
+  raw and of the stored bytes, the copy into a staging buffer - timed on the wall clock, giving
+  the ratio ``r`` and the rate ``C``; the drive's durable write rate ``D`` is measured with the
+  save's backend (:mod:`gds_persist.backends.write_rate`, once per filesystem per process).
+  Compressing and writing overlap, so a compressed save moves payload at about ``min(C, r * D)``
+  against ``D`` raw: ``auto`` compresses when that is at least ``AUTO_GAIN`` times ``D``, and
+  the reason (recorded in the manifest's ``writer`` and in :class:`~gds_persist.SaveInfo`) gives
+  the figures either way. Once the fastest ``C`` seen in this process is below ``D`` times
+  ``AUTO_GAIN``, later saves to that drive skip the sample (a tmpfs, where ``D`` is far above
+  any codec's rate, pays for one sample per process). A save that stores raw bytes, has no base
+  and records no hashes is a plain save (format version 1-3), the same bytes as ``"none"``.
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ import torch
 from .backends.base import Backend
 from .backends.write_rate import write_rate
 from .errors import BackendError
-from .format import ALIGNMENT, align_up, codec
+from .format import ALIGNMENT, align_up, codec, crc32c
 from .settings import COMPRESSIONS, Settings
 from .stages import stage
 from .transfer.unit_writer import Unit, codec_threads
@@ -61,28 +65,61 @@ def choose(mode: str, backend: Backend, directory: str, units: Sequence[Unit],
         return False, (f"compression='auto': not compressing, no unit of at least "
                        f"{codec.COMPRESS_MIN} bytes")
     threads = codec_threads()
-    with stage("compression sample", sum(a.nbytes for a, _ in sample)):
-        raw = stored = 0
-        t0 = time.perf_counter()
-        for data, typesize in sample:
-            encoded = codec.encode(data, typesize, threads)
-            raw += align_up(data.nbytes, ALIGNMENT)
-            stored += (align_up(len(encoded), ALIGNMENT)
-                       if codec.worth_storing(data.nbytes, len(encoded))
-                       else align_up(data.nbytes, ALIGNMENT))
-        seconds = max(time.perf_counter() - t0, 1e-9)
-    ratio = raw / stored
-    rate = sum(a.nbytes for a, _ in sample) / seconds
     with stage("drive write rate"):
         drive = write_rate(backend, directory, cfg.io_threads, cfg.block_bytes)
-    gain = min(rate, ratio * drive) / drive
+    best = _best_rate.get(threads)
+    if best is not None and best < AUTO_GAIN * drive:
+        return False, (f"compression='auto': not compressing: this drive took "
+                       f"{drive / 1e9:.2f} GB/s ({backend.name}, measured), more than the "
+                       f"{best / 1e9:.2f} GB/s the codec's pipeline ever reached in this process "
+                       f"({threads} threads, {codec.DESCRIPTION}; not sampled again)")
+    rate, ratio = _timed_sample(sample, threads)
+    _best_rate[threads] = max(best or 0.0, rate)
+    gain = predicted_gain(rate, ratio, drive)
     figures = (f"a {sum(a.nbytes for a, _ in sample) / 1e6:.0f} MB sample compressed "
-               f"{ratio:.3f}x at {rate / 1e9:.2f} GB/s ({threads} threads, {codec.DESCRIPTION}); "
+               f"{ratio:.3f}x, the encoded unit's CPU work (compress, CRC32C of raw and stored "
+               f"bytes, staging copy) ran at {rate / 1e9:.2f} GB/s ({threads} threads, "
+               f"{codec.DESCRIPTION}); "
                f"this drive took {drive / 1e9:.2f} GB/s ({backend.name}, measured): expect "
                f"{gain:.2f}x the uncompressed save rate")
     if gain >= AUTO_GAIN:
         return True, f"compression='auto': compressing: {figures}"
     return False, f"compression='auto': not compressing (pays from {AUTO_GAIN}x): {figures}"
+
+
+def predicted_gain(rate: float, ratio: float, drive: float) -> float:
+    """The compressed save's payload rate over the raw one's: compressing at ``rate`` overlaps
+    writing ``1 / ratio`` of the bytes at ``drive``, so payload moves at ``min(rate, ratio *
+    drive)`` against ``drive``."""
+    return min(rate, ratio * drive) / drive
+
+
+_best_rate: dict[int, float] = {}  # codec threads -> fastest sampled pipeline rate (bytes/s)
+
+
+def _timed_sample(sample: Sequence[tuple[np.ndarray, int]], threads: int) -> tuple[float, float]:
+    """(rate in bytes/s, ratio) of the CPU work the writer does per encoded unit, on ``sample``."""
+    scratch = np.empty(max(a.nbytes for a, _ in sample) + ALIGNMENT, dtype=np.uint8)
+    with stage("compression sample", sum(a.nbytes for a, _ in sample)):
+        raw = stored = 0
+        t0 = time.perf_counter()
+        for data, typesize in sample:
+            crc32c(data)
+            encoded = codec.encode(data, typesize, threads)
+            keep = codec.worth_storing(data.nbytes, len(encoded))
+            out = np.frombuffer(encoded, dtype=np.uint8) if keep else data
+            if keep:
+                crc32c(out)
+            np.copyto(scratch[: out.nbytes], out)
+            raw += align_up(data.nbytes, ALIGNMENT)
+            stored += align_up(out.nbytes, ALIGNMENT)
+        seconds = max(time.perf_counter() - t0, 1e-9)
+    return sum(a.nbytes for a, _ in sample) / seconds, raw / stored
+
+
+def forget() -> None:
+    """Drop the fastest sampled rates (tests; a machine whose load changed)."""
+    _best_rate.clear()
 
 
 def _sample(units: Sequence[Unit], sources: Sequence[torch.Tensor]) -> list[tuple[np.ndarray,

@@ -158,9 +158,17 @@ def test_auto_never_compresses_on_tmpfs(tmp_path):
 def test_auto_says_why_either_way(tmp_path):
     info = gds_persist.save(_state(), tmp_path / "c", compression="auto")
     assert info.compression_reason.startswith("compression='auto': ")
-    assert "expect" in info.compression_reason
+    assert "GB/s" in info.compression_reason  # the measured figures behind the choice
     got = gds_persist.load(tmp_path / "c")
     _saved_bytes_equal(got, _state())
+
+
+def test_auto_rule():
+    from gds_persist.compression import AUTO_GAIN, predicted_gain
+
+    assert predicted_gain(rate=3e9, ratio=1.3, drive=2e9) == pytest.approx(1.3)  # drive-bound
+    assert predicted_gain(rate=2.2e9, ratio=1.3, drive=2e9) == pytest.approx(1.1)  # CPU-bound
+    assert predicted_gain(rate=2e9, ratio=1.3, drive=5e9) < 1 < AUTO_GAIN  # tmpfs: never pays
 
 
 def test_compression_setting_and_validation(tmp_path):
