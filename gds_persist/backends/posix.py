@@ -151,6 +151,15 @@ def _memory_backed(fd: int) -> bool:
     return filesystem_type(fd) in _MEMORY_FILESYSTEMS
 
 
+def memory_backed(directory: str) -> bool:
+    """Whether ``directory`` is on a memory-backed filesystem (tmpfs)."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return _memory_backed(fd)
+    finally:
+        os.close(fd)
+
+
 def supports_o_direct(directory: str) -> tuple[bool, str]:
     """Probe whether ``directory``'s filesystem accepts an aligned O_DIRECT write."""
     if not _O_DIRECT:
