@@ -219,23 +219,6 @@ def test_zero_optimizer_shards_resume_exactly(gang: Gang, tmp_path: Path) -> Non
     assert [s.rank for s in m.sections] == [0, 1]
 
 
-def test_a_rank_that_never_joins_cannot_hang_the_others(gang: Gang, tmp_path: Path) -> None:
-    """Last: leaves the group broken (rank 0 gave up on a collective the others never made)."""
-    path = tmp_path / "ckpt"
-    result = gang.run(tasks.hang_one, str(path), 2.0)[0]
-    gang.broken = True
-    assert result["type"] == "CollectiveTimeoutError", result
-    assert "phase 'prepare'" in result["message"] and "collective_timeout_s" in result["message"]
-    assert "intact" in result["message"]
-    assert 2.0 <= result["seconds"] < 20
-    assert not path.exists() and [e for e in os.listdir(tmp_path) if e.startswith(".")] == []
-
-
-def test_torch_is_cpu_here() -> None:
-    """The gang uses gloo on CPU; NCCL paths are exercised only on GPU machines."""
-    assert torch.distributed.is_available()
-
-
 # --- issue 13: incremental and compressed data-parallel saves -------------------------------
 
 @pytest.mark.parametrize("compression", ["none", "lossless"])
@@ -262,3 +245,21 @@ def test_incremental_data_parallel_save(gang: Gang, tmp_path: Path, compression:
     for strategy in STRATEGIES:
         for problems in gang.run(tasks.load_modified, 3, str(tmp_path / "s2"), strategy):
             assert problems in (None, []), (strategy, problems)
+
+
+def test_a_rank_that_never_joins_cannot_hang_the_others(gang: Gang, tmp_path: Path) -> None:
+    """Last: leaves the group broken (rank 0 gave up on a collective the others never made)."""
+    path = tmp_path / "ckpt"
+    result = gang.run(tasks.hang_one, str(path), 2.0)[0]
+    gang.broken = True
+    assert result["type"] == "CollectiveTimeoutError", result
+    assert "phase 'prepare'" in result["message"] and "collective_timeout_s" in result["message"]
+    assert "intact" in result["message"]
+    assert 2.0 <= result["seconds"] < 20
+    assert not path.exists() and [e for e in os.listdir(tmp_path) if e.startswith(".")] == []
+
+
+def test_torch_is_cpu_here() -> None:
+    """The gang uses gloo on CPU; NCCL paths are exercised only on GPU machines."""
+    assert torch.distributed.is_available()
+
