@@ -6,10 +6,10 @@
   block is stored encoded;
 * ``"auto"``: encode only where it makes this save faster on the drive it meets. A sample of the
   state (``SAMPLE_UNITS`` slices, ``SAMPLE_BYTES`` in all, at evenly spaced byte positions) goes
-  through the CPU work an encoded unit costs the writer - compress (blosc2's threads: all the
-  cores this process may use; it holds the GIL, so I/O threads cannot add to it), CRC32C of the
-  raw and of the stored bytes, the copy into a staging buffer - timed on the wall clock, giving
-  the ratio ``r`` and the rate ``C``; the drive's durable write rate ``D`` is measured with the
+  through the CPU work an encoded unit costs the writer - compress, CRC32C of the raw and of the
+  stored bytes, the copy into a staging buffer - on as many threads as the writer runs at once
+  (the I/O threads, at most one per usable core), timed on the wall clock, giving the ratio
+  ``r`` and the rate ``C``; the drive's durable write rate ``D`` is measured with the
   save's backend (:mod:`gds_persist.backends.write_rate`, once per filesystem per process).
   Compressing and writing overlap, so a compressed save moves payload at about ``min(C, r * D)``
   against ``D`` raw: ``auto`` compresses when that is at least ``AUTO_GAIN`` times ``D``, and
@@ -24,8 +24,10 @@
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import torch
@@ -71,7 +73,7 @@ def choose(mode: str, backend: Backend, directory: str, units: Sequence[Unit],
     if not sample:
         return False, (f"compression='auto': not compressing, no unit of at least "
                        f"{codec.COMPRESS_MIN} bytes")
-    threads = codec_threads()
+    threads = max(1, min(cfg.io_threads, _usable_cores()))
     with stage("drive write rate"):
         drive = write_rate(backend, directory, cfg.io_threads, cfg.block_bytes)
     best = _best_rate.get(threads)
@@ -104,23 +106,35 @@ def predicted_gain(rate: float, ratio: float, drive: float) -> float:
 _best_rate: dict[int, float] = {}  # codec threads -> fastest sampled pipeline rate (bytes/s)
 
 
+def _usable_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return os.cpu_count() or 1
+
+
 def _timed_sample(sample: Sequence[tuple[np.ndarray, int]], threads: int) -> tuple[float, float]:
-    """(rate in bytes/s, ratio) of the CPU work the writer does per encoded unit, on ``sample``."""
-    scratch = np.empty(max(a.nbytes for a, _ in sample) + ALIGNMENT, dtype=np.uint8)
+    """(rate in bytes/s, ratio) of the CPU work the writer does per encoded unit, on ``sample``,
+    run on ``threads`` threads at once as the writer's I/O threads would."""
+    scratch = [np.empty(a.nbytes + ALIGNMENT, dtype=np.uint8) for a, _ in sample]
+
+    def unit(i: int) -> tuple[int, int]:
+        data, typesize = sample[i]
+        crc32c(data)
+        encoded = codec.encode(data, typesize, codec_threads())
+        keep = codec.worth_storing(data.nbytes, len(encoded))
+        out = np.frombuffer(encoded, dtype=np.uint8) if keep else data
+        if keep:
+            crc32c(out)
+        np.copyto(scratch[i][: out.nbytes], out)
+        return align_up(data.nbytes, ALIGNMENT), align_up(out.nbytes, ALIGNMENT)
+
     with stage("compression sample", sum(a.nbytes for a, _ in sample)):
-        raw = stored = 0
-        t0 = time.perf_counter()
-        for data, typesize in sample:
-            crc32c(data)
-            encoded = codec.encode(data, typesize, threads)
-            keep = codec.worth_storing(data.nbytes, len(encoded))
-            out = np.frombuffer(encoded, dtype=np.uint8) if keep else data
-            if keep:
-                crc32c(out)
-            np.copyto(scratch[: out.nbytes], out)
-            raw += align_up(data.nbytes, ALIGNMENT)
-            stored += align_up(out.nbytes, ALIGNMENT)
-        seconds = max(time.perf_counter() - t0, 1e-9)
+        with ThreadPoolExecutor(threads) as pool:
+            t0 = time.perf_counter()
+            sizes = list(pool.map(unit, range(len(sample))))
+            seconds = max(time.perf_counter() - t0, 1e-9)
+    raw, stored = sum(r for r, _ in sizes), sum(s for _, s in sizes)
     return sum(a.nbytes for a, _ in sample) / seconds, raw / stored
 
 

@@ -31,7 +31,6 @@ into the manifest.
 
 from __future__ import annotations
 
-import os
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -53,6 +52,7 @@ from .staging import AlignedBuffer
 from .writer import DIRECT_MIN
 
 Decide = Callable[[int, str], bool]  # (unit index, its BLAKE3-128) -> True: refer, write nothing
+BATCH_BELOW = 1 << 20  # units smaller than this share a staging buffer and one write
 
 
 @dataclass(frozen=True)
@@ -102,7 +102,7 @@ class UnitWriter(FilePipeline):
     compress: bool = field(default=False, kw_only=True)
     hashes: bool = field(default=False, kw_only=True)  # compute every unit's BLAKE3-128
     decide: Decide | None = field(default=None, kw_only=True)
-    codec_threads: int = field(default=1, kw_only=True)  # blosc2's own threads (it holds the GIL)
+    codec_threads: int = field(default=1, kw_only=True)  # blosc2's threads per unit
 
     def write_files(self, paths: Sequence[str], files: Sequence[Sequence[int]],
                     units: Sequence[Unit], sources: Sequence[torch.Tensor],
@@ -159,29 +159,123 @@ class UnitWriter(FilePipeline):
     # ------------------------------------------------------------------ the jobs
 
     def _run(self, files: list[_File]) -> None:
-        """Every file's units, round-robin over the files, each file's in its given order."""
-        jobs: list[tuple[_File, int]] = []
-        longest = max((len(f.units) for f in files), default=0)
-        for i in range(longest):  # round-robin: every file makes progress at once
-            jobs += [(f, f.units[i]) for f in files if i < len(f.units)]
+        """Every file's units, round-robin over the files, each file's in its given order; small
+        units are batched (:meth:`_batches`)."""
         device_write = self._device_write_ok(files)
+        per_file = [[[k] for k in f.units] if device_write else self._batches(f) for f in files]
+        jobs: list[tuple[_File, list[int]]] = []
+        longest = max((len(b) for b in per_file), default=0)
+        for i in range(longest):  # round-robin: every file makes progress at once
+            jobs += [(f, b[i]) for f, b in zip(files, per_file, strict=True) if i < len(b)]
         if device_write:
             self._device_crcs = dict(zip(
-                [k for _, k in jobs],
-                device_crc32c_many([self._piece(k) for _, k in jobs]) if jobs else [],
+                [ks[0] for _, ks in jobs],
+                device_crc32c_many([self._piece(ks[0]) for _, ks in jobs]) if jobs else [],
                 strict=True))
         in_flight: deque[Future[None]] = deque()
         window = 2 * self.ring.count  # type: ignore[union-attr]
         try:
-            for f, k in jobs:
-                job = self._from_device if device_write else self._job
-                in_flight.append(self.pool.submit(job, f, k))
+            for f, ks in jobs:
+                if device_write:
+                    fut = self.pool.submit(self._from_device, f, ks[0])
+                elif len(ks) == 1 and self._units[ks[0]].length >= BATCH_BELOW:
+                    fut = self.pool.submit(self._job, f, ks[0])
+                else:
+                    fut = self.pool.submit(self._batch, f, ks)
+                in_flight.append(fut)
                 while len(in_flight) > window or (in_flight and in_flight[0].done()):
                     result_within(in_flight.popleft(), self.timeout_s, f"writing {f.path}")
             wait_all(in_flight, self.timeout_s, f"writing {files[0].path if files else ''}")
         except BaseException:
             drain_quietly(in_flight, self.timeout_s)
             raise
+
+    def _batches(self, f: _File) -> list[list[int]]:
+        """``f``'s units in order, runs of small ones (under ``BATCH_BELOW``) grouped into
+        batches that fill at most one staging buffer: one job and one write each, instead of a
+        4 KiB O_DIRECT write per step counter or bias (measured: ~280 such writes made a
+        383 MB compressed save spend 3.5x its bytes' time in pwrite)."""
+        out: list[list[int]] = []
+        room = 0
+        for k in f.units:
+            n = align_up(self._units[k].length)
+            if self._units[k].length >= BATCH_BELOW:
+                out.append([k])
+                room = 0
+            elif out and room >= n and out[-1] and self._units[out[-1][0]].length < BATCH_BELOW:
+                out[-1].append(k)
+                room -= n
+            else:
+                out.append([k])
+                room = self.ring.block_bytes - n  # type: ignore[union-attr]
+        return out
+
+    def _batch(self, f: _File, ks: list[int]) -> None:
+        """Small units ``ks`` packed into one staging buffer, each at its own aligned place, and
+        written with one call (each still its own extent)."""
+        buf = self.ring.acquire()  # type: ignore[union-attr]
+        try:
+            placed: list[tuple[int, int, int, tuple[int, int] | None]] = []
+            cursor = 0
+            for k in ks:
+                u = self._units[k]
+                slot = buf.array[cursor : cursor + u.length]
+                if self._sources[u.storage].is_cuda:
+                    assert self._copier is not None
+                    with stage("copy to staging (D2H)", u.length):
+                        self._copier.copy_and_wait(buf.tensor[cursor : cursor + u.length],
+                                                   self._piece(k))
+                    data = slot
+                else:
+                    host = self._hosts[u.storage]
+                    assert host is not None
+                    data = host[u.start : u.start + u.length]
+                    if self._referred(k, data):
+                        continue
+                crc, encoded = self._encode(k, data)
+                out = data if encoded is None else np.frombuffer(encoded, dtype=np.uint8)
+                if out.ctypes.data != slot.ctypes.data:
+                    with stage("copy to staging", out.nbytes):
+                        np.copyto(buf.array[cursor : cursor + out.nbytes], out)
+                end = align_up(cursor + out.nbytes, ALIGNMENT)
+                buf.array[cursor + out.nbytes : end] = 0
+                stored = None
+                if encoded is not None:
+                    with stage("checksum (stored)", len(encoded)):
+                        stored = (len(encoded), crc32c(out))
+                placed.append((k, cursor, crc, stored))
+                cursor = end
+            if not cursor:
+                return
+            offset = f.allocate(cursor)
+            with stage("write", cursor):
+                self.backend.pwrite(f.handle, buf.view[:cursor], offset)
+            for k, at, crc, stored in placed:
+                self._seal(f, k, offset + at, crc, stored)
+        finally:
+            self.ring.release(buf)  # type: ignore[union-attr]
+
+    def _referred(self, k: int, data: np.ndarray) -> bool:
+        """Host unit ``k``: hash it if needed, and whether ``decide`` refers it elsewhere."""
+        if self.hashes and k not in self._results.hashes:
+            with stage("hash", data.nbytes):
+                self._results.hashes[k] = content_hash(data)  # dict writes: atomic under the GIL
+        if self.decide is not None and self.decide(k, self._results.hashes.get(k, "")):
+            self._results.referred.add(k)
+            return True
+        return False
+
+    def _encode(self, k: int, data: np.ndarray) -> tuple[int, bytes | None]:
+        """CRC32C of unit ``k``'s bytes and, when compressing and worth it, its encoded form."""
+        u = self._units[k]
+        with stage("checksum", u.length):
+            crc = crc32c(data)
+        if self.compress and u.length >= codec.COMPRESS_MIN:
+            with stage("compress", u.length):
+                candidate = codec.encode(data, u.typesize, self.codec_threads)
+            if codec.worth_storing(u.length, len(candidate)):
+                return crc, candidate
+        return crc, None
 
     def _device_write_ok(self, files: list[_File]) -> bool:
         return (self.backend.accepts_device and not self.compress and all(
@@ -209,11 +303,7 @@ class UnitWriter(FilePipeline):
         host = self._hosts[u.storage]
         assert host is not None
         data = host[u.start : u.start + u.length]
-        if self.hashes and k not in self._results.hashes:
-            with stage("hash", u.length):
-                self._results.hashes[k] = content_hash(data)  # dict writes: atomic under the GIL
-        if self.decide is not None and self.decide(k, self._results.hashes.get(k, "")):
-            self._results.referred.add(k)
+        if self._referred(k, data):
             return
         self._store(f, k, data, None)
 
@@ -221,14 +311,7 @@ class UnitWriter(FilePipeline):
         """Checksum, maybe compress, place and write one unit's bytes ``data`` (which live in
         ``buf`` when given, else in the tensor's own memory)."""
         u = self._units[k]
-        with stage("checksum", u.length):
-            crc = crc32c(data)
-        encoded = None
-        if self.compress and u.length >= codec.COMPRESS_MIN:
-            with stage("compress", u.length):
-                candidate = codec.encode(data, u.typesize, self.codec_threads)
-            if codec.worth_storing(u.length, len(candidate)):
-                encoded = candidate
+        crc, encoded = self._encode(k, data)
         if encoded is not None:
             with stage("checksum (stored)", len(encoded)):
                 stored_crc = crc32c(encoded)
@@ -302,9 +385,6 @@ class UnitWriter(FilePipeline):
 
 
 def codec_threads() -> int:
-    """Threads blosc2 compresses with (python-blosc2 holds the GIL while it works, so its own
-    threads are the parallelism): the cores this process may use."""
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # pragma: no cover - not Linux
-        return max(1, os.cpu_count() or 1)
+    """blosc2 threads per compressed unit: one (blosc2 releases the GIL, see
+    :mod:`gds_persist.format.codec`, so the I/O threads are the parallelism)."""
+    return 1
