@@ -71,3 +71,12 @@ class FilePipeline:
     pool: ThreadPoolExecutor  # the I/O threads
     timeout_s: float  # the bound on every wait for I/O
     progress: Callable[[int], None] | None = None  # bytes of each block done (from any thread)
+
+    def sync_all(self, handles: list[Any], what: str) -> None:
+        """fsync every file, concurrently: the data is durable before the manifest is written."""
+        syncs = deque(self.pool.submit(self.backend.sync, h) for h in handles)
+        try:
+            wait_all(syncs, self.timeout_s, what)
+        except BaseException:
+            drain_quietly(syncs, self.timeout_s)
+            raise

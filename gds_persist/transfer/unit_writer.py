@@ -376,12 +376,8 @@ class UnitWriter(FilePipeline):
             if f.next_offset != f.size_hint:
                 self.backend.set_size(f.handle, f.next_offset)
         with stage("fsync"):
-            syncs = deque(self.pool.submit(self.backend.sync, f.handle) for f in files)
-            try:
-                wait_all(syncs, self.timeout_s, f"fsync of {files[0].path if files else ''}")
-            except BaseException:
-                drain_quietly(syncs, self.timeout_s)
-                raise
+            self.sync_all([f.handle for f in files],
+                          f"fsync of {files[0].path if files else 'no file'}")
 
 
 def codec_threads() -> int:

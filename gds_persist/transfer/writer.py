@@ -226,12 +226,7 @@ class FileWriter(FilePipeline):
     def _sync(self, files: list[_OpenFile]) -> None:
         """fsync every file, concurrently: the data is durable before the manifest is written."""
         with stage("fsync"):
-            syncs = deque(self.pool.submit(self.backend.sync, f.handle) for f in files)
-            try:
-                wait_all(syncs, self.timeout_s, f"fsync of {files[0].path}")
-            except BaseException:
-                drain_quietly(syncs, self.timeout_s)
-                raise
+            self.sync_all([f.handle for f in files], f"fsync of {files[0].path}")
 
 
 def _copy_and_checksum(dst: np.ndarray, src: np.ndarray | None) -> int:
