@@ -29,7 +29,6 @@ device memory and checksummed there.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -39,11 +38,11 @@ import numpy as np
 import torch
 
 from ..errors import ChecksumError, TruncatedError
-from ..format import Extent, crc32c, crc32c_combine
+from ..format import Extent, crc32c
 from ..stages import stage
 from .crc import device_crc32c_many, device_crc32c_or_none
 from .cuda_copy import StreamCopier, copier_for
-from .pipeline import FilePipeline, drain_quietly, result_within, wait_all
+from .pipeline import FilePipeline, PieceCrc, copy_and_checksum, join_piece_crcs
 from .segments import Segment, cut, extent_spans, whole_blocks
 from .staging import AlignedBuffer
 
@@ -52,9 +51,7 @@ OnChecksum = Callable[[str, Extent, int], None]  # (file path, extent, CRC32C of
 OnBytes = Callable[[Extent, int, memoryview], None]  # (extent, offset in its storage, bytes)
 Dests = Sequence[torch.Tensor | None]  # flat uint8 destination per storage; None: not read
 DIRECT_MIN = 1 << 20  # an extent this large is read into its destination directly when aligned
-CACHE_CHUNK = 1 << 20  # copy out and checksum this much at a time
 
-PieceCrc = tuple[int, int, int, int]  # (extent index, file offset, length, CRC32C)
 
 
 def checksum_mismatch(what: str, path: str, e: Extent, actual: int) -> ChecksumError:
@@ -159,18 +156,11 @@ class FileReader(FilePipeline):
         copier = copier_for(cuda)
         on_device = self.checksums and bool(cuda) and device_crc32c_or_none(
             [cuda[0][:1]]) is not None  # the kernel runs: CUDA pieces are checked there
-        requests = [(f, seg) for f in files for seg in self._segments(f, hosts)]
-        in_flight: deque[Future[None]] = deque()
-        window = 2 * self.ring.count  # requests queued at once (direct ones hold no buffer)
-        try:
-            for f, seg in sorted(requests, key=lambda r: r[1].lo):  # every file at once
-                in_flight.append(self._submit(f, seg, dests, hosts, copier, on_device))
-                while len(in_flight) > window or (in_flight and in_flight[0].done()):
-                    result_within(in_flight.popleft(), self.timeout_s, f"reading {f.path}")
-            wait_all(in_flight, self.timeout_s, f"reading {files[0].path}")
-        except BaseException:
-            drain_quietly(in_flight, self.timeout_s)
-            raise
+        requests = sorted(((f, seg) for f in files for seg in self._segments(f, hosts)),
+                          key=lambda r: r[1].lo)  # every file at once
+        self.run_requests(requests,
+                          lambda r: self._submit(r[0], r[1], dests, hosts, copier, on_device),
+                          f"reading {files[0].path}")
         for f in files:
             self._check_extents(f, dests, on_device)
 
@@ -191,16 +181,7 @@ class FileReader(FilePipeline):
                 on_device: bool) -> Future[None]:
         if seg.direct:
             return self.pool.submit(self._read_direct, f, seg, hosts)
-        with stage("wait for a staging buffer"):
-            buf = self.ring.acquire()  # type: ignore[union-attr]
-        try:
-            fut = self.pool.submit(self._read_buffer, f, seg, buf, dests, hosts, copier,
-                                   on_device)
-        except BaseException:
-            self.ring.release(buf)  # type: ignore[union-attr]
-            raise
-        fut.add_done_callback(self._releaser(buf))  # a cancelled read frees its buffer
-        return fut
+        return self.submit_staged(self._read_buffer, f, seg, dests, hosts, copier, on_device)
 
     def _pread(self, f: _OpenFile, view: memoryview, offset: int, what: str = "read") -> None:
         with stage(what, view.nbytes):
@@ -224,9 +205,9 @@ class FileReader(FilePipeline):
             with stage("checksum", hi - lo):
                 f.pieces.append((k, lo, hi - lo, crc32c(data)))
 
-    def _read_buffer(self, f: _OpenFile, seg: Segment, buf: AlignedBuffer, dests: Dests | None,
+    def _read_buffer(self, buf: AlignedBuffer, f: _OpenFile, seg: Segment, dests: Dests | None,
                      hosts: Sequence[np.ndarray | None], copier: StreamCopier | None,
-                     on_device: bool) -> None:
+                     on_device: bool, _: None) -> None:
         try:
             self._pread(f, buf.view[: seg.nbytes], seg.lo)
             for k, lo, hi in seg.pieces:
@@ -247,27 +228,18 @@ class FileReader(FilePipeline):
                     dest_host = None
                 else:
                     dest_host = hosts[e.storage] if hosts else None
-                crc = _copy_out_and_checksum(
+                crc = copy_and_checksum(
                     src, dest_host[at : at + hi - lo] if dest_host is not None else None,
-                    self.checksums)
+                    self.checksums, "copy from staging")
                 f.pieces.append((k, lo, hi - lo, crc))
         finally:
             self.ring.release(buf)  # type: ignore[union-attr]
-
-    def _releaser(self, buf: AlignedBuffer) -> Callable[[Future[None]], None]:
-        def release_if_cancelled(fut: Future[None]) -> None:
-            if fut.cancelled():
-                self.ring.release(buf)  # type: ignore[union-attr]
-
-        return release_if_cancelled
 
     def _check_extents(self, f: _OpenFile, dests: Dests | None, on_device: bool) -> None:
         """Hand every extent's CRC32C to ``on_checksum``, in file order."""
         if not self.checksums:
             return
-        by_extent: dict[int, list[PieceCrc]] = {}
-        for p in f.pieces:
-            by_extent.setdefault(p[0], []).append(p)
+        joined = join_piece_crcs(f.pieces)
         device = {}
         if on_device and dests is not None:
             cuda = [k for k, e in enumerate(f.extents)
@@ -279,28 +251,8 @@ class FileReader(FilePipeline):
             with stage("checksum (device)", sum(p.numel() for p in pieces)):
                 device = dict(zip(cuda, device_crc32c_many(pieces), strict=True))
         for k, e in enumerate(f.extents):
-            crc = device.get(k)
-            if crc is None:
-                crc = 0
-                for _, _, length, piece in sorted(by_extent.get(k, []), key=lambda p: p[1]):
-                    crc = crc32c_combine(crc, piece, length)
-            self._on_checksum(f.path, e, crc)
+            self._on_checksum(f.path, e, device[k] if k in device else joined.get(k, 0))
 
 
 def _host_array(t: torch.Tensor | None) -> np.ndarray | None:
     return t.numpy() if t is not None and not t.is_cuda else None
-
-
-def _copy_out_and_checksum(src: np.ndarray, dst: np.ndarray | None, checksums: bool) -> int:
-    """Copy ``src`` to ``dst`` (if any) and return the CRC32C of ``src`` (0 without
-    ``checksums``), a cache-sized chunk at a time."""
-    crc = 0
-    for lo in range(0, src.nbytes, CACHE_CHUNK):
-        chunk = src[lo : lo + CACHE_CHUNK]
-        if dst is not None:
-            with stage("copy from staging", chunk.nbytes):
-                np.copyto(dst[lo : lo + CACHE_CHUNK], chunk)
-        if checksums:
-            with stage("checksum", chunk.nbytes):
-                crc = crc32c(chunk, crc)
-    return crc
