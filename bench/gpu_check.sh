@@ -98,15 +98,16 @@ case "$DEVICE" in
     cpu) STRICT=off; [ -n "$TRAIN_ARGS" ] || TRAIN_ARGS="--tiny" ;;
     *) echo "gpu_check.sh: --device must be cuda or cpu" >&2; exit 2 ;;
 esac
-[ -n "$OUT_DIR" ] || OUT_DIR="$REPO/bench/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)"
-[ -n "$BENCH_DIR" ] || BENCH_DIR="$REPO/bench/out"
-mkdir -p "$OUT_DIR" "$BENCH_DIR" || exit 2
-OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+# Arguments are checked before anything is created.
 read -r -a SIZE_LIST <<< "$SIZES"
 read -r -a RUN_LIST <<< "$RUNS"
 if [ "${#SIZE_LIST[@]}" -ne "${#RUN_LIST[@]}" ]; then
     echo "gpu_check.sh: --sizes and --runs need the same number of entries" >&2; exit 2
 fi
+[ -n "$OUT_DIR" ] || OUT_DIR="$REPO/bench/results/gpu-$(date -u +%Y%m%dT%H%M%SZ)"
+[ -n "$BENCH_DIR" ] || BENCH_DIR="$REPO/bench/out"
+mkdir -p "$OUT_DIR" "$BENCH_DIR" || exit 2
+OUT_DIR="$(cd "$OUT_DIR" && pwd)"
 
 RUN_DIR="$OUT_DIR/gpu_check"  # every file of the run; packed into one tarball at the end
 rm -rf "$RUN_DIR" "$OUT_DIR/gpu_check.tar.gz"

@@ -71,7 +71,6 @@ from .transfer.opened import (
     replaced_message,
 )
 from .transfer.reader import (
-    DIRECT_MIN,
     Describe,
     Dests,
     FileReader,
@@ -80,7 +79,7 @@ from .transfer.reader import (
     OnError,
     checksum_mismatch,
 )
-from .transfer.staging import io_session, page_aligned_tensor
+from .transfer.staging import io_session
 
 MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
 
@@ -163,15 +162,6 @@ def _target_device(saved: str, map_location: MapLocation, distributed: bool) -> 
             "map_location='cpu' (or a dict/callable) to load them elsewhere"
         )
     return device
-
-
-def _destination(nbytes: int, device: torch.device) -> torch.Tensor:
-    """Where a storage is read to: large host storages page-aligned, so that O_DIRECT reads go
-    straight into them (no staging copy). Their pages are faulted in by the reads themselves, on
-    the I/O threads (measured faster than populating them first on one thread)."""
-    if device.type == "cpu" and nbytes >= DIRECT_MIN:
-        return page_aligned_tensor(nbytes)
-    return torch.empty(nbytes, dtype=torch.uint8, device=device)
 
 
 def _apply_callable(fn: Callable[..., Any], storage: torch.UntypedStorage, location: str) -> Any:
@@ -363,8 +353,8 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
         with stage("allocate destinations"):
             for s in lp.needed:
                 rec = m.storages[s]
-                dests[s] = _destination(rec.nbytes,
-                                        _target_device(rec.device, map_location, distributed))
+                device = _target_device(rec.device, map_location, distributed)
+                dests[s] = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
         if not lp.share:
             read_bytes[0] = sum(align_up(e.stored_length) for e in lp.mine)
             counter = ByteCounter(progress, read_bytes[0])

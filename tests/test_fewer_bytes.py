@@ -399,3 +399,14 @@ def test_manifest_json_records_the_choice(tmp_path):
     assert body["writer"]["compression"]["applied"] is True
     assert body["bases"] == []
     assert {"codec", "stored", "stored_crc32c", "blake3"} <= set(body["extents"][0])
+
+
+def test_encoded_extents_larger_than_the_readers_staging_buffers(tmp_path):
+    """A reader with small staging buffers reads an encoded 16 MiB unit through its own one."""
+    state = {"w": (torch.randn(3 << 20) * 0.02).to(torch.bfloat16)}  # 6 MiB, one unit
+    gds_persist.save(state, tmp_path / "c", compression="lossless")
+    (e,) = gds_persist.read_manifest(tmp_path / "c").extents
+    assert e.encoded and e.stored > 64 << 10
+    with gds_persist.settings.set(block_bytes=64 << 10, staging_bytes=128 << 10):
+        _saved_bytes_equal(gds_persist.load(tmp_path / "c"), state)
+        assert gds_persist.verify(tmp_path / "c").ok

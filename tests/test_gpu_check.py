@@ -34,6 +34,7 @@ def test_scripts_parse(script):
 
 @needs_bash
 def test_help_and_bad_arguments():
+    results = set(os.listdir(REPO / "bench" / "results"))
     out = _run("--help")
     assert out.returncode == 0 and "--wheels DIR" in out.stdout
     assert out.stdout.rstrip().endswith("device (nothing verified, the reason is in summary.md); "
@@ -42,6 +43,7 @@ def test_help_and_bad_arguments():
     assert bad.returncode == 2 and "unknown argument --frobnicate" in bad.stderr
     mismatch = _run("--sizes", "1GiB 2GiB", "--runs", "1")
     assert mismatch.returncode == 2 and "same number" in mismatch.stderr
+    assert set(os.listdir(REPO / "bench" / "results")) == results  # bad arguments create nothing
 
 
 def test_gpu_facts_never_raises(tmp_path):

@@ -1,21 +1,25 @@
-"""What the writer and the reader of data files share: bounded waits on I/O futures and the I/O
-resources of a pipeline."""
+"""What the writer and the reader of data files share: the I/O resources of a pipeline, running
+its requests with bounded queues and waits, staging buffers handed to requests, copies that
+checksum what they copy, and joining the CRC32C of an extent's pieces."""
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import numpy as np
 import torch
 
 from ..backends.base import Backend
 from ..errors import CheckpointError
-from .staging import StagingRing
+from ..format import crc32c, crc32c_combine
+from ..stages import stage
+from .staging import AlignedBuffer, StagingRing
 
 T = TypeVar("T")
 
@@ -62,9 +66,43 @@ def drain_quietly(futures: deque[Future[Any]], timeout_s: float) -> bool:
     return True
 
 
+PieceCrc = tuple[int, int, int, int]  # (extent index, file offset, length, CRC32C)
+CACHE_CHUNK = 1 << 20  # copy, then checksum, this much at a time: the CRC reads cached bytes
+
+
+def copy_and_checksum(src: np.ndarray, dst: np.ndarray | None, checksum: bool = True,
+                      copying: str = "copy") -> int:
+    """Copy ``src`` into ``dst`` (None: no copy) and return the CRC32C of the bytes (0 without
+    ``checksum``), a cache-sized chunk at a time; ``copying`` names the copy's stage."""
+    crc = 0
+    for lo in range(0, src.nbytes, CACHE_CHUNK):
+        chunk = src[lo : lo + CACHE_CHUNK]
+        if dst is not None:
+            with stage(copying, chunk.nbytes):
+                np.copyto(dst[lo : lo + CACHE_CHUNK], chunk)
+        if checksum:
+            with stage("checksum", chunk.nbytes):
+                crc = crc32c(chunk, crc)
+    return crc
+
+
+def join_piece_crcs(pieces: Iterable[PieceCrc]) -> dict[int, int]:
+    """Each extent's CRC32C joined from the CRCs of its pieces (in any order)."""
+    by_extent: dict[int, list[PieceCrc]] = {}
+    for p in pieces:
+        by_extent.setdefault(p[0], []).append(p)
+    joined = {}
+    for k, parts in by_extent.items():
+        crc = 0
+        for _, _, length, piece in sorted(parts, key=lambda p: p[1]):
+            crc = crc32c_combine(crc, piece, length)
+        joined[k] = crc
+    return joined
+
+
 @dataclass
 class FilePipeline:
-    """The resources one data file's writer or reader runs on."""
+    """The resources data files' writer or reader runs on, and how it runs requests on them."""
 
     backend: Backend
     ring: StagingRing | None  # None: device transfers only
@@ -80,3 +118,44 @@ class FilePipeline:
         except BaseException:
             drain_quietly(syncs, self.timeout_s)
             raise
+
+    def run_requests(self, requests: Iterable[T], submit: Callable[[T], Future[None]],
+                     what: str) -> None:
+        """Submit every request, at most two rings' worth queued at once (direct requests hold
+        no buffer), surfacing the first failure early; after an error, queued ones are cancelled
+        and running ones waited for (bounded) before it is raised."""
+        assert self.ring is not None
+        in_flight: deque[Future[None]] = deque()
+        try:
+            for request in requests:
+                in_flight.append(submit(request))
+                while len(in_flight) > 2 * self.ring.count or (in_flight and in_flight[0].done()):
+                    result_within(in_flight.popleft(), self.timeout_s, what)
+            wait_all(in_flight, self.timeout_s, what)
+        except BaseException:
+            drain_quietly(in_flight, self.timeout_s)
+            raise
+
+    def submit_staged(self, fn: Callable[..., None], *args: Any,
+                      prepare: Callable[[AlignedBuffer], Any] | None = None) -> Future[None]:
+        """Run ``fn(buf, *args, prepared)`` on an I/O thread with a staging buffer taken now
+        (waiting for one bounds the memory); ``prepare(buf)`` runs here first (queuing copies
+        into it). ``fn`` must give the buffer back; a cancelled request's buffer comes back
+        by itself."""
+        ring = self.ring
+        assert ring is not None
+        with stage("wait for a staging buffer"):
+            buf = ring.acquire()
+        try:
+            prepared = prepare(buf) if prepare is not None else None
+            fut = self.pool.submit(fn, buf, *args, prepared)
+        except BaseException:
+            ring.release(buf)
+            raise
+
+        def release_if_cancelled(done: Future[None]) -> None:
+            if done.cancelled():
+                ring.release(buf)
+
+        fut.add_done_callback(release_if_cancelled)
+        return fut

@@ -74,17 +74,6 @@ class AlignedBuffer:
         self.close()
 
 
-def page_aligned_tensor(nbytes: int) -> torch.Tensor:
-    """A flat uint8 host tensor of ``nbytes`` at a page-aligned address (anonymous memory that
-    lives as long as the tensor), so O_DIRECT can read straight into it."""
-    if nbytes == 0:
-        return torch.empty(0, dtype=torch.uint8)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # frombuffer warns about writability we do have
-        return torch.frombuffer(memory, dtype=torch.uint8, count=nbytes)
-
-
 class StagingRing:
     """A fixed set of equal aligned buffers handed out and returned in any order."""
 

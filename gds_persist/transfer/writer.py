@@ -34,19 +34,25 @@ import numpy as np
 import torch
 
 from ..backends.base import Backend
-from ..format import Extent, crc32c, crc32c_combine
+from ..format import Extent, crc32c
 from ..settings import Settings
 from ..stages import stage
 from .crc import device_crc32c_many, device_crc32c_or_none
 from .cuda_copy import StreamCopier, copier_for
-from .pipeline import FilePipeline, byte_view, drain_quietly, result_within, wait_all
+from .pipeline import (
+    FilePipeline,
+    PieceCrc,
+    byte_view,
+    copy_and_checksum,
+    drain_quietly,
+    join_piece_crcs,
+    wait_all,
+)
 from .segments import Segment, cut, whole_blocks
 from .staging import AlignedBuffer, io_session
 
 DIRECT_MIN = 1 << 20  # a host extent this large is written from its own memory when aligned
-CACHE_CHUNK = 1 << 20  # copy then checksum this much at a time, so the CRC reads cached bytes
 
-PieceCrc = tuple[int, int, int, int]  # (extent index, file offset, length, CRC32C)
 
 
 class FileLayout(Protocol):
@@ -125,17 +131,8 @@ class FileWriter(FilePipeline):
             for f in files:
                 _checksum_on_device(f, sources)
         requests = _interleave([(f, seg) for seg in self._segments(f, hosts)] for f in files)
-        in_flight: deque[Future[None]] = deque()
-        window = 2 * self.ring.count  # requests queued at once (direct ones hold no buffer)
-        try:
-            for f, seg in requests:
-                in_flight.append(self._submit(f, seg, sources, hosts, copier))
-                while len(in_flight) > window or (in_flight and in_flight[0].done()):
-                    result_within(in_flight.popleft(), self.timeout_s, f"writing {f.path}")
-            wait_all(in_flight, self.timeout_s, f"writing {files[0].path}")
-        except BaseException:
-            drain_quietly(in_flight, self.timeout_s)
-            raise
+        self.run_requests(requests, lambda r: self._submit(r[0], r[1], sources, hosts, copier),
+                          f"writing {files[0].path}")
 
     def _segments(self, f: _OpenFile, hosts: Sequence[np.ndarray | None]) -> list[Segment]:
         align = self.backend.host_alignment
@@ -154,25 +151,22 @@ class FileWriter(FilePipeline):
                 hosts: Sequence[np.ndarray | None], copier: StreamCopier | None) -> Future[None]:
         if seg.direct:
             return self.pool.submit(self._write_direct, f, seg, hosts)
-        with stage("wait for a staging buffer"):
-            buf = self.ring.acquire()  # type: ignore[union-attr]
-        events: list[Any] = []
-        try:
-            if copier is not None:  # queued now, several buffers ahead of the writes
-                with stage("queue D2H", seg.nbytes):
-                    for k, lo, hi in seg.pieces:
-                        e = f.plan.extents[k]
-                        if sources[e.storage].is_cuda:
-                            at = e.start + lo - e.offset
-                            copier.copy(buf.tensor[lo - seg.lo : hi - seg.lo],
-                                        sources[e.storage][at : at + hi - lo])
-                    events = copier.record()
-            fut = self.pool.submit(self._write_buffer, f, seg, buf, hosts, events)
-        except BaseException:
-            self.ring.release(buf)  # type: ignore[union-attr]
-            raise
-        fut.add_done_callback(self._releaser(buf))  # a cancelled write frees its buffer
-        return fut
+
+        def queue_d2h(buf: AlignedBuffer) -> list[Any]:
+            """The buffer's device-to-host copies, queued now: as many buffers ahead of the
+            writes as the ring holds."""
+            if copier is None:
+                return []
+            with stage("queue D2H", seg.nbytes):
+                for k, lo, hi in seg.pieces:
+                    e = f.plan.extents[k]
+                    if sources[e.storage].is_cuda:
+                        at = e.start + lo - e.offset
+                        copier.copy(buf.tensor[lo - seg.lo : hi - seg.lo],
+                                    sources[e.storage][at : at + hi - lo])
+                return copier.record()
+
+        return self.submit_staged(self._write_buffer, f, seg, hosts, prepare=queue_d2h)
 
     def _write_direct(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None]) -> None:
         (k, lo, hi), = seg.pieces
@@ -189,7 +183,7 @@ class FileWriter(FilePipeline):
         if self.progress is not None:
             self.progress(hi - lo)
 
-    def _write_buffer(self, f: _OpenFile, seg: Segment, buf: AlignedBuffer,
+    def _write_buffer(self, buf: AlignedBuffer, f: _OpenFile, seg: Segment,
                       hosts: Sequence[np.ndarray | None], events: list[Any]) -> None:
         try:
             if events:
@@ -204,8 +198,11 @@ class FileWriter(FilePipeline):
                 if src is not None or k not in f.device_crcs:
                     at = e.start + lo - e.offset
                     piece = out[lo - seg.lo : hi - seg.lo]
-                    crc = _copy_and_checksum(piece, src[at : at + hi - lo] if src is not None
-                                             else None)
+                    if src is None:  # a CUDA piece already copied in: checksum only
+                        crc = copy_and_checksum(piece, None)
+                    else:
+                        crc = copy_and_checksum(src[at : at + hi - lo], piece, True,
+                                                "copy to staging")
                     f.pieces.append((k, lo, hi - lo, crc))
                 cursor = hi
             out[cursor - seg.lo : seg.nbytes] = 0
@@ -216,31 +213,10 @@ class FileWriter(FilePipeline):
         finally:
             self.ring.release(buf)  # type: ignore[union-attr]
 
-    def _releaser(self, buf: AlignedBuffer) -> Callable[[Future[None]], None]:
-        def release_if_cancelled(fut: Future[None]) -> None:
-            if fut.cancelled():
-                self.ring.release(buf)  # type: ignore[union-attr]
-
-        return release_if_cancelled
-
     def _sync(self, files: list[_OpenFile]) -> None:
         """fsync every file, concurrently: the data is durable before the manifest is written."""
         with stage("fsync"):
             self.sync_all([f.handle for f in files], f"fsync of {files[0].path}")
-
-
-def _copy_and_checksum(dst: np.ndarray, src: np.ndarray | None) -> int:
-    """Copy ``src`` into ``dst`` (None: ``dst`` already holds the bytes) and return their CRC32C,
-    a cache-sized chunk at a time so the checksum reads bytes that were just copied."""
-    crc = 0
-    for lo in range(0, dst.nbytes, CACHE_CHUNK):
-        chunk = dst[lo : lo + CACHE_CHUNK]
-        if src is not None:
-            with stage("copy to staging", chunk.nbytes):
-                np.copyto(chunk, src[lo : lo + CACHE_CHUNK])
-        with stage("checksum", chunk.nbytes):
-            crc = crc32c(chunk, crc)
-    return crc
 
 
 def _checksum_on_device(f: _OpenFile, sources: Sequence[torch.Tensor]) -> None:
@@ -257,19 +233,9 @@ def _checksum_on_device(f: _OpenFile, sources: Sequence[torch.Tensor]) -> None:
 
 def _extent_crcs(f: _OpenFile) -> list[int]:
     """Each extent's CRC32C: from the device, or joined from its pieces in file order."""
-    by_extent: dict[int, list[PieceCrc]] = {}
-    for p in f.pieces:
-        by_extent.setdefault(p[0], []).append(p)
-    crcs = []
-    for k in range(len(f.plan.extents)):
-        if k in f.device_crcs:
-            crcs.append(f.device_crcs[k])
-            continue
-        crc = 0
-        for _, _, length, piece in sorted(by_extent.get(k, []), key=lambda p: p[1]):
-            crc = crc32c_combine(crc, piece, length)
-        crcs.append(crc)
-    return crcs
+    joined = join_piece_crcs(f.pieces)
+    return [f.device_crcs[k] if k in f.device_crcs else joined.get(k, 0)
+            for k in range(len(f.plan.extents))]
 
 
 def _interleave(groups: Sequence[list[Any]] | Any) -> list[Any]:
