@@ -24,7 +24,6 @@ goes straight from device memory to the file; no host staging.
 from __future__ import annotations
 
 import os
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -44,9 +43,7 @@ from .pipeline import (
     PieceCrc,
     byte_view,
     copy_and_checksum,
-    drain_quietly,
     join_piece_crcs,
-    wait_all,
 )
 from .segments import Segment, cut, whole_blocks
 from .staging import AlignedBuffer, io_session
