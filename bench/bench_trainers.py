@@ -16,9 +16,9 @@ for ``--steps`` steps with ModelCheckpoint(save_top_k=2, save_last=True) every `
 
 Reported per method: the mean training step time over all steps of all runs (checkpointing
 steps included, so it carries the checkpoints' cost; its overhead over ``none`` in percent; a
-median would hide the one-in-``--every`` steps that checkpoint), and, as medians, the time a checkpoint blocks the training
-loop (``save_checkpoint`` as Lightning calls it), and the time until a checkpoint is durable
-(the underlying write, in whichever thread).
+median would hide the one-in-``--every`` steps that checkpoint), and, as medians, the time a
+checkpoint blocks the training loop (``save_checkpoint`` as Lightning calls it), and the time
+until a checkpoint is durable (the underlying write, in whichever thread).
 
 Fairness: TorchCheckpointIO does not fsync (``torch.save`` into memory, then one buffered write);
 here it is followed by an fsync of the file and of its directory, so every write figure includes
