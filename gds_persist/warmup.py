@@ -43,6 +43,7 @@ import torch
 from . import settings
 from .backends import choose_backend
 from .results import WarmupReport
+from .transfer.device_kernels import DeviceKernels
 from .transfer.staging import borrow_ring
 
 log = logging.getLogger("gds_persist")
@@ -183,29 +184,31 @@ def _backend(cfg: settings.Settings, directory: str, cuda: bool) -> str:
 
 def _hash_kernel(dev: torch.device) -> str:
     from .format.hashing import content_hash
-    from .transfer.device_hash import cuda_hash_many, device_hash_status
+    from .transfer.device_hash import KERNELS, cuda_hash_many
 
-    ok, why = device_hash_status()
-    if not ok:
-        return f"skipped: {why}"
-    data = torch.randint(0, 256, (4097,), dtype=torch.uint8, device=dev)
-    (got,) = cuda_hash_many([data])  # compiles (or loads from cupy's cache) and launches
-    want = content_hash(data.cpu().numpy())
-    if got != want:
-        return f"failed: the device BLAKE3-128 of 4097 B was {got}, the host's {want}"
-    return f"done: device BLAKE3 kernel compiled/loaded and checked on {dev}"
+    return _check_kernel(KERNELS, dev, 4097, lambda d: cuda_hash_many([d])[0],
+                         lambda d: content_hash(d.cpu().numpy()))
 
 
 def _crc_kernel(dev: torch.device) -> str:
     from .format.checksum import crc32c
-    from .transfer.device_crc import cuda_crc32c, device_crc_status
+    from .transfer.device_crc import KERNELS, cuda_crc32c
 
-    ok, why = device_crc_status()
+    return _check_kernel(KERNELS, dev, 4096, cuda_crc32c,
+                         lambda d: crc32c(d.cpu().numpy()))  # type: ignore[arg-type]
+
+
+def _check_kernel(kernels: DeviceKernels, dev: torch.device, nbytes: int,
+                  on_device: Callable[[torch.Tensor], object],
+                  on_host: Callable[[torch.Tensor], object]) -> str:
+    """Compile (or load from cupy's cache) and launch a device kernel once, checked against the
+    host's result for the same random bytes."""
+    ok, why = kernels.status()
     if not ok:
         return f"skipped: {why}"
-    data = torch.randint(0, 256, (4096,), dtype=torch.uint8, device=dev)
-    got = cuda_crc32c(data)  # compiles (or loads from cupy's cache) and launches
-    want = crc32c(data.cpu().numpy())  # type: ignore[arg-type]
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+    got, want = on_device(data), on_host(data)
     if got != want:
-        return f"failed: the device CRC32C of 4 KiB was {got:#010x}, the host's {want:#010x}"
-    return f"done: device CRC32C kernel compiled/loaded and checked on {dev}"
+        return (f"failed: the device {kernels.what} of {nbytes} B was {got!r}, "
+                f"the host's {want!r}")
+    return f"done: device {kernels.what} kernel compiled/loaded and checked on {dev}"

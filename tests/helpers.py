@@ -152,9 +152,9 @@ def available_backends(directory: str) -> list[BackendCase]:
     return out
 
 
-def device_kernel_or_skip(status: Callable[[], tuple[bool, str]]) -> None:
-    """Skip (saying why) unless CUDA, cupy and the device kernel that ``status`` reports on
-    (``device_crc_status``, ``device_hash_status``) are usable."""
+def device_kernel_or_skip(status: Callable[[], tuple[bool, str]]) -> Any:
+    """torch, or a skip (saying why) unless CUDA, cupy and the device kernel that ``status``
+    reports on (``device_crc_status``, ``device_hash_status``) are usable."""
     import pytest
 
     if not torch.cuda.is_available():
@@ -166,3 +166,64 @@ def device_kernel_or_skip(status: Callable[[], tuple[bool, str]]) -> None:
     ok, why = status()
     if not ok:
         pytest.skip(why)
+    return torch
+
+
+# --- the CUDA kernels without a GPU: compilers only ----------------------------------------------
+
+NVCC_FLAGS = ["-arch=sm_90", "-Werror", "all-warnings"]
+
+
+def nvcc_or_skip() -> str:
+    import shutil
+
+    import pytest
+
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        pytest.skip("nvcc (CUDA toolkit) not on PATH")
+    return nvcc
+
+
+def nvcc_build(out: Path, source: Path, *flags: str) -> Path:
+    """``nvcc flags -o out source`` for sm_90 with every warning an error (skip without nvcc)."""
+    import subprocess
+
+    proc = subprocess.run([nvcc_or_skip(), *flags, *NVCC_FLAGS, "-o", str(out), str(source)],
+                          capture_output=True, text=True, cwd=out.parent, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+def nvcc_harness(tmp_path_factory: Any, source: Path) -> Path:
+    """A host executable of a ``tests/*_host_harness.cu`` (skip without nvcc or a C++ compiler)."""
+    import shutil
+
+    import pytest
+
+    nvcc_or_skip()
+    if shutil.which("g++") is None and shutil.which("c++") is None:
+        pytest.skip("no host C++ compiler for nvcc")
+    return nvcc_build(tmp_path_factory.mktemp("harness") / source.stem, source, "-O2")
+
+
+def nvrtc_cubin(source: str, name: str) -> bytes:
+    """The CUDA C ``source`` compiled for sm_90 by NVRTC, the path cupy.RawModule takes (NVRTC
+    needs no GPU); asserts a clean log, skips where cupy's NVRTC is not loadable."""
+    import pytest
+
+    try:
+        from cupy_backends.cuda.libs import nvrtc
+    except Exception as e:  # noqa: BLE001 - cupy missing or its NVRTC library not loadable
+        pytest.skip(f"cupy's NVRTC binding not importable ({e})")
+    try:
+        prog = nvrtc.createProgram(source, name, [], [])
+    except Exception as e:  # noqa: BLE001
+        pytest.skip(f"NVRTC library not loadable ({e})")
+    try:
+        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90"])
+        log = nvrtc.getProgramLog(prog)
+        assert "warning" not in log.lower(), log
+        return bytes(nvrtc.getCUBIN(prog))
+    finally:
+        nvrtc.destroyProgram(prog)

@@ -11,26 +11,24 @@ gds_persist/transfer/device_hash.py launches it (tests/blake3_host_harness.cu), 
 from __future__ import annotations
 
 import random
-import shutil
 import subprocess
 from pathlib import Path
 
 import pytest
+from helpers import nvcc_build, nvcc_harness, nvrtc_cubin
 
 from gds_persist.format.hashing import content_hash
-from gds_persist.transfer.device_crc import kernel_source
 from gds_persist.transfer.device_hash import (
     CHUNKS_KERNEL,
     KERNEL_FILE,
     PARENTS_KERNEL,
     level_counts,
 )
+from gds_persist.transfer.device_kernels import kernel_source
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL = REPO / "kernels" / KERNEL_FILE
 HARNESS = REPO / "tests" / "blake3_host_harness.cu"
-NVCC = shutil.which("nvcc")
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) not on PATH")
 
 
 def test_level_schedule():
@@ -44,51 +42,21 @@ def test_kernel_source_is_found():
     assert PARENTS_KERNEL in kernel_source(KERNEL_FILE)
 
 
-@needs_nvcc
 def test_kernel_compiles_with_nvcc_for_sm90(tmp_path):
-    cubin = tmp_path / "blake3.cubin"
-    proc = subprocess.run(
-        [NVCC, "-cubin", "-arch=sm_90", "-Werror", "all-warnings", "-o", str(cubin), str(KERNEL)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    cubin = nvcc_build(tmp_path / "blake3.cubin", KERNEL, "-cubin")
     data = cubin.read_bytes()
     assert CHUNKS_KERNEL.encode() in data and PARENTS_KERNEL.encode() in data
 
 
 def test_kernel_compiles_with_nvrtc():
     """The path cupy.RawModule takes on a GPU machine; NVRTC itself needs no GPU."""
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except Exception as e:  # noqa: BLE001 - cupy missing or its NVRTC library not loadable
-        pytest.skip(f"cupy's NVRTC binding not importable ({e})")
-    try:
-        prog = nvrtc.createProgram(kernel_source(KERNEL_FILE), KERNEL_FILE, [], [])
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"NVRTC library not loadable ({e})")
-    try:
-        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90"])
-        log = nvrtc.getProgramLog(prog)
-        assert "warning" not in log.lower(), log
-        cubin = nvrtc.getCUBIN(prog)
-        assert CHUNKS_KERNEL.encode() in cubin and PARENTS_KERNEL.encode() in cubin
-    finally:
-        nvrtc.destroyProgram(prog)
+    cubin = nvrtc_cubin(kernel_source(KERNEL_FILE), KERNEL_FILE)
+    assert CHUNKS_KERNEL.encode() in cubin and PARENTS_KERNEL.encode() in cubin
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    if NVCC is None:
-        pytest.skip("nvcc (CUDA toolkit) not on PATH")
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        pytest.skip("no host C++ compiler for nvcc")
-    exe = tmp_path_factory.mktemp("harness") / "blake3_harness"
-    proc = subprocess.run(
-        [NVCC, "-O2", "-arch=sm_90", "-Werror", "all-warnings", "-o", str(exe), str(HARNESS)],
-        capture_output=True, text=True, cwd=exe.parent, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return exe
+    return nvcc_harness(tmp_path_factory, HARNESS)
 
 
 def _hash(exe, path, misalign, *lengths):
@@ -135,16 +103,40 @@ def test_wheel_lists_the_kernel_as_package_data():
     assert KERNEL.is_file()
 
 
+def test_an_unusable_hash_kernel_raises_its_reason(monkeypatch):
+    import torch
+
+    from gds_persist import BackendError
+    from gds_persist.transfer import device_hash
+
+    with pytest.raises(TypeError, match="hashing.hash_pieces"):
+        device_hash.cuda_hash_many([torch.zeros(4, dtype=torch.uint8)])
+    monkeypatch.setattr(device_hash.KERNELS, "unavailable", "device BLAKE3 kernel unusable (t)")
+    with pytest.raises(BackendError, match=r"BLAKE3 kernel unusable \(t\)"):
+        device_hash.cuda_hash_many([])
+    assert device_hash.device_hash_status() == (False, "device BLAKE3 kernel unusable (t)")
+
+
+def test_without_a_gpu_the_status_says_why():
+    import torch
+
+    from gds_persist.transfer.device_hash import device_hash_status
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a CUDA device: the reason without one cannot show")
+    ok, why = device_hash_status()
+    assert not ok
+    assert "cupy" in why or "CUDA" in why
+
+
 # --- on a GPU -------------------------------------------------------------------------------
 
 def _cuda_or_skip():
-    import torch
     from helpers import device_kernel_or_skip
 
     from gds_persist.transfer.device_hash import device_hash_status
 
-    device_kernel_or_skip(device_hash_status)
-    return torch
+    return device_kernel_or_skip(device_hash_status)
 
 
 @pytest.mark.gpu
@@ -162,7 +154,7 @@ def test_gpu_kernel_matches_host_hash():
     got = dh.cuda_hash_many(pieces)  # one batch: every tree depth in the same launches
     want = [content_hash(host[s : s + n]) for s, n in zip(starts, lengths, strict=True)]
     assert got == want
-    assert dh._unavailable is None, dh._unavailable
+    assert dh.KERNELS.unavailable is None, dh.KERNELS.unavailable
 
 
 @pytest.mark.gpu
@@ -185,4 +177,4 @@ def test_gpu_incremental_save_hashes_on_the_device(tmp_path):
     host = frozen.cpu()
     e = next(e for e in m.extents if e.storage == 0 and e.start == 0)
     assert e.blake3 == content_hash(host.view(torch.uint8)[: e.length].numpy())
-    assert dh._unavailable is None, dh._unavailable
+    assert dh.KERNELS.unavailable is None, dh.KERNELS.unavailable

@@ -19,6 +19,7 @@ import zipfile
 from pathlib import Path
 
 import pytest
+from helpers import nvcc_build, nvcc_harness, nvrtc_cubin
 
 from gds_persist.format.checksum import (
     POLY_REFLECTED,
@@ -31,19 +32,18 @@ from gds_persist.format.checksum import (
     x_pow_8n,
 )
 from gds_persist.transfer.device_crc import (
+    KERNEL_FILE,
     KERNEL_NAME,
     MAX_SEGMENT,
     MIN_SEGMENT,
-    kernel_source,
     segment_bytes_for,
 )
+from gds_persist.transfer.device_kernels import kernel_source
 
 REPO = Path(__file__).resolve().parent.parent
 KERNEL = REPO / "kernels" / "crc32c.cu"
 HARNESS = REPO / "tests" / "crc32c_host_harness.cu"
 GiB = 1 << 30
-NVCC = shutil.which("nvcc")
-needs_nvcc = pytest.mark.skipif(NVCC is None, reason="nvcc (CUDA toolkit) not on PATH")
 
 
 # --- the combine algebra, pure Python ---------------------------------------------------------
@@ -189,55 +189,25 @@ def test_kernel_table_matches_python():
 
 
 def test_kernel_source_is_found():
-    assert KERNEL_NAME in kernel_source()
-    assert kernel_source() == KERNEL.read_text()
+    assert KERNEL_NAME in kernel_source(KERNEL_FILE)
+    assert kernel_source(KERNEL_FILE) == KERNEL.read_text()
     with pytest.raises(FileNotFoundError, match="reinstall"):
         kernel_source("no_such_kernel.cu")
 
 
-@needs_nvcc
 def test_kernel_compiles_with_nvcc_for_sm90(tmp_path):
-    cubin = tmp_path / "crc32c.cubin"
-    proc = subprocess.run(
-        [NVCC, "-cubin", "-arch=sm_90", "-Werror", "all-warnings", "-o", str(cubin), str(KERNEL)],
-        capture_output=True, text=True, cwd=tmp_path, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
+    cubin = nvcc_build(tmp_path / "crc32c.cubin", KERNEL, "-cubin")
     assert KERNEL_NAME.encode() in cubin.read_bytes()  # extern "C": the unmangled symbol
 
 
 def test_kernel_compiles_with_nvrtc():
     """The path cupy.RawModule takes on a GPU machine; NVRTC itself needs no GPU."""
-    try:
-        from cupy_backends.cuda.libs import nvrtc
-    except Exception as e:  # noqa: BLE001 - cupy missing or its NVRTC library not loadable
-        pytest.skip(f"cupy's NVRTC binding not importable ({e})")
-    try:
-        prog = nvrtc.createProgram(kernel_source(), "crc32c.cu", [], [])
-    except Exception as e:  # noqa: BLE001
-        pytest.skip(f"NVRTC library not loadable ({e})")
-    try:
-        nvrtc.compileProgram(prog, ["--gpu-architecture=sm_90"])
-        log = nvrtc.getProgramLog(prog)
-        assert "warning" not in log.lower(), log
-        assert KERNEL_NAME.encode() in nvrtc.getCUBIN(prog)
-    finally:
-        nvrtc.destroyProgram(prog)
+    assert KERNEL_NAME.encode() in nvrtc_cubin(kernel_source(KERNEL_FILE), KERNEL_FILE)
 
 
 @pytest.fixture(scope="module")
 def harness(tmp_path_factory):
-    if NVCC is None:
-        pytest.skip("nvcc (CUDA toolkit) not on PATH")
-    if shutil.which("g++") is None and shutil.which("c++") is None:
-        pytest.skip("no host C++ compiler for nvcc")
-    exe = tmp_path_factory.mktemp("harness") / "crc32c_harness"
-    proc = subprocess.run(
-        [NVCC, "-O2", "-arch=sm_90", "-Werror", "all-warnings", "-o", str(exe), str(HARNESS)],
-        capture_output=True, text=True, cwd=exe.parent, timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr
-    return exe
+    return nvcc_harness(tmp_path_factory, HARNESS)
 
 
 def _run(exe, *args):
@@ -342,7 +312,7 @@ def test_an_unusable_kernel_raises_its_reason(monkeypatch):
 
     with pytest.raises(TypeError, match="takes CUDA tensors"):
         device_crc.cuda_crc32c_many([torch.zeros(4, dtype=torch.uint8)])
-    monkeypatch.setattr(device_crc, "_unavailable", "device CRC32C kernel unusable (test)")
+    monkeypatch.setattr(device_crc.KERNELS, "unavailable", "device CRC32C kernel unusable (test)")
     with pytest.raises(BackendError, match=r"unusable \(test\)"):
         device_crc.cuda_crc32c_many([])
     assert device_crc.device_crc_status() == (False, "device CRC32C kernel unusable (test)")
@@ -355,7 +325,7 @@ def test_stream_wrapping_uses_the_supported_api_without_warnings():
     ``filterwarnings = error``, switched the kernel off on the H200. Stream.from_external is
     used where it exists; this runs under ``-W error``, so any warning fails it."""
     cupy = pytest.importorskip("cupy", reason="cupy not importable (the gpu extra)")
-    from gds_persist.transfer.device_crc import cupy_stream
+    from gds_persist.transfer.device_kernels import cupy_stream
 
     if not hasattr(cupy.cuda.Stream, "from_external"):
         pytest.skip(f"cupy {cupy.__version__} has no Stream.from_external (older than 14)")
@@ -373,7 +343,7 @@ def test_stream_wrapping_on_older_cupy_takes_external_stream():
     import types
 
     cupy = pytest.importorskip("cupy", reason="cupy not importable (the gpu extra)")
-    from gds_persist.transfer.device_crc import cupy_stream
+    from gds_persist.transfer.device_kernels import cupy_stream
 
     older = types.SimpleNamespace(cuda=types.SimpleNamespace(
         Stream=type("Stream", (), {}), ExternalStream=cupy.cuda.ExternalStream))
@@ -383,20 +353,18 @@ def test_stream_wrapping_on_older_cupy_takes_external_stream():
 
 
 def test_kernel_source_uses_no_deprecated_stream_api():
-    source = (REPO / "gds_persist" / "transfer" / "device_crc.py").read_text()
+    source = (REPO / "gds_persist" / "transfer" / "device_kernels.py").read_text()
     assert source.count("ExternalStream(") == 1  # only the older-cupy branch of cupy_stream
 
 
 # --- on a GPU -------------------------------------------------------------------------------------
 
 def _cuda_or_skip():
-    import torch
     from helpers import device_kernel_or_skip
 
     from gds_persist.transfer.device_crc import device_crc_status
 
-    device_kernel_or_skip(device_crc_status)
-    return torch
+    return device_kernel_or_skip(device_crc_status)
 
 
 @pytest.mark.gpu
@@ -413,7 +381,8 @@ def test_gpu_kernel_matches_host_random_lengths_and_alignments():
         start = rng.randrange(0, (64 << 20) - n + 1) if n < (64 << 20) else 0
         piece = big[start : start + n]
         assert cc.cuda_crc32c(piece) == crc32c(host[start : start + n]), (n, start)
-    assert cc._unavailable is None, cc._unavailable  # the kernel ran, not the host fallback
+    # the kernel ran, not the host fallback
+    assert cc.KERNELS.unavailable is None, cc.KERNELS.unavailable
 
 
 @pytest.mark.gpu
@@ -429,7 +398,7 @@ def test_gpu_kernel_many_and_non_byte_dtypes():
     assert got == [crc32c(p.cpu().numpy()) for p in pieces]
     x = torch.randn(1000, 33, device="cuda", dtype=torch.bfloat16)
     assert cc.cuda_crc32c(x) == crc32c(x.cpu().view(torch.uint8).numpy())
-    assert cc._unavailable is None, cc._unavailable
+    assert cc.KERNELS.unavailable is None, cc.KERNELS.unavailable
 
 
 @pytest.mark.gpu
@@ -445,7 +414,7 @@ def test_gpu_kernel_segment_crcs_match_host():
     segments = -(-n // seg)
     own = torch.zeros(segments, dtype=torch.int32, device="cuda")
     total = torch.zeros(1, dtype=torch.int32, device="cuda")
-    kernel = cc._kernel(torch.cuda.current_device())
+    (kernel,) = cc.KERNELS.functions(torch.cuda.current_device())
     torch.cuda.synchronize()
     args = (np.uint64(data.data_ptr()), np.uint64(n), np.uint64(seg), np.uint64(total.data_ptr()),
             np.uint64(own.data_ptr()))
@@ -471,4 +440,4 @@ def test_gpu_kernel_runs_on_the_callers_stream():
         x[::3] = 9  # read the zeros before this fill
         got = cc.cuda_crc32c(x)
     assert got == crc32c(x.cpu().numpy())
-    assert cc._unavailable is None, cc._unavailable
+    assert cc.KERNELS.unavailable is None, cc.KERNELS.unavailable

@@ -14,7 +14,8 @@ import torch
 
 from ..errors import BackendError
 from ..format.checksum import crc32c
-from .device_crc import as_bytes, cuda_crc32c_many
+from .device_crc import cuda_crc32c_many
+from .device_kernels import as_bytes
 
 log = logging.getLogger("gds_persist")
 _fallback_logged: set[str] = set()

@@ -18,20 +18,12 @@ segment CRC shifted past the bytes after it with the GF(2) algebra in
 
 from __future__ import annotations
 
-import logging
-import threading
-import warnings
-from collections.abc import Callable, Sequence
-from importlib import resources
-from pathlib import Path
-from typing import Any, TypeVar
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from ..errors import BackendError
-
-log = logging.getLogger("gds_persist")
-T = TypeVar("T")
+from .device_kernels import DeviceKernels, cuda_bytes, cupy_stream, device_index
 
 KERNEL_FILE = "crc32c.cu"
 KERNEL_NAME = "gdsp_crc32c"
@@ -39,6 +31,8 @@ THREADS_PER_BLOCK = 256
 MIN_SEGMENT = 256
 MAX_SEGMENT = 16 << 10
 TARGET_THREADS = 1 << 18  # about 2048 resident threads x 132 SMs (H100/H200): fill the GPU
+
+KERNELS = DeviceKernels(KERNEL_FILE, [KERNEL_NAME], "CRC32C")
 
 
 def segment_bytes_for(nbytes: int) -> int:
@@ -49,108 +43,11 @@ def segment_bytes_for(nbytes: int) -> int:
     return max(MIN_SEGMENT, min(MAX_SEGMENT, per_thread))
 
 
-def kernel_source(name: str = KERNEL_FILE) -> str:
-    """The CUDA C source ``name``: the top-level ``kernels/`` directory of the source checkout
-    this package was imported from, else package data of an installed wheel
-    (``gds_persist/kernels``). The checkout comes first: a worktree imported by path must not
-    compile the kernels of another checkout installed in the environment."""
-    checkout = Path(__file__).resolve().parents[2] / "kernels" / name
-    if checkout.is_file():
-        return checkout.read_text(encoding="utf-8")
-    try:
-        resource = resources.files("gds_persist.kernels").joinpath(name)
-        if resource.is_file():
-            return resource.read_text(encoding="utf-8")
-    except ModuleNotFoundError:
-        pass
-    raise FileNotFoundError(
-        f"CUDA kernel source {name} not found in the package (gds_persist/kernels) nor at "
-        f"{checkout}; reinstall gds_persist (the wheel ships kernels/*.cu as package data)"
-    )
-
-
-_lock = threading.Lock()
-_kernels: dict[int, Any] = {}
-_module: Any = None
-_unavailable: str | None = None  # why the device kernel cannot be used (None: not known yet / ok)
-
-
-def _kernel(device_index: int) -> Any:
-    """The compiled kernel for one device (NVRTC via CuPy, once per device and process)."""
-    global _module
-    with _lock:
-        kernel = _kernels.get(device_index)
-        if kernel is not None:
-            return kernel
-        with warnings.catch_warnings(record=True) as caught:  # logged, not raised
-            warnings.simplefilter("always")
-            import cupy
-
-            if _module is None:
-                _module = cupy.RawModule(code=kernel_source())
-            with cupy.cuda.Device(device_index):
-                kernel = _module.get_function(KERNEL_NAME)
-        for w in caught:
-            log.info("gds_persist: building the CRC32C kernel: %s", w.message)
-        _kernels[device_index] = kernel
-        return kernel
-
-
-def device_crc_status() -> tuple[bool, str]:
-    """Whether CRCs of CUDA memory run on the device, and why not (never raises)."""
-    return kernel_status(_unavailable,
-                         "device CRC32C kernel (kernels/crc32c.cu via cupy.RawModule/NVRTC)")
-
-
-def kernel_status(unavailable: str | None, working: str) -> tuple[bool, str]:
-    """A device kernel's status: ``unavailable`` (why it failed once) or what stops it here,
-    else ``working``."""
-    if unavailable is not None:
-        return False, unavailable
-    try:
-        import cupy  # noqa: F401
-    except ImportError as e:
-        return False, (f"cupy is not importable ({e}); install the GPU extra: "
-                       "pip install 'gds_persist[gpu]'")
-    if not torch.cuda.is_available():
-        return False, "no usable CUDA device/driver"
-    return True, working
-
-
-def as_bytes(t: torch.Tensor) -> torch.Tensor:
-    """A flat, contiguous uint8 view (or copy) of a tensor's bytes."""
-    if t.dtype != torch.uint8 or t.dim() != 1 or not t.is_contiguous():
-        t = t.contiguous().reshape(-1).view(torch.uint8)
-    return t
-
-
-class _StreamRef:
-    """A raw CUDA stream handle behind the CUDA stream protocol (``__cuda_stream__``)."""
-
-    def __init__(self, ptr: int):
-        self.ptr = ptr
-
-    def __cuda_stream__(self) -> tuple[int, int]:
-        return (0, self.ptr)
-
-
-def cupy_stream(cupy: Any, ptr: int, device_index: int) -> Any:
-    """A CuPy stream over the existing CUDA stream ``ptr`` (a torch stream's ``cuda_stream``):
-    ``cupy.cuda.Stream.from_external`` where CuPy has it (CuPy 14 deprecates ``ExternalStream``,
-    and under ``filterwarnings = error`` that warning switched the kernel off), else
-    ``cupy.cuda.ExternalStream`` (older CuPy). Wrapping needs no driver; using it does."""
-    from_external = getattr(cupy.cuda.Stream, "from_external", None)
-    if from_external is not None:
-        return from_external(_StreamRef(ptr))
-    return cupy.cuda.ExternalStream(ptr, device_index)
-
-
 def _launch_all(pieces: Sequence[torch.Tensor], device: torch.device) -> list[int]:
     import cupy
-    import numpy as np
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(index)
+    index = device_index(device)
+    (kernel,) = KERNELS.functions(index)
     stream = torch.cuda.current_stream(device)
     with torch.cuda.device(index):
         totals = torch.zeros(len(pieces), dtype=torch.int32, device=device)  # on `stream`
@@ -169,41 +66,22 @@ def _launch_all(pieces: Sequence[torch.Tensor], device: torch.device) -> list[in
     return [int(v) & 0xFFFFFFFF for v in totals.cpu().tolist()]  # waits for the kernels
 
 
-def per_device(pieces: Sequence[torch.Tensor],
-               launch: Callable[[Sequence[torch.Tensor], torch.device], list[T]],
-               fill: T) -> list[T]:
-    """``launch(pieces of one device, device)`` for every device the pieces are on; the results
-    in the order of ``pieces``."""
-    by_device: dict[torch.device, list[int]] = {}
-    for i, p in enumerate(pieces):
-        by_device.setdefault(p.device, []).append(i)
-    result = [fill] * len(pieces)
-    for device, indices in by_device.items():
-        for i, value in zip(indices, launch([pieces[i] for i in indices], device), strict=True):
-            result[i] = value
-    return result
-
-
 def cuda_crc32c_many(pieces: Sequence[torch.Tensor]) -> list[int]:
     """CRC32C of each CUDA tensor's bytes, all launched before one wait (one sync per device).
 
     Ordered after earlier work on each device's current stream; returns once every CRC is known.
-    Raises :class:`BackendError` (with the reason) where the kernel cannot run.
+    Raises :class:`~gds_persist.BackendError` (with the reason) where the kernel cannot run.
     """
-    global _unavailable
-    pieces = [as_bytes(p) for p in pieces]
-    if any(not p.is_cuda for p in pieces):
-        raise TypeError("cuda_crc32c_many takes CUDA tensors; use "
-                        "gds_persist.transfer.crc.device_crc32c_many for memory anywhere")
-    if _unavailable is not None:
-        raise BackendError(_unavailable)
-    try:
-        return per_device(pieces, _launch_all, 0)
-    except Exception as e:  # noqa: BLE001 - no cupy, NVRTC failure, ...: unusable from now on
-        _unavailable = f"device CRC32C kernel unusable ({type(e).__name__}: {e})"
-        raise BackendError(_unavailable) from e
+    pieces = cuda_bytes(pieces, "cuda_crc32c_many",
+                        "gds_persist.transfer.crc.device_crc32c_many")
+    return KERNELS.run(pieces, _launch_all, 0)
 
 
 def cuda_crc32c(data: torch.Tensor) -> int:
     """CRC32C of a CUDA tensor's bytes, equal to the host crc32c of the same bytes."""
     return cuda_crc32c_many([data])[0]
+
+
+def device_crc_status() -> tuple[bool, str]:
+    """Whether CRCs of CUDA memory run on the device, and why not (never raises)."""
+    return KERNELS.status()

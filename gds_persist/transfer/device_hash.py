@@ -15,15 +15,12 @@ torch CUDA stream; where that cannot happen, :func:`cuda_hash_many` raises
 
 from __future__ import annotations
 
-import threading
-import warnings
 from collections.abc import Sequence
-from typing import Any
 
+import numpy as np
 import torch
 
-from ..errors import BackendError
-from .device_crc import as_bytes, cupy_stream, kernel_source, kernel_status, log, per_device
+from .device_kernels import DeviceKernels, cuda_bytes, cupy_stream, device_index
 
 KERNEL_FILE = "blake3.cu"
 CHUNKS_KERNEL = "gdsp_blake3_chunks"
@@ -31,31 +28,7 @@ PARENTS_KERNEL = "gdsp_blake3_parents"
 THREADS_PER_BLOCK = 128
 CHUNK = 1024
 
-_lock = threading.Lock()
-_module: Any = None
-_kernels: dict[int, tuple[Any, Any]] = {}
-_unavailable: str | None = None
-
-
-def _functions(device_index: int) -> tuple[Any, Any]:
-    global _module
-    with _lock:
-        found = _kernels.get(device_index)
-        if found is not None:
-            return found
-        with warnings.catch_warnings(record=True) as caught:  # logged, not raised
-            warnings.simplefilter("always")
-            import cupy
-
-            if _module is None:
-                _module = cupy.RawModule(code=kernel_source(KERNEL_FILE))
-            with cupy.cuda.Device(device_index):
-                found = (_module.get_function(CHUNKS_KERNEL),
-                         _module.get_function(PARENTS_KERNEL))
-        for w in caught:
-            log.info("gds_persist: building the BLAKE3 kernel: %s", w.message)
-        _kernels[device_index] = found
-        return found
+KERNELS = DeviceKernels(KERNEL_FILE, [CHUNKS_KERNEL, PARENTS_KERNEL], "BLAKE3")
 
 
 def level_counts(lengths: Sequence[int]) -> list[list[int]]:
@@ -78,10 +51,9 @@ def _cumulative(counts: Sequence[int]) -> list[int]:
 
 def _launch_all(pieces: Sequence[torch.Tensor], device: torch.device) -> list[str]:
     import cupy
-    import numpy as np
 
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    chunks_fn, parents_fn = _functions(index)
+    index = device_index(device)
+    chunks_fn, parents_fn = KERNELS.functions(index)
     stream = torch.cuda.current_stream(device)
     levels = level_counts([p.numel() for p in pieces])
     with torch.cuda.device(index):
@@ -123,21 +95,10 @@ def cuda_hash_many(pieces: Sequence[torch.Tensor]) -> list[str]:
     Ordered after earlier work on each device's current stream; returns once every hash is
     known. Raises :class:`BackendError` (with the reason) where the kernels cannot run.
     """
-    global _unavailable
-    pieces = [as_bytes(p) for p in pieces]
-    if any(not p.is_cuda for p in pieces):
-        raise TypeError("cuda_hash_many takes CUDA tensors; use "
-                        "gds_persist.transfer.hashing.hash_pieces for memory anywhere")
-    if _unavailable is not None:
-        raise BackendError(_unavailable)
-    try:
-        return per_device(pieces, _launch_all, "")
-    except Exception as e:  # noqa: BLE001 - no cupy, NVRTC failure, ...: unusable from now on
-        _unavailable = f"device BLAKE3 kernel unusable ({type(e).__name__}: {e})"
-        raise BackendError(_unavailable) from e
+    pieces = cuda_bytes(pieces, "cuda_hash_many", "gds_persist.transfer.hashing.hash_pieces")
+    return KERNELS.run(pieces, _launch_all, "")
 
 
 def device_hash_status() -> tuple[bool, str]:
     """Whether content hashes of CUDA memory run on the device, and why not (never raises)."""
-    return kernel_status(_unavailable,
-                         "device BLAKE3 kernel (kernels/blake3.cu via cupy.RawModule/NVRTC)")
+    return KERNELS.status()

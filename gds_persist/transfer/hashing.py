@@ -19,8 +19,8 @@ from ..errors import BackendError
 from ..format.hashing import content_hash
 from ..stages import stage
 from .crc import log_fallback_once
-from .device_crc import as_bytes
 from .device_hash import cuda_hash_many
+from .device_kernels import as_bytes
 
 
 def host_hash(piece: torch.Tensor) -> str:
