@@ -184,24 +184,25 @@ def _save_single(
                 cfg.io_threads,
                 cfg.block_bytes,
             )
-        counter = ByteCounter(progress, plan.total_bytes)
-        extents = write_plan(be, tmp.dir, plan.files, flat.storage_objects, cfg, counter.hook)
-        reason = _with_fallback(be, reason)
-        with stage("commit (manifest, fsync, rename)"):
-            _commit_single(tmp, plan, flat, extents, _writer_info(be, reason), cfg.io_timeout_s)
-        counter.finish()
-    payload = sum(s.nbytes for s in flat.storages)
-    return SaveInfo(
-        path,
-        be.name,
-        reason,
-        plan.total_bytes,
-        payload,
-        time.perf_counter() - t0,
-        len(flat.tensors),
-        len(flat.storages),
-        [f.name for f in plan.files],
-    )
+        return _write_plain(tmp, plan, flat, be, reason, cfg, progress, t0)
+
+
+def _write_plain(tmp: Temporary, plan: SavePlan, flat: Flattened, be: Any, reason: str,
+                 cfg: settings.Settings, progress: ProgressCallback | None, t0: float,
+                 compression: dict[str, Any] | None = None) -> SaveInfo:
+    """Write and commit a plain (version 1-3) checkpoint: raw bytes, no base, no hashes."""
+    counter = ByteCounter(progress, plan.total_bytes)
+    extents = write_plan(be, tmp.dir, plan.files, flat.storage_objects, cfg, counter.hook)
+    writer = _writer_info(be, _with_fallback(be, reason))
+    if compression is not None:
+        writer["compression"] = compression
+    with stage("commit (manifest, fsync, rename)"):
+        _commit_single(tmp, plan, flat, extents, writer, cfg.io_timeout_s)
+    counter.finish()
+    return SaveInfo(tmp.path, be.name, writer["reason"], plan.total_bytes,
+                    sum(s.nbytes for s in flat.storages), time.perf_counter() - t0,
+                    len(flat.tensors), len(flat.storages), [f.name for f in plan.files],
+                    compression_reason=compression["reason"] if compression else "")
 
 
 def _save_units(flat: Flattened, path: str, cfg: settings.Settings,
@@ -236,19 +237,8 @@ def _save_units(flat: Flattened, path: str, cfg: settings.Settings,
                                 "codec": codec.DESCRIPTION if compress else "none",
                                 "reason": compression_reason}
             if not compress and not hashes and index is None:  # auto chose raw: a plain save
-                plan = plan_single_writer(sizes, streams)
-                counter = ByteCounter(progress, plan.total_bytes)
-                plain = write_plan(be, tmp.dir, plan.files, flat.storage_objects, cfg,
-                                   counter.hook)
-                writer = _writer_info(be, _with_fallback(be, reason))
-                writer["compression"] = compression_info
-                with stage("commit (manifest, fsync, rename)"):
-                    _commit_single(tmp, plan, flat, plain, writer, cfg.io_timeout_s)
-                counter.finish()
-                return SaveInfo(path, be.name, writer["reason"], plan.total_bytes,
-                                sum(sizes), time.perf_counter() - t0, len(flat.tensors),
-                                len(flat.storages), [f.name for f in plan.files],
-                                compression_reason=compression_reason)
+                return _write_plain(tmp, plan_single_writer(sizes, streams), flat, be, reason,
+                                    cfg, progress, t0, compression_info)
             refs = References(index, storage_keys(flat.tree, flat.tensors), units)
             files = spread(units, streams, refs.likely_changed)
             counter = ByteCounter(progress, sum(align_up(u.length) for u in units))
