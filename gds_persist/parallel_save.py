@@ -47,7 +47,7 @@ from . import settings
 from ._version import __version__
 from .backends import choose_backend
 from .compression import choose as choose_compression
-from .distributed import make_comm
+from .distributed import Comm, make_comm
 from .errors import DistributedError, ReplicationError
 from .flatten import Flattened, flatten
 from .format import (
@@ -379,7 +379,13 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
     finally:
         _release(state, committed)
 
-    prep = state["prep"]
+    return _save_info(path, t0, comm, plan, state["prep"], results, infos, phases, base)
+
+
+def _save_info(path: str, t0: float, comm: Comm, plan: DistributedPlan, prep: _Prepared,
+               results: list[dict[str, Any]], infos: list[dict[str, Any]],
+               phases: dict[str, float], base: str | None) -> DistributedSaveInfo:
+    """What one rank's :func:`save_parallel` returns: its own share and the totals."""
     mine = [plan.files[i].plan for i in plan.files_of(comm.rank)]
     mine_sizes = results[comm.rank].get("sizes")
     rank_bytes = (sum(mine_sizes.values()) if mine_sizes is not None
