@@ -18,6 +18,10 @@ def test_fewer_bytes_benchmark_runs_tiny(tmp_path, capsys):
     assert ft["all_exact"] and len(ft["runs"]) == 2
     assert all(s["referenced"] > 0 for run in ft["runs"] for s in run["saves"][1:])
     assert ft["x_fio_from_second"]["median"] > 0
+    floor = ft["runs"][0]["changed_alone"]
+    assert 0 < floor["nbytes"] < ft["runs"][0]["saves"][0]["payload"]
+    assert floor["save_s"] > 0 and floor["fio_s"] > 0
+    assert ft["incremental_over_changed_alone"]["median"] > 0
     tr = data["trained"]
     assert set(tr["kinds"]) == {*bench_fewer_bytes.KINDS, "all"}
     assert all(k["exact"] for k in tr["kinds"].values())
@@ -25,6 +29,7 @@ def test_fewer_bytes_benchmark_runs_tiny(tmp_path, capsys):
     for target in tr["targets"].values():
         for kind in target["x_fio"].values():
             assert kind["none"]["median"] > 0 and kind["auto"]["median"] > 0
-    assert "2nd checkpoint on" in printed and "auto's reason" in printed
+    assert "2nd checkpoint on" in printed and "changed bytes alone" in printed
+    assert "auto's reason" in printed
     assert out_txt.read_text().count("fine-tuning") >= 1
     assert record["tiny"] is True

@@ -212,6 +212,50 @@ def test_a_changed_single_byte_is_never_deduplicated(tmp_path, monkeypatch, wher
     assert info.referenced_bytes == n - min(unit, n - pos // unit * unit) + 5000
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+def test_hashing_ahead_gives_every_unit_its_own_hash_and_stops(tmp_path, monkeypatch, threads):
+    """Units hashed from the back of the queue by the hash-ahead threads carry the hash of their
+    own bytes (a wrong one would refer a changed unit to the base), and no such thread outlives
+    the save."""
+    import threading
+    import time
+
+    from gds_persist.stages import profiling
+    from gds_persist.transfer import unit_writer
+
+    monkeypatch.setattr(codec, "UNIT_BYTES", 64 << 10)
+    monkeypatch.setattr(unit_writer, "HASH_AHEAD_THREADS", threads)
+    a = {f"w{i}": random_tensor(torch.float32, 50_000, i) for i in range(8)}
+    gds_persist.save(a, tmp_path / "s1", content_hash=True)
+    b = {k: v.clone() for k, v in a.items()}
+    for k in ("w0", "w7"):
+        b[k].view(torch.uint8)[12345] ^= 0x40  # one unit of the first and of the last tensor
+    ahead_hashed = threading.Event()
+    real_hash = unit_writer.content_hash
+    deadline = time.monotonic() + 10
+
+    def gated(data):  # the I/O threads wait (10 s in all) until a hash-ahead thread hashed one
+        if threading.current_thread().name == "gds_persist-hash-ahead":
+            h = real_hash(data)
+            ahead_hashed.set()
+            return h
+        ahead_hashed.wait(max(0.0, deadline - time.monotonic()))
+        return real_hash(data)
+
+    monkeypatch.setattr(unit_writer, "content_hash", gated)
+    with profiling() as prof:
+        info = gds_persist.save(b, tmp_path / "s2", base=tmp_path / "s1")
+    assert ahead_hashed.is_set() and prof.stages["hash (ahead)"].nbytes > 0
+    assert not [t for t in threading.enumerate() if t.name == "gds_persist-hash-ahead"]
+    assert info.bytes_written == 2 * (64 << 10)
+    m = gds_persist.read_manifest(tmp_path / "s2")
+    keys = {s: k for k, s in ((k, i) for i, k in enumerate(b))}
+    for e in m.extents:
+        flat = b[keys[e.storage]].view(torch.uint8).reshape(-1)
+        assert e.blake3 == content_hash(flat[e.start : e.start + e.length].numpy()), e
+    _saved_bytes_equal(gds_persist.load(tmp_path / "s2"), b)
+
+
 def test_chains_are_flattened_and_base_identity_is_checked(tmp_path):
     a = _state()
     gds_persist.save(a, tmp_path / "s1", content_hash=True)
