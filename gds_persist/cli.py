@@ -1,5 +1,7 @@
-"""The ``gds-persist`` command. Each subcommand lives in ``gds_persist/commands/<name>.py`` and
-defines ``register(subparsers)``; they are discovered, so adding one touches no shared file."""
+"""The ``gds-persist`` command. Each subcommand lives in ``gds_persist/commands/<name>.py`` (a
+trailing ``_`` is dropped from the command's name) and defines ``HELP``, optionally
+``DESCRIPTION`` and ``FORMATTER``, ``arguments(parser)`` and ``run(args) -> exit status``; they are
+discovered, so adding one touches no shared file."""
 
 from __future__ import annotations
 
@@ -13,10 +15,17 @@ from .errors import CheckpointError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="gds-persist", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="gds-persist", description="Inspect, verify, convert and plan gds_persist "
+        "checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for info in sorted(pkgutil.iter_modules(commands.__path__), key=lambda i: i.name):
-        importlib.import_module(f"{commands.__name__}.{info.name}").register(sub)
+        command = importlib.import_module(f"{commands.__name__}.{info.name}")
+        p = sub.add_parser(info.name.rstrip("_"), help=command.HELP,
+                           description=getattr(command, "DESCRIPTION", None),
+                           formatter_class=getattr(command, "FORMATTER", argparse.HelpFormatter))
+        command.arguments(p)
+        p.set_defaults(run=command.run)
     return parser
 
 

@@ -105,3 +105,28 @@ def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit, match="2"):
         main(["explode", "x"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+COMMANDS = ["advise", "export", "import", "inspect", "materialize", "plan", "verify"]
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+def test_every_command_is_discovered_with_its_help(command: str,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="0"):
+        main([command, "--help"])
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: gds-persist {command} ")
+    with pytest.raises(SystemExit, match="0"):
+        main(["--help"])
+    listing = capsys.readouterr().out
+    assert f"    {command} " in listing or f"    {command}\n" in listing  # with its HELP line
+
+
+def test_the_command_list_is_the_commands_package() -> None:
+    import pkgutil
+
+    from gds_persist import commands
+
+    found = sorted(i.name.rstrip("_") for i in pkgutil.iter_modules(commands.__path__))
+    assert found == COMMANDS

@@ -7,16 +7,14 @@ import json
 
 from ..training.interval import advise, describe, parse_duration
 
+HELP = "optimal checkpoint interval (Young/Daly) from checkpoint cost and MTBF"
+DESCRIPTION = ("From the time one checkpoint stalls training and the mean time between "
+               "failures, print the optimal checkpoint interval (Young, Daly), the expected work "
+               "lost per failure and the wasted fraction of wall time; with an iteration time, "
+               "also what checkpointing every iteration costs. Durations: 90, 90s, 5m, 24h, 7d.")
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "advise",
-        help="optimal checkpoint interval (Young/Daly) from checkpoint cost and MTBF",
-        description="From the time one checkpoint stalls training and the mean time between "
-        "failures, print the optimal checkpoint interval (Young, Daly), the expected work lost "
-        "per failure and the wasted fraction of wall time; with an iteration time, also what "
-        "checkpointing every iteration costs. Durations: 90, 90s, 5m, 24h, 7d.",
-    )
+
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cost", help="seconds one checkpoint stalls training (e.g. a blocking save)")
     p.add_argument("--mtbf", required=True, help="mean time between failures (e.g. 24h)")
     p.add_argument("--restart", default="0", help="time to restart after a failure (default 0)")
@@ -31,7 +29,6 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--mode", default="gds_fence", help="bench mode for --from-bench "
                    "(gds_fence, gds_snapshot or gds_auto; default gds_fence)")
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
-    p.set_defaults(run=run)
 
 
 def _from_bench(path: str, mode: str) -> tuple[float, float, float]:

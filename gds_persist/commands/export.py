@@ -8,23 +8,20 @@ import sys
 
 from ..progress import cli_progress
 
+HELP = "write a checkpoint as a torch.save (.pt) or safetensors file"
+DESCRIPTION = ("Write the checkpoint at PATH to OUT. --to torch: loads with "
+               "torch.load(OUT, weights_only=True). --to safetensors: loads with "
+               "safetensors.torch.load_file(OUT); nested keys are joined with --sep, and "
+               "non-tensor values, tied tensors and parameters are kept in the file's "
+               "metadata for 'gds-persist import'.")
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "export",
-        help="write a checkpoint as a torch.save (.pt) or safetensors file",
-        description="Write the checkpoint at PATH to OUT. --to torch: loads with "
-        "torch.load(OUT, weights_only=True). --to safetensors: loads with "
-        "safetensors.torch.load_file(OUT); nested keys are joined with --sep, and "
-        "non-tensor values, tied tensors and parameters are kept in the file's "
-        "metadata for 'gds-persist import'.",
-    )
+
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="checkpoint directory (gds_persist.save or the DCP writer)")
     p.add_argument("--to", required=True, choices=("torch", "safetensors"), help="output format")
     p.add_argument("out", help="output file")
     p.add_argument("--sep", default=".", help="safetensors key separator (default '.')")
     p.add_argument("--backend", default=None, help="auto (default), direct or buffered")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

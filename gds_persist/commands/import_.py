@@ -9,13 +9,11 @@ import argparse
 
 from ..progress import cli_progress
 
+HELP = "save a torch.save or safetensors file as a checkpoint"
+DESCRIPTION = __doc__.split("\n")[0] + " " + __doc__.split("\n")[2]
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "import",
-        help="save a torch.save or safetensors file as a checkpoint",
-        description=__doc__.split("\n")[0] + " " + __doc__.split("\n")[2],
-    )
+
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("file", help="a torch.save file (.pt/.bin) or a .safetensors file")
     p.add_argument("path", help="checkpoint directory to write (replaced atomically)")
     p.add_argument(
@@ -25,7 +23,6 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="input format (default: detected from the file's first bytes)",
     )
     p.add_argument("--backend", default=None, help="auto (default), direct, buffered or kvikio")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,13 +9,13 @@ from ..format import DTYPES, Extent, Manifest, full_tree
 from ..format.tree import tensor_paths
 from ..load import read_manifest
 
+HELP = ("list tensors, dtypes, shapes, sizes, extents and checksums; what is referenced in "
+        "base checkpoints and what is compressed")
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("inspect", help="list tensors, dtypes, shapes, sizes, extents and "
-                       "checksums; what is referenced in base checkpoints and what is compressed")
+
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
     p.add_argument("--json", action="store_true", help="print the validated manifest as JSON")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -8,18 +8,16 @@ import argparse
 from ..materialize import materialize
 from ..progress import cli_progress
 
+HELP = "copy a checkpoint into a standalone one (no references to base checkpoints)"
+DESCRIPTION = ("Write a copy of the checkpoint at PATH to the directory OUT that holds "
+               "every byte itself: an incremental checkpoint's referred bytes are copied from "
+               "its bases, encoded extents stay encoded, every stored byte is checked against "
+               "its CRC32C.")
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser(
-        "materialize",
-        help="copy a checkpoint into a standalone one (no references to base checkpoints)",
-        description="Write a copy of the checkpoint at PATH to the directory OUT that holds "
-        "every byte itself: an incremental checkpoint's referred bytes are copied from its "
-        "bases, encoded extents stay encoded, every stored byte is checked against its CRC32C.",
-    )
+
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path", help="checkpoint directory")
     p.add_argument("out", help="output checkpoint directory (replaced atomically if it exists)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -12,15 +12,17 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, replace
+from typing import Any
 
 from ..scale import Prediction, Scenario, predict
 
 DEFAULT_SWEEP = "8,16,32,64,128,256,512,1024"
 
 
-def _positive(kind: type) -> object:
-    def parse(text: str) -> object:
+def _positive(kind: type) -> Callable[[str], Any]:
+    def parse(text: str) -> Any:
         value = kind(float(text)) if kind is int else kind(text)
         if not value > 0 or (kind is int and float(text) != value):
             raise argparse.ArgumentTypeError(f"{text!r} is not a positive {kind.__name__}")
@@ -30,10 +32,12 @@ def _positive(kind: type) -> object:
     return parse
 
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("plan", help="predict data-parallel checkpoint time: single writer "
-                       "vs partitioned",
-                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+HELP = "predict data-parallel checkpoint time: single writer vs partitioned"
+DESCRIPTION = __doc__
+FORMATTER = argparse.RawDescriptionHelpFormatter
+
+
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--params", type=_positive(float), required=True,
                    help="model parameters, e.g. 13e9")
     p.add_argument("--bytes-per-param", type=_positive(int), default=14,
@@ -57,7 +61,6 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="sweep: strong = fixed global batch, iteration time ~ 1/GPUs (default); "
                         "weak = constant iteration time")
     p.add_argument("--json", action="store_true", help="print the predictions as JSON")
-    p.set_defaults(run=run)
 
 
 def _scenario(args: argparse.Namespace) -> Scenario:

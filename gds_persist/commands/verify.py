@@ -9,14 +9,14 @@ import time
 from ..load import verify
 from ..progress import cli_progress
 
+HELP = "re-read and checksum every extent; exit 1 on any mismatch"
 
-def register(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("verify", help="re-read and checksum every extent; exit 1 on any mismatch")
+
+def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("path")
     p.add_argument("--backend", default=None, help="auto (default), direct or buffered")
     p.add_argument("--data-dir", action="append", default=[], metavar="RECORDED=NOW",
                    help="a data directory that moved since the save (repeatable)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:
