@@ -186,13 +186,7 @@ class OpenCheckpoint:
             raise ReferencedCheckpointError(
                 f"{what}, but {full} holds no committed checkpoint (no manifest.json); "
                 f"{fix}") from None
-        try:
-            chunks = []
-            while chunk := os.read(manifest_fd, 1 << 20):
-                chunks.append(chunk)
-        finally:
-            os.close(manifest_fd)
-        digest = hashlib.sha256(b"".join(chunks)).hexdigest()
+        digest = hashlib.sha256(_read_and_close(manifest_fd)).hexdigest()
         if digest != ref.manifest_sha256:
             why = self.replaced()
             if why:
@@ -248,13 +242,7 @@ def _open_once(path: str, last_try: bool) -> OpenCheckpoint:
                 f"{path} has no manifest.json: it is not a committed gds_persist checkpoint "
                 "(an interrupted save leaves only a hidden .NAME.tmp-* sibling)"
             ) from None
-        try:
-            chunks = []
-            while chunk := os.read(fd, 1 << 20):
-                chunks.append(chunk)
-        finally:
-            os.close(fd)
-        raw = b"".join(chunks)
+        raw = _read_and_close(fd)
         manifest = parse_manifest(raw, os.path.join(path, MANIFEST_NAME))
         return OpenCheckpoint(path, dir_fd, raw, manifest)
     except BaseException:
@@ -312,3 +300,14 @@ def opened(path: str | os.PathLike[str], use: Callable[[OpenCheckpoint], T],
             ck.close()
         pause(attempt)
     raise AssertionError("unreachable")
+
+
+def _read_and_close(fd: int) -> bytes:
+    """All of an open file's bytes from its current offset; the descriptor is closed."""
+    try:
+        chunks = []
+        while chunk := os.read(fd, 1 << 20):
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        os.close(fd)

@@ -70,6 +70,16 @@ PieceCrc = tuple[int, int, int, int]  # (extent index, file offset, length, CRC3
 CACHE_CHUNK = 1 << 20  # copy, then checksum, this much at a time: the CRC reads cached bytes
 
 
+def interleave(groups: Iterable[Iterable[T]]) -> list[T]:
+    """Round-robin over the groups (one per file), so every file of a save makes progress at
+    once; each group's items keep their order."""
+    lists = [list(g) for g in groups]
+    out = []
+    for i in range(max((len(g) for g in lists), default=0)):
+        out += [g[i] for g in lists if i < len(g)]
+    return out
+
+
 def copy_and_checksum(src: np.ndarray, dst: np.ndarray | None, checksum: bool = True,
                       copying: str = "copy") -> int:
     """Copy ``src`` into ``dst`` (None: no copy) and return the CRC32C of the bytes (0 without

@@ -34,7 +34,6 @@ into the manifest.
 from __future__ import annotations
 
 import threading
-from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -49,7 +48,7 @@ from ..stages import stage
 from .crc import device_crc32c_many
 from .cuda_copy import copier_for
 from .hashing import hash_pieces
-from .pipeline import FilePipeline, drain_quietly, result_within, wait_all
+from .pipeline import FilePipeline, interleave
 from .staging import AlignedBuffer
 from .writer import DIRECT_MIN
 
@@ -166,35 +165,27 @@ class UnitWriter(FilePipeline):
         units are batched (:meth:`_batches`)."""
         device_write = self._device_write_ok(files)
         per_file = [[[k] for k in f.units] if device_write else self._batches(f) for f in files]
-        jobs: list[tuple[_File, list[int]]] = []
-        longest = max((len(b) for b in per_file), default=0)
-        for i in range(longest):  # round-robin: every file makes progress at once
-            jobs += [(f, b[i]) for f, b in zip(files, per_file, strict=True) if i < len(b)]
+        jobs = interleave([(f, ks) for ks in batches]
+                          for f, batches in zip(files, per_file, strict=True))
         if device_write:
             self._device_crcs = dict(zip(
                 [ks[0] for _, ks in jobs],
                 device_crc32c_many([self._piece(ks[0]) for _, ks in jobs]) if jobs else [],
                 strict=True))
-        in_flight: deque[Future[None]] = deque()
-        window = 2 * self.ring.count  # type: ignore[union-attr]
         ahead = self._start_hashing_ahead([k for _, ks in jobs for k in ks])
         try:
-            for f, ks in jobs:
-                if device_write:
-                    fut = self.pool.submit(self._from_device, f, ks[0])
-                elif len(ks) == 1 and self._units[ks[0]].length >= BATCH_BELOW:
-                    fut = self.pool.submit(self._job, f, ks[0])
-                else:
-                    fut = self.pool.submit(self._batch, f, ks)
-                in_flight.append(fut)
-                while len(in_flight) > window or (in_flight and in_flight[0].done()):
-                    result_within(in_flight.popleft(), self.timeout_s, f"writing {f.path}")
-            wait_all(in_flight, self.timeout_s, f"writing {files[0].path if files else ''}")
-        except BaseException:
-            drain_quietly(in_flight, self.timeout_s)
-            raise
+            self.run_requests(jobs, lambda job: self._submit(*job, device_write),
+                              f"writing {files[0].path if files else ''}")
         finally:
             ahead.stop()
+
+    def _submit(self, f: _File, ks: list[int], device_write: bool) -> Future[None]:
+        """The job that writes units ``ks``: straight from the device, one unit, or a batch."""
+        if device_write:
+            return self.pool.submit(self._from_device, f, ks[0])
+        if len(ks) == 1 and self._units[ks[0]].length >= BATCH_BELOW:
+            return self.pool.submit(self._job, f, ks[0])
+        return self.pool.submit(self._batch, f, ks)
 
     def _start_hashing_ahead(self, queue: list[int]) -> _HashAhead:
         """Hash the host units at the back of the job queue while the I/O threads work on its

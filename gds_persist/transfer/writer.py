@@ -43,6 +43,7 @@ from .pipeline import (
     PieceCrc,
     byte_view,
     copy_and_checksum,
+    interleave,
     join_piece_crcs,
 )
 from .segments import Segment, cut, whole_blocks
@@ -127,7 +128,7 @@ class FileWriter(FilePipeline):
         if copier is not None:
             for f in files:
                 _checksum_on_device(f, sources)
-        requests = _interleave([(f, seg) for seg in self._segments(f, hosts)] for f in files)
+        requests = interleave([(f, seg) for seg in self._segments(f, hosts)] for f in files)
         self.run_requests(requests, lambda r: self._submit(r[0], r[1], sources, hosts, copier),
                           f"writing {files[0].path}")
 
@@ -233,15 +234,6 @@ def _extent_crcs(f: _OpenFile) -> list[int]:
     joined = join_piece_crcs(f.pieces)
     return [f.device_crcs[k] if k in f.device_crcs else joined.get(k, 0)
             for k in range(len(f.plan.extents))]
-
-
-def _interleave(groups: Sequence[list[Any]] | Any) -> list[Any]:
-    """Round-robin over the lists, so every file of a save makes progress at once."""
-    lists = [list(g) for g in groups]
-    out = []
-    for i in range(max((len(g) for g in lists), default=0)):
-        out += [g[i] for g in lists if i < len(g)]
-    return out
 
 
 def write_plan(
