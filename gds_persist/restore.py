@@ -138,12 +138,13 @@ class Destinations:
         an extent: their CRC32C must be joined to the extent's before it is compared."""
         out: list[Extent] = []
         cut: set[tuple[int, int]] = set()
+        starts = {s: [span.start for span in spans] for s, spans in self.spans.items()}
         for e in extents:
             spans = self.spans[e.storage]
             bounds = self.cuts[e.storage] if uniform else []
             lo = e.start
             while lo < e.start + e.length:
-                span = spans[bisect.bisect_right([s.start for s in spans], lo) - 1]
+                span = spans[bisect.bisect_right(starts[e.storage], lo) - 1]
                 hi = min(e.start + e.length, span.start + span.length)
                 k = bisect.bisect_right(bounds, lo)
                 if k < len(bounds):
