@@ -27,19 +27,26 @@ from typing import Any
 _UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
 
 
-def parse_duration(text: str | float) -> float:
-    """Seconds from ``90``, ``90s``, ``2.5m``, ``24h``, ``7d``."""
+def parse_quantity(text: str | float, units: dict[str, float], what: str, examples: str,
+                   fold_case: bool = False) -> float:
+    """A finite, non-negative number with an optional unit from ``units`` (name -> factor)."""
     if isinstance(text, (int, float)):
         value = float(text)
     else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*", text)
-        if not m or m.group(2) not in _UNITS:
-            raise ValueError(f"bad duration {text!r}: use a number of seconds or e.g. 90s, 5m, "
-                             "24h, 7d")
-        value = float(m.group(1)) * _UNITS[m.group(2)]
+        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
+        unit = None if m is None else m.group(2).lower() if fold_case else m.group(2)
+        if m is None or unit not in units:
+            raise ValueError(f"bad {what} {text!r}: use {examples}")
+        value = float(m.group(1)) * units[unit]
     if not math.isfinite(value) or value < 0:
-        raise ValueError(f"bad duration {text!r}: must be finite and >= 0")
+        raise ValueError(f"bad {what} {text!r}: must be finite and >= 0")
     return value
+
+
+def parse_duration(text: str | float) -> float:
+    """Seconds from ``90``, ``90s``, ``2.5m``, ``24h``, ``7d``."""
+    return parse_quantity(text, _UNITS, "duration",
+                          "a number of seconds or e.g. 90s, 5m, 24h, 7d")
 
 
 def young_interval(cost_s: float, mtbf_s: float) -> float:
@@ -125,7 +132,7 @@ def advise(cost_s: float, mtbf_s: float, *, restart_s: float = 0.0,
     return a
 
 
-def _duration(s: float) -> str:
+def format_duration(s: float) -> str:
     for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
         if s >= size:
             return f"{s / size:.3g} {unit} ({s:.0f} s)"
@@ -136,22 +143,23 @@ def describe(a: Advice) -> list[str]:
     """The advice as lines of text."""
     o = a.optimal
     lines = [
-        f"MTBF {_duration(a.mtbf_s)}, restart {_duration(a.restart_s)}, checkpoint stall "
-        f"{_duration(o.cost_s)}",
-        f"Young interval sqrt(2CM):  {_duration(a.young_interval_s)}",
-        f"Daly interval (optimal):   {_duration(o.interval_s)}"
+        f"MTBF {format_duration(a.mtbf_s)}, restart {format_duration(a.restart_s)}, "
+        f"checkpoint stall {format_duration(o.cost_s)}",
+        f"Young interval sqrt(2CM):  {format_duration(a.young_interval_s)}",
+        f"Daly interval (optimal):   {format_duration(o.interval_s)}"
         + (f" = {o.interval_iterations:.1f} iterations" if o.interval_iterations else ""),
-        f"  expected lost work per failure {_duration(o.lost_per_failure_s)}, "
+        f"  expected lost work per failure {format_duration(o.lost_per_failure_s)}, "
         f"waste {100 * o.waste:.3f}% of wall time",
     ]
     p = a.per_iteration
     if p is not None and a.iteration_s is not None and a.per_iteration_break_even_cost_s:
         lines += [
-            f"Every iteration ({_duration(a.iteration_s)}) with a stall of {_duration(p.cost_s)}:",
-            f"  expected lost work per failure {_duration(p.lost_per_failure_s)}, "
+            f"Every iteration ({format_duration(a.iteration_s)}) with a stall of "
+            f"{format_duration(p.cost_s)}:",
+            f"  expected lost work per failure {format_duration(p.lost_per_failure_s)}, "
             f"waste {100 * p.waste:.3f}% of wall time",
             f"  per-iteration checkpointing is the optimum when a checkpoint stalls training at "
-            f"most {_duration(a.per_iteration_break_even_cost_s)} "
+            f"most {format_duration(a.per_iteration_break_even_cost_s)} "
             f"({100 * a.per_iteration_break_even_cost_s / a.iteration_s:.3g}% of an iteration)",
         ]
         better = "pays off" if p.waste <= o.waste else "does not pay off"
