@@ -143,7 +143,7 @@ def _intervals(iteration_s: float, c1: float, m1: float, r1: float, drive: Tier,
     k1 = min({*range(low, top + 1, step), min(k1_alone, top)}, key=waste)
     per_drive, wear_bound = _drive_every(k1, iteration_s, drive, m2, floor_s)
     limit1 = ("iteration" if k1 == 1 and daly_interval(c1, m1) < iteration_s
-              else "failures" if k1 == k1_alone else "drive_every")
+              else "drive_every" if k1_alone > k2_alone else "failures")
     return k1, k1 * per_drive, limit1, "wear" if wear_bound else "failures"
 
 
@@ -264,8 +264,7 @@ def describe_levels(a: LevelAdvice) -> list[str]:
     lines += _level_lines("memory_every", a.memory, what)
     if a.memory.limited_by != "failures":
         lines.append("  (no finer than one iteration)" if a.memory.limited_by == "iteration"
-                     else "  (moved so that drive_every is a multiple: a drive step is a memory "
-                     "step too)")
+                     else "  (no sparser than drive_every: a drive step is a memory step too)")
     lines += _level_lines("drive_every", a.drive, "(drive)")
     lines.append("expected lost work per failure (work redone + restore):")
     lines += [f"  {_CLASS_NAMES[n]:<16} from {a.recovered_from[n]:<8} {format_duration(s)}"
