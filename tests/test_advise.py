@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 import re
+import shlex
+from pathlib import Path
 
 import pytest
 
@@ -329,3 +331,14 @@ def test_cli_levels_needs_what_it_counts_and_costs(capsys):
     assert "drive writes" not in capsys.readouterr().out
     assert cli.main(["advise", "--cost", "3"]) == 2
     assert "give --mtbf (one level)" in capsys.readouterr().err
+
+
+def test_the_docs_example_is_what_advise_prints(capsys):
+    """docs/TRAINING.md's two-level example: the command and its output, verbatim."""
+    doc = (Path(__file__).resolve().parent.parent / "docs" / "TRAINING.md").read_text()
+    section = doc.split("## Choosing memory_every and drive_every", 1)[1]
+    block = section.split("```\n", 2)[1].split("```", 1)[0]
+    command, _, printed = block.partition("\n" + "iteration ")
+    argv = shlex.split(command.removeprefix("$ gds-persist ").replace("\\\n", " "))
+    assert cli.main(argv) == 0
+    assert capsys.readouterr().out == "iteration " + printed
