@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from gds_persist import cli
+from gds_persist.backends import write_rate
 from gds_persist.training.interval import (
     advise,
     daly_interval,
@@ -281,7 +282,7 @@ def test_cli_levels_text_and_json(capsys):
     assert "wear, not failures, sets drive_every" in capsys.readouterr().out
     assert cli.main([*LEVEL_ARGS, "--nodes", "2", "--drives-per-node", "2", "--replicas", "2",
                      "--replica-gbps", "10", "--replica-cost", "0.3", "--json"]) == 2
-    assert "--replica-cost or --replica-gbps, not both" in capsys.readouterr().err
+    assert "give only one of --replica-cost, --replica-gbps" in capsys.readouterr().err
     args = _without(LEVEL_ARGS, "--replica-cost")
     assert cli.main([*args, "--nodes", "2", "--drives-per-node", "2", "--replicas", "2",
                      "--replica-gbps", "10", "--drive-tbw", "7000", "--write-amplification",
@@ -324,7 +325,8 @@ def test_cli_levels_needs_what_it_counts_and_costs(capsys):
     assert "give --iteration-time" in capsys.readouterr().err
     no_size = _without(LEVEL_ARGS, "--checkpoint-size", "--drive-gbps")
     assert cli.main([*no_size, "--drive-gbps", "3"]) == 2
-    assert "--drive-cost (its measured stall), or --drive-gbps with" in capsys.readouterr().err
+    assert ("give --drive-cost (its measured stall), or --drive-gbps or --measure-drive with "
+            "--checkpoint-size") in capsys.readouterr().err
     assert cli.main([*no_size, "--drive-cost", "60", "--drive-tbw", "100"]) == 2
     assert "endurance needs --checkpoint-size" in capsys.readouterr().err
     assert cli.main([*no_size, "--drive-cost", "60"]) == 0  # no size: no wear report
@@ -342,3 +344,22 @@ def test_the_docs_example_is_what_advise_prints(capsys):
     argv = shlex.split(command.removeprefix("$ gds-persist ").replace("\\\n", " "))
     assert cli.main(argv) == 0
     assert capsys.readouterr().out == "iteration " + printed
+
+
+def test_cli_levels_measures_a_tier_write_rate(tmp_path, capsys):
+    write_rate.forget()
+    args = [*_without(LEVEL_ARGS, "--drive-gbps"), "--nodes", "2", "--drives-per-node", "2",
+            "--measure-drive", str(tmp_path)]
+    assert cli.main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    gbps = data["measured_gbps"]["drive"]
+    assert gbps > 0 and list(data["measured_gbps"]) == ["drive"]
+    assert data["drive"]["cost_s"] == pytest.approx(182e9 / 4 / (gbps * 1e9))
+    assert list(tmp_path.iterdir()) == []  # the probe file is gone
+    assert cli.main(args) == 0
+    assert f"measured: {tmp_path} takes" in capsys.readouterr().out
+    assert cli.main([*args, "--drive-gbps", "3"]) == 2
+    assert "give only one of --drive-gbps, --measure-drive" in capsys.readouterr().err
+    missing = str(tmp_path / "absent")
+    assert cli.main([*_without(args, "--measure-drive"), "--measure-drive", missing]) == 2
+    assert f"cannot measure the write rate into {missing}" in capsys.readouterr().err

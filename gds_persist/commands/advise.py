@@ -19,6 +19,9 @@ import argparse
 import json
 import sys
 
+from .. import settings
+from ..backends import choose_backend
+from ..backends.write_rate import PROBE_BYTES, PROBE_RUNS, write_rate
 from ..training.interval import advise, describe, parse_duration
 from ..training.levels import Failures, Tier, advise_levels, describe_levels
 from ..training.wear import Endurance, endurance, parse_size
@@ -32,6 +35,7 @@ DESCRIPTION = ("From the time one checkpoint stalls training and the mean time b
                "memory_every and drive_every instead (Young/Daly per level), and the drive's "
                "writes per day against its rated endurance. " + __doc__.split("\n", 1)[1])
 FORMATTER = argparse.RawDescriptionHelpFormatter
+_MEASURED = f"{PROBE_BYTES >> 20} MiB, {PROBE_RUNS} runs, the save's backend, fsynced"
 LEVEL_MTBFS = ("process_mtbf", "node_mtbf", "replica_loss_mtbf")
 WEAR_ONLY = ("warranty_years", "wear_share", "write_amplification")  # need an endurance rating
 
@@ -72,6 +76,9 @@ def _level_arguments(g: argparse._ArgumentGroup) -> None:
                        "bench_train's overhead); or:")
         g.add_argument(f"--{tier}-gbps", type=float, help=f"GB/s of {what}: stall = a node's "
                        "bytes / rate (blocking, an upper bound on an overlapped save's stall)")
+        if tier != "replica":
+            g.add_argument(f"--measure-{tier}", metavar="DIR", help=f"or: measure the durable "
+                           f"write rate into DIR ({_MEASURED}) and use it as --{tier}-gbps")
         g.add_argument(f"--restore-{tier}", default="0", help=f"time to restore from {tier} "
                        "after a failure (default 0)")
     g.add_argument("--checkpoint-size", help="bytes of the whole checkpoint (e.g. 182GB)")
@@ -154,17 +161,35 @@ def _checkpoint_bytes(args: argparse.Namespace) -> float | None:
     return None if args.checkpoint_size is None else parse_size(args.checkpoint_size)
 
 
-def _tier(args: argparse.Namespace, name: str, node_bytes: float | None) -> Tier:
-    """A tier's stall: given, or a node's bytes over the given rate."""
+def _measured_gbps(directory: str) -> float:
+    """The durable write rate into ``directory`` (GB/s), as a save there would write."""
+    s = settings.current()
+    try:
+        backend, _ = choose_backend("auto", directory, False, s.io_threads, s.block_bytes)
+        return write_rate(backend, directory, s.io_threads, s.block_bytes) / 1e9
+    except OSError as e:
+        raise ValueError(f"cannot measure the write rate into {directory}: {e} (give a "
+                         "writable directory on the drive or tmpfs to measure)") from e
+
+
+def _tier(args: argparse.Namespace, name: str, node_bytes: float | None,
+          measured: dict[str, float]) -> Tier:
+    """A tier's stall: given, or a node's bytes over the given or measured rate."""
     cost, gbps = getattr(args, f"{name}_cost"), getattr(args, f"{name}_gbps")
+    directory = getattr(args, f"measure_{name}", None)
     restore = parse_duration(getattr(args, f"restore_{name}"))
-    if cost is not None and gbps is not None:
-        raise ValueError(f"give --{name}-cost or --{name}-gbps, not both")
+    given = [flag for flag, v in ((f"--{name}-cost", cost), (f"--{name}-gbps", gbps),
+                                  (f"--measure-{name}", directory)) if v is not None]
+    if len(given) > 1:
+        raise ValueError(f"give only one of {', '.join(given)}")
     if cost is not None:
         return Tier(parse_duration(cost), restore)
-    if gbps is None or node_bytes is None:
-        raise ValueError(f"give --{name}-cost (its measured stall), or --{name}-gbps with "
-                         "--checkpoint-size (or --params)")
+    if (gbps is None and directory is None) or node_bytes is None:
+        raise ValueError(f"give --{name}-cost (its measured stall), or --{name}-gbps"
+                         + (f" or --measure-{name}" if name != "replica" else "")
+                         + " with --checkpoint-size (or --params)")
+    if directory is not None:
+        gbps = measured[name] = _measured_gbps(directory)
     if not gbps > 0:
         raise ValueError(f"--{name}-gbps {gbps}: must be positive")
     return Tier(node_bytes / (gbps * 1e9), restore)
@@ -210,12 +235,15 @@ def _run_levels(args: argparse.Namespace) -> int:
                          "compare the writes against it")
     mtbf = [parse_duration(getattr(args, n)) if getattr(args, n) else float("inf")
             for n in LEVEL_MTBFS]
+    measured: dict[str, float] = {}  # tier -> GB/s
     a = advise_levels(
-        parse_duration(args.iteration_time), _tier(args, "memory", node),
-        _tier(args, "drive", drive), Failures(*mtbf),
-        replica=(_tier(args, "replica", None if node is None else node * args.replicas)
+        parse_duration(args.iteration_time), _tier(args, "memory", node, measured),
+        _tier(args, "drive", drive, measured), Failures(*mtbf),
+        replica=(_tier(args, "replica", None if node is None else node * args.replicas, measured)
                  if args.replicas > 0 else None),
         replicas=args.replicas,
         drive_bytes=None if drive is None else drive * (args.write_amplification or 1.0),
         budget=budget, wear_share=1.0 if args.wear_share is None else args.wear_share)
-    return _print(args, a.to_dict(), describe_levels(a))
+    rates = [f"measured: {getattr(args, f'measure_{t}')} takes {r:.3g} GB/s ({_MEASURED})"
+             for t, r in measured.items()]
+    return _print(args, {**a.to_dict(), "measured_gbps": measured}, rates + describe_levels(a))
