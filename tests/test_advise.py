@@ -16,12 +16,12 @@ from gds_persist.training.interval import (
     advise,
     daly_interval,
     lost_work,
-    parse_duration,
     waste_fraction,
     young_interval,
 )
 from gds_persist.training.levels import Failures, Tier, advise_levels
-from gds_persist.training.wear import endurance, parse_size, wear_interval, writes_per_day
+from gds_persist.training.units import parse_duration, parse_size
+from gds_persist.training.wear import endurance, wear_interval, writes_per_day
 
 
 def test_young_and_daly_intervals():

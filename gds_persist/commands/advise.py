@@ -22,9 +22,10 @@ import sys
 from .. import settings
 from ..backends import choose_backend
 from ..backends.write_rate import PROBE_BYTES, PROBE_RUNS, write_rate
-from ..training.interval import advise, describe, parse_duration
+from ..training.interval import advise, describe
 from ..training.levels import Failures, Tier, advise_levels, describe_levels
-from ..training.wear import Endurance, endurance, parse_size
+from ..training.units import parse_duration, parse_size
+from ..training.wear import Endurance, endurance
 
 HELP = "checkpoint intervals (Young/Daly): one level, or memory_every and drive_every with wear"
 DESCRIPTION = ("From the time one checkpoint stalls training and the mean time between "

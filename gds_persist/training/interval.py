@@ -20,33 +20,10 @@ one that overlaps training and stalls only for its exposed part.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_quantity(text: str | float, units: dict[str, float], what: str, examples: str,
-                   fold_case: bool = False) -> float:
-    """A finite, non-negative number with an optional unit from ``units`` (name -> factor)."""
-    if isinstance(text, (int, float)):
-        value = float(text)
-    else:
-        m = re.fullmatch(r"\s*([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([A-Za-z]*)\s*", text)
-        unit = None if m is None else m.group(2).lower() if fold_case else m.group(2)
-        if m is None or unit not in units:
-            raise ValueError(f"bad {what} {text!r}: use {examples}")
-        value = float(m.group(1)) * units[unit]
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"bad {what} {text!r}: must be finite and >= 0")
-    return value
-
-
-def parse_duration(text: str | float) -> float:
-    """Seconds from ``90``, ``90s``, ``2.5m``, ``24h``, ``7d``."""
-    return parse_quantity(text, _UNITS, "duration",
-                          "a number of seconds or e.g. 90s, 5m, 24h, 7d")
+from .units import format_duration
 
 
 def young_interval(cost_s: float, mtbf_s: float) -> float:
@@ -130,13 +107,6 @@ def advise(cost_s: float, mtbf_s: float, *, restart_s: float = 0.0,
         per_cost = cost_s if per_iteration_cost_s is None else per_iteration_cost_s
         a.per_iteration = _plan(iteration_s, per_cost, mtbf_s, restart_s, iteration_s)
     return a
-
-
-def format_duration(s: float) -> str:
-    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
-        if s >= size:
-            return f"{s / size:.3g} {unit} ({s:.0f} s)"
-    return f"{s:.3g} s"
 
 
 def describe(a: Advice) -> list[str]:

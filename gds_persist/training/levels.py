@@ -37,8 +37,9 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from .interval import daly_interval, format_duration, lost_work, waste_fraction, young_interval
-from .wear import Endurance, Wear, format_bytes, wear, wear_interval, writes_per_day
+from .interval import daly_interval, lost_work, waste_fraction, young_interval
+from .units import format_bytes, format_duration
+from .wear import Endurance, Wear, wear, wear_interval, writes_per_day
 
 
 @dataclass(frozen=True)

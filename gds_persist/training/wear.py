@@ -18,26 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .interval import parse_quantity
-
 DAY_S = 86400.0
 YEAR_DAYS = 365.0
-_SIZES = {"": 1.0, "b": 1.0, "kb": 1e3, "mb": 1e6, "gb": 1e9, "tb": 1e12, "pb": 1e15,
-          "kib": 2.0**10, "mib": 2.0**20, "gib": 2.0**30, "tib": 2.0**40, "pib": 2.0**50}
-
-
-def parse_size(text: str | float) -> float:
-    """Bytes from ``182e9``, ``182GB``, ``3.84 TB``, ``1.5TiB`` (kB-PB decimal, KiB-PiB binary)."""
-    return parse_quantity(text, _SIZES, "size",
-                          "a number of bytes or e.g. 182GB, 3.84TB, 1.5TiB", fold_case=True)
-
-
-def format_bytes(n: float) -> str:
-    """Decimal units, as drives are rated."""
-    for unit, size in (("PB", 1e15), ("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
-        if n >= size:
-            return f"{n / size:.3g} {unit}"
-    return f"{n:.0f} B"
 
 
 @dataclass(frozen=True)
