@@ -276,10 +276,10 @@ def test_cli_levels_text_and_json(capsys):
     assert cli.main([*LEVEL_ARGS, "--drive-dwpd", "1", "--drive-capacity", "3.84TB"]) == 0
     out = capsys.readouterr().out
     assert "memory_every = " in out and "drive_every = " in out
-    assert "failures set drive_every" in out and "15.7 PB/day" in out
+    assert "failures set the drive interval" in out and "15.7 PB/day" in out
     assert cli.main([*LEVEL_ARGS, "--replicas", "0", "--drive-dwpd", "1", "--drive-capacity",
                      "3.84TB"]) == 0
-    assert "wear, not failures, sets drive_every" in capsys.readouterr().out
+    assert "wear, not failures, sets the drive interval" in capsys.readouterr().out
     assert cli.main([*LEVEL_ARGS, "--nodes", "2", "--drives-per-node", "2", "--replicas", "2",
                      "--replica-gbps", "10", "--replica-cost", "0.3", "--json"]) == 2
     assert "give only one of --replica-cost, --replica-gbps" in capsys.readouterr().err
@@ -363,3 +363,40 @@ def test_cli_levels_measures_a_tier_write_rate(tmp_path, capsys):
     missing = str(tmp_path / "absent")
     assert cli.main([*_without(args, "--measure-drive"), "--measure-drive", missing]) == 2
     assert f"cannot measure the write rate into {missing}" in capsys.readouterr().err
+
+
+def test_one_level_advice_respects_the_drive_endurance():
+    plain = advise(60.0, D, iteration_s=1.0)
+    assert plain.limited_by == "failures" and plain.wear is None
+    assert plain.optimal.interval_s == pytest.approx(daly_interval(60.0, D))
+    worn = advise(60.0, D, iteration_s=1.0, drive_bytes=CKPT_13B, budget=ONE_DWPD)
+    assert worn.limited_by == "wear" and worn.daly_interval_s == pytest.approx(
+        daly_interval(60.0, D))
+    assert worn.optimal.interval_s == pytest.approx(CKPT_13B * D / 3.84e12)  # 4095 s
+    assert worn.wear is not None and worn.wear.fraction_of_budget == pytest.approx(1.0)
+    assert worn.optimal.waste > plain.optimal.waste
+    rare = advise(60.0, 10 * D, drive_bytes=CKPT_13B, budget=ONE_DWPD)
+    assert rare.limited_by == "failures" and rare.wear is not None
+    assert rare.wear.fraction_of_budget is not None and rare.wear.fraction_of_budget < 1.0
+    sized = advise(60.0, D, drive_bytes=CKPT_13B)  # writes per day, no rating to compare with
+    assert sized.wear is not None and sized.wear.fraction_of_budget is None
+    assert sized.optimal.interval_s == plain.optimal.interval_s
+    with pytest.raises(ValueError, match="needs the checkpoint size"):
+        advise(60.0, D, budget=ONE_DWPD)
+
+
+def test_cli_one_level_with_wear(capsys):
+    args = ["advise", "--cost", "60", "--mtbf", "1d", "--iteration-time", "1", "--params",
+            "13e9", "--drive-dwpd", "1", "--drive-capacity", "3.84TB"]
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "Wear-limited interval:     1.14 h (4095 s)" in out
+    assert "15.7 PB/day, 4,095x the endurance budget" in out
+    assert "wear, not failures, sets the drive interval" in out
+    assert cli.main([*args, "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["limited_by"] == "wear" and data["wear"]["bytes_per_checkpoint"] == CKPT_13B
+    assert cli.main(_without(args, "--drive-capacity")) == 2
+    assert "needs the drive's capacity" in capsys.readouterr().err
+    assert cli.main(["advise", "--cost", "60", "--mtbf", "1d", "--drive-tbw", "100"]) == 2
+    assert "endurance needs --checkpoint-size" in capsys.readouterr().err

@@ -59,7 +59,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
     _level_arguments(p.add_argument_group(
         "memory tier and drive: memory_every and drive_every (Young/Daly per level)"))
     _wear_arguments(p.add_argument_group(
-        "the drive's wear (endurance: --drive-tbw, or --drive-dwpd with --drive-capacity)"))
+        "the checkpoint's size and the drive's wear, for either advice (endurance: "
+        "--drive-tbw, or --drive-dwpd with --drive-capacity)"))
 
 
 def _level_arguments(g: argparse._ArgumentGroup) -> None:
@@ -82,6 +83,9 @@ def _level_arguments(g: argparse._ArgumentGroup) -> None:
                            f"write rate into DIR ({_MEASURED}) and use it as --{tier}-gbps")
         g.add_argument(f"--restore-{tier}", default="0", help=f"time to restore from {tier} "
                        "after a failure (default 0)")
+
+
+def _wear_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--checkpoint-size", help="bytes of the whole checkpoint (e.g. 182GB)")
     g.add_argument("--params", type=float, help="or: model parameters (e.g. 13e9), times "
                    "--bytes-per-param")
@@ -91,9 +95,6 @@ def _level_arguments(g: argparse._ArgumentGroup) -> None:
                    "data-parallel (default 1)")
     g.add_argument("--drives-per-node", type=int, default=1, help="drives each node writes its "
                    "share to (default 1)")
-
-
-def _wear_arguments(g: argparse._ArgumentGroup) -> None:
     g.add_argument("--drive-tbw", type=float, help="rated terabytes written over the warranty")
     g.add_argument("--drive-dwpd", type=float, help="rated drive writes per day")
     g.add_argument("--drive-capacity", help="the drive's capacity, for --drive-dwpd (e.g. 3.84TB)")
@@ -142,8 +143,10 @@ def _run_one(args: argparse.Namespace) -> int:
         per_iteration = b_per if per_iteration is None else per_iteration
     if cost is None:
         raise ValueError("give --cost (or --from-bench)")
+    _, _, worn, budget = _sizes(args)
     a = advise(cost, parse_duration(args.mtbf), restart_s=parse_duration(args.restart),
-               iteration_s=iteration, per_iteration_cost_s=per_iteration)
+               iteration_s=iteration, per_iteration_cost_s=per_iteration, drive_bytes=worn,
+               budget=budget, wear_share=_share(args))
     return _print(args, a.to_dict(), describe(a))
 
 
@@ -219,21 +222,36 @@ def _check_level_args(args: argparse.Namespace) -> None:
                          "--drive-cost or their --*-gbps)")
     if args.iteration_time is None:
         raise ValueError("give --iteration-time: memory_every and drive_every count iterations")
+
+
+def _sizes(args: argparse.Namespace) -> tuple[float | None, float | None, float | None,
+                                             Endurance | None]:
+    """A node's and a drive's bytes per checkpoint, what the drive's flash takes (times the
+    write amplification), and the drive's endurance budget."""
     if args.nodes < 1 or args.drives_per_node < 1:
         raise ValueError("--nodes and --drives-per-node must be >= 1")
-    if args.write_amplification is not None and not args.write_amplification >= 1:
-        raise ValueError(f"--write-amplification {args.write_amplification}: must be >= 1")
-
-
-def _run_levels(args: argparse.Namespace) -> int:
-    _check_level_args(args)
+    amplification = 1.0 if args.write_amplification is None else args.write_amplification
+    if not amplification >= 1:
+        raise ValueError(f"--write-amplification {amplification}: must be >= 1")
     size = _checkpoint_bytes(args)
-    node = None if size is None else size / args.nodes  # a node's share of every checkpoint
-    drive = None if node is None else node / args.drives_per_node  # one drive's
     budget = _budget(args)
     if budget is not None and size is None:
         raise ValueError("the drive's endurance needs --checkpoint-size (or --params) to "
                          "compare the writes against it")
+    if size is None:
+        return None, None, None, budget
+    node = size / args.nodes
+    drive = node / args.drives_per_node
+    return node, drive, drive * amplification, budget
+
+
+def _share(args: argparse.Namespace) -> float:
+    return 1.0 if args.wear_share is None else float(args.wear_share)
+
+
+def _run_levels(args: argparse.Namespace) -> int:
+    _check_level_args(args)
+    node, drive, worn, budget = _sizes(args)
     mtbf = [parse_duration(getattr(args, n)) if getattr(args, n) else float("inf")
             for n in LEVEL_MTBFS]
     measured: dict[str, float] = {}  # tier -> GB/s
@@ -242,9 +260,7 @@ def _run_levels(args: argparse.Namespace) -> int:
         _tier(args, "drive", drive, measured), Failures(*mtbf),
         replica=(_tier(args, "replica", None if node is None else node * args.replicas, measured)
                  if args.replicas > 0 else None),
-        replicas=args.replicas,
-        drive_bytes=None if drive is None else drive * (args.write_amplification or 1.0),
-        budget=budget, wear_share=1.0 if args.wear_share is None else args.wear_share)
+        replicas=args.replicas, drive_bytes=worn, budget=budget, wear_share=_share(args))
     rates = [f"measured: {getattr(args, f'measure_{t}')} takes {r:.3g} GB/s ({_MEASURED})"
              for t, r in measured.items()]
     return _print(args, {**a.to_dict(), "measured_gbps": measured}, rates + describe_levels(a))

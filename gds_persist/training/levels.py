@@ -38,8 +38,8 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from .interval import daly_interval, lost_work, waste_fraction, young_interval
-from .units import format_bytes, format_duration
-from .wear import Endurance, Wear, wear, wear_interval, writes_per_day
+from .units import format_duration
+from .wear import Endurance, Wear, describe_wear, wear, wear_interval
 
 
 @dataclass(frozen=True)
@@ -232,32 +232,6 @@ def _level_lines(name: str, p: LevelPlan, what: str) -> list[str]:
             f"waste {100 * p.waste:.3f}% of wall time"]
 
 
-def _wear_lines(a: LevelAdvice) -> list[str]:
-    w, d = a.wear, a.drive
-    if w is None:
-        return []
-    lines = [f"drive writes: {format_bytes(w.bytes_per_checkpoint)} per drive per checkpoint, "
-             f"{format_bytes(w.bytes_per_day)}/day at drive_every"]
-    if w.per_iteration_bytes_per_day is not None:
-        lines.append(f"  a drive checkpoint every iteration would write "
-                     f"{format_bytes(w.per_iteration_bytes_per_day)}/day")
-    if w.budget_bytes_per_day is None or w.fraction_of_budget is None:
-        return lines + ["  (no endurance given: --drive-tbw, or --drive-dwpd with "
-                        "--drive-capacity, checks these against the drive's rating)"]
-    lines.append(f"  endurance budget {format_bytes(w.budget_bytes_per_day)}/day ({w.rating}): "
-                 f"drive_every uses {100 * w.fraction_of_budget:.1f}% of it, the rated "
-                 f"endurance lasts {w.lifetime_years:.3g} years")
-    at_daly = writes_per_day(w.bytes_per_checkpoint, d.daly_interval_s)
-    if d.limited_by == "wear":
-        lines.append(f"  => wear, not failures, sets drive_every: Daly's "
-                     f"{format_duration(d.daly_interval_s)} would write {format_bytes(at_daly)}"
-                     f"/day, {at_daly / w.budget_bytes_per_day:.3g}x the budget")
-    elif a.wear_interval_s is not None:
-        lines.append(f"  => failures set drive_every; the budget allows one every "
-                     f"{format_duration(a.wear_interval_s)}")
-    return lines
-
-
 def describe_levels(a: LevelAdvice) -> list[str]:
     """The advice as lines of text."""
     what = f"(memory + {a.replicas} replica(s))" if a.replicas else "(memory)"
@@ -270,6 +244,8 @@ def describe_levels(a: LevelAdvice) -> list[str]:
     lines.append("expected lost work per failure (work redone + restore):")
     lines += [f"  {_CLASS_NAMES[n]:<16} from {a.recovered_from[n]:<8} {format_duration(s)}"
               for n, s in a.lost_per_failure_s.items()]
-    lines += _wear_lines(a)
+    if a.wear is not None:
+        lines += describe_wear(a.wear, a.drive.daly_interval_s, a.drive.limited_by == "wear",
+                               a.wear_interval_s)
     lines.append(f"waste of both levels {100 * a.waste:.3f}% of wall time")
     return lines

@@ -18,6 +18,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from .units import format_bytes, format_duration
+
 DAY_S = 86400.0
 YEAR_DAYS = 365.0
 
@@ -102,3 +104,36 @@ def wear(bytes_per_checkpoint: float, interval_s: float, iteration_s: float | No
         w.fraction_of_budget = w.bytes_per_day / w.budget_bytes_per_day
         w.lifetime_years = budget.total_bytes / w.bytes_per_day / YEAR_DAYS
     return w
+
+
+def describe_wear(w: Wear, failure_interval_s: float, wear_bound: bool, floor_s: float | None
+                  ) -> list[str]:
+    """The drive's writes as lines of text; ``failure_interval_s``: the interval failures alone
+    would set, ``wear_bound``: whether the budget's ``floor_s`` replaced it."""
+    lines = [f"drive writes: {format_bytes(w.bytes_per_checkpoint)} per drive per checkpoint, "
+             f"{format_bytes(w.bytes_per_day)}/day at this interval"]
+    budget = w.budget_bytes_per_day
+    if w.per_iteration_bytes_per_day is not None:
+        lines.append(f"  a drive checkpoint every iteration would write "
+                     f"{format_bytes(w.per_iteration_bytes_per_day)}/day"
+                     + (f", {_times(w.per_iteration_bytes_per_day / budget)} the endurance "
+                        "budget" if budget else ""))
+    if budget is None or w.fraction_of_budget is None or w.lifetime_years is None:
+        return lines + ["  (no endurance given: --drive-tbw, or --drive-dwpd with "
+                        "--drive-capacity, checks these against the drive's rating)"]
+    lines.append(f"  endurance budget {format_bytes(budget)}/day ({w.rating}): this interval "
+                 f"uses {100 * w.fraction_of_budget:.1f}% of it, the rated endurance lasts "
+                 f"{w.lifetime_years:.3g} years")
+    if wear_bound:
+        at_failures = writes_per_day(w.bytes_per_checkpoint, failure_interval_s)
+        lines.append(f"  => wear, not failures, sets the drive interval: Daly's "
+                     f"{format_duration(failure_interval_s)} would write "
+                     f"{format_bytes(at_failures)}/day, {_times(at_failures / budget)} the budget")
+    elif floor_s is not None:
+        lines.append(f"  => failures set the drive interval; the budget allows one every "
+                     f"{format_duration(floor_s)}")
+    return lines
+
+
+def _times(ratio: float) -> str:
+    return f"{ratio:,.0f}x" if ratio >= 100 else f"{ratio:.3g}x"
