@@ -400,3 +400,10 @@ def test_cli_one_level_with_wear(capsys):
     assert "needs the drive's capacity" in capsys.readouterr().err
     assert cli.main(["advise", "--cost", "60", "--mtbf", "1d", "--drive-tbw", "100"]) == 2
     assert "endurance needs --checkpoint-size" in capsys.readouterr().err
+
+
+def test_cli_one_level_rejects_the_two_level_options(capsys):
+    for extra in (["--drive-cost", "5"], ["--replicas", "2"], ["--restore-memory", "10"],
+                  ["--measure-drive", "/tmp"]):
+        assert cli.main(["advise", "--cost", "3", "--mtbf", "1d", *extra]) == 2
+        assert f"{extra[0]} belong to the two-level advice" in capsys.readouterr().err

@@ -39,6 +39,9 @@ FORMATTER = argparse.RawDescriptionHelpFormatter
 _MEASURED = f"{PROBE_BYTES >> 20} MiB, {PROBE_RUNS} runs, the save's backend, fsynced"
 LEVEL_MTBFS = ("process_mtbf", "node_mtbf", "replica_loss_mtbf")
 WEAR_ONLY = ("warranty_years", "wear_share", "write_amplification")  # need an endurance rating
+LEVEL_ONLY = ("replicas", *(f"{k}_{t}" for t in ("memory", "replica", "drive")
+                            for k in ("restore", "measure")),
+              *(f"{t}_{k}" for t in ("memory", "replica", "drive") for k in ("cost", "gbps")))
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -70,8 +73,8 @@ def _level_arguments(g: argparse._ArgumentGroup) -> None:
                    "(the drive with --replicas 0)")
     g.add_argument("--replica-loss-mtbf", help="MTBF of losing a node with its replicas "
                    "(correlated failures, power, the whole job): only the drive recovers it")
-    g.add_argument("--replicas", type=int, default=1, help="replicas of each rank's bytes on "
-                   "other nodes (default 1)")
+    g.add_argument("--replicas", type=int, help="replicas of each rank's bytes on other nodes "
+                   "(default 1)")
     for tier, what in (("memory", "the node's memory commit"),
                        ("replica", "copying to the replicas"), ("drive", "the drive's commit")):
         g.add_argument(f"--{tier}-cost", help=f"seconds {what} stalls training (measured, e.g. "
@@ -81,8 +84,8 @@ def _level_arguments(g: argparse._ArgumentGroup) -> None:
         if tier != "replica":
             g.add_argument(f"--measure-{tier}", metavar="DIR", help=f"or: measure the durable "
                            f"write rate into DIR ({_MEASURED}) and use it as --{tier}-gbps")
-        g.add_argument(f"--restore-{tier}", default="0", help=f"time to restore from {tier} "
-                       "after a failure (default 0)")
+        g.add_argument(f"--restore-{tier}", help=f"time to restore from {tier} after a "
+                       "failure (default 0)")
 
 
 def _wear_arguments(g: argparse._ArgumentGroup) -> None:
@@ -133,6 +136,11 @@ def _run_one(args: argparse.Namespace) -> int:
     if args.mtbf is None:
         raise ValueError("give --mtbf (one level), or the MTBF per level: --process-mtbf, "
                          "--node-mtbf, --replica-loss-mtbf")
+    stray = [f"--{n.replace('_', '-')}" for n in LEVEL_ONLY if getattr(args, n, None) is not None]
+    if stray:
+        raise ValueError(f"{', '.join(stray)} belong to the two-level advice: give the MTBF per "
+                         "level (--process-mtbf, --node-mtbf, --replica-loss-mtbf) instead of "
+                         "--mtbf")
     iteration = parse_duration(args.iteration_time) if args.iteration_time else None
     per_iteration = parse_duration(args.per_iteration_cost) if args.per_iteration_cost else None
     cost = parse_duration(args.cost) if args.cost else None
@@ -181,7 +189,7 @@ def _tier(args: argparse.Namespace, name: str, node_bytes: float | None,
     """A tier's stall: given, or a node's bytes over the given or measured rate."""
     cost, gbps = getattr(args, f"{name}_cost"), getattr(args, f"{name}_gbps")
     directory = getattr(args, f"measure_{name}", None)
-    restore = parse_duration(getattr(args, f"restore_{name}"))
+    restore = parse_duration(getattr(args, f"restore_{name}") or 0.0)
     given = [flag for flag, v in ((f"--{name}-cost", cost), (f"--{name}-gbps", gbps),
                                   (f"--measure-{name}", directory)) if v is not None]
     if len(given) > 1:
@@ -252,15 +260,16 @@ def _share(args: argparse.Namespace) -> float:
 def _run_levels(args: argparse.Namespace) -> int:
     _check_level_args(args)
     node, drive, worn, budget = _sizes(args)
+    replicas = 1 if args.replicas is None else args.replicas
     mtbf = [parse_duration(getattr(args, n)) if getattr(args, n) else float("inf")
             for n in LEVEL_MTBFS]
     measured: dict[str, float] = {}  # tier -> GB/s
     a = advise_levels(
         parse_duration(args.iteration_time), _tier(args, "memory", node, measured),
         _tier(args, "drive", drive, measured), Failures(*mtbf),
-        replica=(_tier(args, "replica", None if node is None else node * args.replicas, measured)
-                 if args.replicas > 0 else None),
-        replicas=args.replicas, drive_bytes=worn, budget=budget, wear_share=_share(args))
+        replica=(_tier(args, "replica", None if node is None else node * replicas, measured)
+                 if replicas > 0 else None),
+        replicas=replicas, drive_bytes=worn, budget=budget, wear_share=_share(args))
     rates = [f"measured: {getattr(args, f'measure_{t}')} takes {r:.3g} GB/s ({_MEASURED})"
              for t, r in measured.items()]
     return _print(args, {**a.to_dict(), "measured_gbps": measured}, rates + describe_levels(a))
