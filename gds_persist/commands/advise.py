@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import textwrap
 
 from .. import settings
 from ..backends import choose_backend
@@ -28,13 +29,15 @@ from ..training.units import parse_duration, parse_size
 from ..training.wear import Endurance, endurance
 
 HELP = "checkpoint intervals (Young/Daly): one level, or memory_every and drive_every with wear"
-DESCRIPTION = ("From the time one checkpoint stalls training and the mean time between "
-               "failures, print the optimal checkpoint interval (Young, Daly), the expected work "
-               "lost per failure and the wasted fraction of wall time; with an iteration time, "
-               "also what checkpointing every iteration costs. With failure rates per level "
-               "(--process-mtbf, --node-mtbf, --replica-loss-mtbf), recommend the Checkpointer's "
-               "memory_every and drive_every instead (Young/Daly per level), and the drive's "
-               "writes per day against its rated endurance. " + __doc__.split("\n", 1)[1])
+_INTRO = ("From the time one checkpoint stalls training and the mean time between failures, "
+          "print the optimal checkpoint interval (Young, Daly), the expected work lost per "
+          "failure and the wasted fraction of wall time; with an iteration time, also what "
+          "checkpointing every iteration costs. With failure rates per level (--process-mtbf, "
+          "--node-mtbf, --replica-loss-mtbf), recommend the Checkpointer's memory_every and "
+          "drive_every instead (Young/Daly per level). With the checkpoint's size and the "
+          "drive's rating, either advice reports the drive's writes per day against its "
+          "endurance and keeps within it.")
+DESCRIPTION = textwrap.fill(_INTRO, 90, break_on_hyphens=False) + "\n" + __doc__.split("\n", 1)[1]
 FORMATTER = argparse.RawDescriptionHelpFormatter
 _MEASURED = f"{PROBE_BYTES >> 20} MiB, {PROBE_RUNS} runs, the save's backend, fsynced"
 LEVEL_MTBFS = ("process_mtbf", "node_mtbf", "replica_loss_mtbf")
