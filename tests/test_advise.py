@@ -19,7 +19,7 @@ from gds_persist.training.interval import (
     waste_fraction,
     young_interval,
 )
-from gds_persist.training.levels import Failures, Tier, advise_levels
+from gds_persist.training.levels import Failures, Tier, advise_levels, describe_levels
 from gds_persist.training.units import parse_duration, parse_size
 from gds_persist.training.wear import endurance, wear_interval, writes_per_day
 
@@ -159,7 +159,8 @@ def test_intervals_are_whole_nested_iterations():
     # a drive cheaper than the memory tier: memory steps are never sparser than drive steps
     odd = _levels(iteration_s=1.0, memory=Tier(30.0), replica=None, drive=Tier(0.01),
                   replicas=0)
-    assert odd.memory.every <= odd.drive.every and odd.drive.every % odd.memory.every == 0
+    assert odd.memory.every == odd.drive.every and odd.memory.limited_by == "drive_every"
+    assert "a memory tier dearer than the drive may not pay" in "\n".join(describe_levels(odd))
 
 
 @pytest.mark.parametrize("scale", [0.25, 1.0, 4.0, 16.0])

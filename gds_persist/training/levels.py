@@ -239,7 +239,9 @@ def describe_levels(a: LevelAdvice) -> list[str]:
     lines += _level_lines("memory_every", a.memory, what)
     if a.memory.limited_by != "failures":
         lines.append("  (no finer than one iteration)" if a.memory.limited_by == "iteration"
-                     else "  (no sparser than drive_every: a drive step is a memory step too)")
+                     else "  (no sparser than drive_every: a drive step is a memory step too; "
+                     "a memory tier dearer than the drive may not pay: compare the one-level "
+                     "advice, --cost and --mtbf of all failures)")
     lines += _level_lines("drive_every", a.drive, "(drive)")
     lines.append("expected lost work per failure (work redone + restore):")
     lines += [f"  {_CLASS_NAMES[n]:<16} from {a.recovered_from[n]:<8} {format_duration(s)}"
