@@ -173,7 +173,8 @@ def advise_levels(iteration_s: float, memory: Tier, drive: Tier, failures: Failu
                   drive_bytes: float | None = None, budget: Endurance | None = None,
                   wear_share: float = 1.0) -> LevelAdvice:
     """``memory_every`` and ``drive_every`` for checkpoints stalling training ``memory.cost_s``
-    (+ ``replica.cost_s`` with ``replicas >= 1``) and ``drive.cost_s``, with the given failures.
+    (+ ``replica.cost_s`` with ``replicas >= 1``; no ``replica``: a copy that costs nothing)
+    and ``drive.cost_s``, with the given failures.
 
     ``drive_bytes``: the bytes one drive takes per drive checkpoint (its share of the
     checkpoint, times any write amplification); with ``budget``, ``drive_every`` never writes
