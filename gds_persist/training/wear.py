@@ -8,9 +8,10 @@ below 1 leaves the rest of the budget to datasets, logs and everything else on t
 
 Checkpointing every ``T`` seconds, each drive's flash taking ``b`` bytes per checkpoint (the
 bytes written times the write amplification), writes ``b x 86400 / T`` bytes a day; the budget
-therefore sets a shortest drive interval ``T_wear = b x 86400 / (budget x share)``. Per-iteration checkpoints of a 13B
-model (14 B/param, 182 GB) to one drive at one iteration a second write 15.7 PB a day; a
-3.84 TB drive rated 1 DWPD takes 3.84 TB a day, one such checkpoint every 68 minutes.
+therefore sets a shortest drive interval ``T_wear = b x 86400 / (budget x share)``.
+Per-iteration checkpoints of a 13B model (14 B/param, 182 GB) to one drive at one iteration a
+second write 15.7 PB a day; a 3.84 TB drive rated 1 DWPD takes 3.84 TB a day, one such checkpoint
+every 68 minutes.
 """
 
 from __future__ import annotations
