@@ -33,6 +33,7 @@ from .errors import (
     ReplicationError,
     SnapshotTooLarge,
     TruncatedError,
+    UnhashedBaseWarning,
     WorkerDied,
 )
 from .interop import export_checkpoint, import_checkpoint
@@ -69,6 +70,7 @@ __all__ = [
     "SaveInfo",
     "SnapshotTooLarge",
     "TruncatedError",
+    "UnhashedBaseWarning",
     "WarmupReport",
     "WorkerDied",
     "__version__",

@@ -104,3 +104,10 @@ class SnapshotTooLarge(CheckpointError):
 class PickleRefusedError(CheckpointError):
     """A leaf saved with ``allow_pickle=True`` needs a class that ``torch.load(weights_only=True)``
     does not allow; the message names the key path and how to allow it."""
+
+
+class UnhashedBaseWarning(UserWarning):
+    """``save(..., base=...)`` (or a Checkpointer resuming from a plain step) got a base whose
+    bytes carry no content hash, so nothing of them could be referred to and they were written
+    again. Save the base with ``content_hash=True`` (``Checkpointer(incremental=True)`` does);
+    the same words are in ``SaveInfo.reason``."""

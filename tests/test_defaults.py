@@ -6,6 +6,7 @@ hide behind tests that switch it off."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +48,22 @@ def test_save_with_base(tmp_path: Path) -> None:
     info = gds_persist.save(second, tmp_path / "a2", base=tmp_path / "a1")
     assert info.referenced_bytes > 0
     assert_tree_equal(gds_persist.load(tmp_path / "a2"), second)
+
+
+def test_save_with_a_plain_base_warns_and_says_why_in_the_reason(tmp_path: Path) -> None:
+    """A plain save records no content hashes (hashing every save would cost 1.4-1.5x its time
+    here: bench/results/2026-12-01-cpu-hash-cost.txt), so it cannot serve as a base: the save
+    rewrites every byte, and says so, with the fix."""
+    state = _state()
+    gds_persist.save(state, tmp_path / "a1")
+    fix = r"save the base with content_hash=True"
+    with pytest.warns(gds_persist.UnhashedBaseWarning,
+                      match=rf"^base a1: 3 of its 3 extents have no content hash, so nothing "
+                            rf"could be referred to; {fix}"):
+        info = gds_persist.save(state, tmp_path / "a2", base=tmp_path / "a1")
+    assert info.referenced_bytes == 0 and info.bytes_written >= info.payload_bytes
+    assert re.search(rf"; base a1: .* nothing could be referred to; {fix}", info.reason)
+    assert_tree_equal(gds_persist.load(tmp_path / "a2"), state)
 
 
 CHECKPOINTER_OPTIONS = [
