@@ -16,7 +16,6 @@ Every save includes fsync; checkpoints are removed after each run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -82,6 +81,8 @@ def one_run(state: dict[str, Any], dirs: list[str]) -> dict[str, float]:
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    from bench.report import to_json
+
     args = parse(argv)
     dirs = [d for d in args.dirs.split(",") if d]
     state = make_state(args.size)
@@ -100,8 +101,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"  {d}: save content_hash / save, paired per run: median "
               f"{statistics.median(extra):.2f} [{min(extra):.2f}-{max(extra):.2f}]")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
+        to_json(record, args.json)
     return record
 
 

@@ -117,10 +117,11 @@ def save(
     serve as a base later; a base saved without them (a plain save) holds nothing to refer to:
     every byte is written again, with an :class:`~gds_persist.UnhashedBaseWarning` and the
     same words in ``SaveInfo.reason``. (Plain saves do not hash: on the development VM that
-    cost 1.4-1.5x the save's own time, ``bench/bench_hash_cost.py``.) ``compression``: ``"none"`` (default, or the ``compression``
-    setting), ``"lossless"`` (each unit stored encoded by blosc2 bit-shuffle + LZ4 where that
-    shrinks it) or ``"auto"`` (only where measured to make this save faster on this drive; the
-    reason is in ``SaveInfo.compression_reason``). Loads return bit-identical tensors either way.
+    cost 1.4-1.5x the save's own time, ``bench/bench_hash_cost.py``.)
+    ``compression``: ``"none"`` (default, or the ``compression`` setting), ``"lossless"``
+    (each unit stored encoded by blosc2 bit-shuffle + LZ4 where that shrinks it) or ``"auto"``
+    (only where measured to make this save faster on this drive; the reason is in
+    ``SaveInfo.compression_reason``). Loads return bit-identical tensors either way.
 
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
