@@ -238,7 +238,8 @@ def test_missing_data_file(tmp_path: Path) -> None:
 
 def test_checkpoint_errors_share_one_base() -> None:
     for cls in (BackendError, ChecksumError, DiskFullError, ManifestError, TruncatedError,
-                gds_persist.NotCommittedError, gds_persist.CheckpointReplacedError):
+                gds_persist.NotCommittedError, gds_persist.CheckpointReplacedError,
+                gds_persist.NotACheckpointDirectoryError, gds_persist.CheckpointPermissionError):
         assert issubclass(cls, CheckpointError)
 
 
