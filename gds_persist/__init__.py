@@ -32,6 +32,7 @@ from .errors import (
     ReferencedCheckpointError,
     ReplicationError,
     SnapshotTooLarge,
+    StateMismatchError,
     TruncatedError,
     UnhashedBaseWarning,
     WorkerDied,
@@ -42,6 +43,7 @@ from .materialize import materialize
 from .results import LoadInfo, SaveInfo, WarmupReport
 from .save import save
 from .training.checkpointer import Checkpointer, SaveHandle
+from .training.optimizer_state import init_optimizer_state
 from .warmup import warmup
 
 # imported on first use (gds_persist.dcp...): they pull in torch.distributed.checkpoint, trainers
@@ -69,6 +71,7 @@ __all__ = [
     "SaveHandle",
     "SaveInfo",
     "SnapshotTooLarge",
+    "StateMismatchError",
     "TruncatedError",
     "UnhashedBaseWarning",
     "WarmupReport",
@@ -76,6 +79,7 @@ __all__ = [
     "__version__",
     "export_checkpoint",
     "import_checkpoint",
+    "init_optimizer_state",
     "load",
     "materialize",
     "read_manifest",

@@ -106,6 +106,12 @@ class PickleRefusedError(CheckpointError):
     does not allow; the message names the key path and how to allow it."""
 
 
+class StateMismatchError(CheckpointError, ValueError):
+    """``load(into=state)``: the tensors of ``state`` do not fit the checkpoint (shapes, dtypes,
+    missing or unexpected keys with ``strict=True``, destinations tied where the checkpoint's
+    tensors are not); raised before any byte is read, every mismatch in one message."""
+
+
 class UnhashedBaseWarning(UserWarning):
     """``save(..., base=...)`` (or a Checkpointer resuming from a plain step) got a base whose
     bytes carry no content hash, so nothing of them could be referred to and they were written
