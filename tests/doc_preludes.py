@@ -110,6 +110,24 @@ PRELUDES: dict[tuple[str, str], Prelude] = {
               "opt = torch.optim.AdamW(model.parameters())\nstep = 1000\n",
         check='assert state["step"] == 1000 and state["model"]["weight"].is_cuda\n'
               'assert info.backend in ("kvikio", "direct", "buffered"), info.backend\n'),
+    ("README.md", "opt.load_state_dict(state[\"optim\"])      # hyperparameters; its tensors "
+                  "are already in place"): Prelude(
+        setup=TINY_TRAINING + """
+opt = optimizer
+loss_fn(model(batch())).backward()
+opt.step()
+saved = {k: v.clone() for k, v in model.state_dict().items()}
+gds_persist.save({"model": model.state_dict(), "optim": opt.state_dict(), "step": 1000},
+                 "checkpoints/step-1000")
+torch.manual_seed(1)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 1))
+opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+""",
+        check="""
+assert step == 1000
+assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
+assert state["model"]["0.weight"] is live["model"]["0.weight"]  # filled in place
+"""),
     ("README.md", "state = ckpt.load()             # latest committed step; verified"): Prelude(
         setup=TINY_TRAINING + "start, total = 0, 3\n",
         check=trained_last(2) + "assert ckpt.steps() == [0, 1, 2]\n"),
