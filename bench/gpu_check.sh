@@ -32,7 +32,8 @@
 # Steps: 1. facts (GPU, driver, PCIe, NUMA, kvikio/GDS mode and why) -> facts.{txt,json}
 #        2. kvikio (and crc32c) from --wheels if not importable
 #        3. pytest -m gpu --strict-gpu=on tests/: a skipped GPU test counts as a failure
-#           -> pytest-gpu.{txt,xml}
+#           (this includes tests/test_docs_examples.py: the README and docs blocks marked
+#           <!-- doc-test: gpu -->, run as written) -> pytest-gpu.{txt,xml}
 #        4. bench/bench_io.py --device cuda at the first size: kvikio (GDS or cuFile compat),
 #           kvikio with KvikIO compat forced, direct (pinned D2H pipeline), torch.save, DCP,
 #           save and load, against the drive limit of the same run -> bench-SIZE.{txt,json}

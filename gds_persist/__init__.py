@@ -4,17 +4,21 @@
     state = gds_persist.load("ckpt/step-100", map_location="cuda")
 
 Importing this package never imports the GPU stack (kvikio, cupy): those load only when the
-``kvikio`` backend is used. This module only re-exports the public API; the layers behind it are
-described in CONTRIBUTING.md.
+``kvikio`` backend is used. The subpackages the docs name (``gds_persist.dcp``,
+``gds_persist.integrations``, ...) resolve on first use, so torch.distributed.checkpoint and the
+trainer frameworks load only then. This module only re-exports the public API; the layers behind
+it are described in CONTRIBUTING.md.
 """
 
 from __future__ import annotations
 
 from . import settings
+from ._lazy import lazy_submodules
 from ._version import __version__
 from .errors import (
     BackendError,
     CheckpointError,
+    CheckpointPermissionError,
     CheckpointReplacedError,
     CheckpointTimeout,
     ChecksumError,
@@ -22,6 +26,7 @@ from .errors import (
     DiskFullError,
     DistributedError,
     ManifestError,
+    NotACheckpointDirectoryError,
     NotCommittedError,
     PickleRefusedError,
     ReferencedCheckpointError,
@@ -29,6 +34,7 @@ from .errors import (
     SnapshotTooLarge,
     StateMismatchError,
     TruncatedError,
+    UnhashedBaseWarning,
     WorkerDied,
 )
 from .interop import export_checkpoint, import_checkpoint
@@ -40,9 +46,14 @@ from .training.checkpointer import Checkpointer, SaveHandle
 from .training.optimizer_state import init_optimizer_state
 from .warmup import warmup
 
+# imported on first use (gds_persist.dcp...): they pull in torch.distributed.checkpoint, trainers
+LAZY_SUBMODULES = ("cli", "commands", "dcp", "integrations", "scale")
+__getattr__, __dir__ = lazy_submodules(__name__, globals(), LAZY_SUBMODULES)
+
 __all__ = [
     "BackendError",
     "CheckpointError",
+    "CheckpointPermissionError",
     "CheckpointReplacedError",
     "CheckpointTimeout",
     "Checkpointer",
@@ -52,6 +63,7 @@ __all__ = [
     "DistributedError",
     "LoadInfo",
     "ManifestError",
+    "NotACheckpointDirectoryError",
     "NotCommittedError",
     "PickleRefusedError",
     "ReferencedCheckpointError",
@@ -61,6 +73,7 @@ __all__ = [
     "SnapshotTooLarge",
     "StateMismatchError",
     "TruncatedError",
+    "UnhashedBaseWarning",
     "WarmupReport",
     "WorkerDied",
     "__version__",

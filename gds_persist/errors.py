@@ -3,7 +3,11 @@
 
 Every error names the thing that is wrong and, where there is one, the fix. All of them derive
 from :class:`CheckpointError`, so a trainer can catch checkpoint problems with one ``except``
-(bad input raises ``TypeError`` / ``ValueError`` instead).
+(bad input raises ``TypeError`` / ``ValueError`` instead). Those about the filesystem also derive
+from the ``OSError`` subclass that ``torch.load`` / ``open`` would raise for the same path, so
+code written for them keeps working: a missing checkpoint is a ``FileNotFoundError``
+(:class:`NotCommittedError`), a file where a directory is expected a ``NotADirectoryError``, a
+path this process may not read or write a ``PermissionError``, a full disk an ``OSError``.
 """
 
 from __future__ import annotations
@@ -17,8 +21,21 @@ class ManifestError(CheckpointError):
     """The manifest is missing, malformed, from an unknown version, or describes impossible data."""
 
 
-class NotCommittedError(CheckpointError):
-    """The directory is not a committed checkpoint (an interrupted save, or not a checkpoint)."""
+class NotCommittedError(CheckpointError, FileNotFoundError):
+    """There is no committed checkpoint at the path: it does not exist, is the temporary
+    directory of an interrupted save, or has no manifest. A ``FileNotFoundError``, as
+    ``torch.load`` raises for a missing file (``except FileNotFoundError: start fresh``)."""
+
+
+class NotACheckpointDirectoryError(CheckpointError, NotADirectoryError):
+    """A path that must be a directory (a checkpoint, or a directory a checkpoint goes in) is a
+    file. Not a ``FileNotFoundError``: something is there (a ``torch.save`` file, perhaps:
+    ``gds_persist.import_checkpoint`` converts one)."""
+
+
+class CheckpointPermissionError(CheckpointError, PermissionError):
+    """This process may not read the checkpoint, or may not create files where a save goes;
+    the message names the path (the ``OSError`` from the filesystem is its ``__cause__``)."""
 
 
 class ChecksumError(CheckpointError):
@@ -93,3 +110,10 @@ class StateMismatchError(CheckpointError, ValueError):
     """``load(into=state)``: the tensors of ``state`` do not fit the checkpoint (shapes, dtypes,
     missing or unexpected keys with ``strict=True``, destinations tied where the checkpoint's
     tensors are not); raised before any byte is read, every mismatch in one message."""
+
+
+class UnhashedBaseWarning(UserWarning):
+    """``save(..., base=...)`` (or a Checkpointer resuming from a plain step) got a base whose
+    bytes carry no content hash, so nothing of them could be referred to and they were written
+    again. Save the base with ``content_hash=True`` (``Checkpointer(incremental=True)`` does);
+    the same words are in ``SaveInfo.reason``."""

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from .backends.base import Backend
-from .errors import CheckpointError, ReferencedCheckpointError
+from .errors import CheckpointError, ReferencedCheckpointError, UnhashedBaseWarning
 from .format import (
     DTYPES,
     MANIFEST_NAME,
@@ -184,13 +185,21 @@ def open_base(path: str, base: str) -> BaseIndex:
                 e.blake3, e, holder, f.name, f.size)
         notes = []
         if unhashed:
-            notes.append(f"{unhashed} extents of {own.name} have no content hash (saved without "
-                         "base= or incremental=True), so they are written again")
+            notes.append(unhashed_note(own.name, unhashed, len(m.extents)))
+            warnings.warn(UnhashedBaseWarning(notes[-1]), stacklevel=4)  # the caller of save
         notes += [f"not referring to {n}: {why}" for n, why in refused.items()]
         return BaseIndex(base, ck, candidates, holders, "; ".join(notes))
     except BaseException:
         ck.close()
         raise
+
+
+def unhashed_note(name: str, unhashed: int, extents: int) -> str:
+    """Why a save refers to nothing of a base saved without content hashes, and the fix."""
+    nothing = "nothing could be referred to" if unhashed == extents else "those are written again"
+    return (f"base {name}: {unhashed} of its {extents} extents have no content hash, so "
+            f"{nothing}; save the base with content_hash=True (Checkpointer(incremental=True) "
+            "does) so that later saves can refer to it")
 
 
 def _check_holder(parent: str, h: Holder) -> None:

@@ -114,10 +114,14 @@ def save(
     byte range and BLAKE3-128 content hash equal the base's is not written again - the new
     checkpoint refers to the base's bytes (or to the checkpoint the base itself refers to).
     ``content_hash`` (default: True with a base) records the hashes that let this checkpoint
-    serve as a base later. ``compression``: ``"none"`` (default, or the ``compression``
-    setting), ``"lossless"`` (each unit stored encoded by blosc2 bit-shuffle + LZ4 where that
-    shrinks it) or ``"auto"`` (only where measured to make this save faster on this drive; the
-    reason is in ``SaveInfo.compression_reason``). Loads return bit-identical tensors either way.
+    serve as a base later; a base saved without them (a plain save) holds nothing to refer to:
+    every byte is written again, with an :class:`~gds_persist.UnhashedBaseWarning` and the
+    same words in ``SaveInfo.reason``. (Plain saves do not hash: on the development VM that
+    cost 1.4-1.5x the save's own time, ``bench/bench_hash_cost.py``.)
+    ``compression``: ``"none"`` (default, or the ``compression`` setting), ``"lossless"``
+    (each unit stored encoded by blosc2 bit-shuffle + LZ4 where that shrinks it) or ``"auto"``
+    (only where measured to make this save faster on this drive; the reason is in
+    ``SaveInfo.compression_reason``). Loads return bit-identical tensors either way.
 
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
@@ -247,6 +251,8 @@ def _save_units(flat: Flattened, path: str, cfg: settings.Settings,
                                   refs=refs, progress=counter.hook)
             check_written(units, written)
             reason = _with_fallback(be, reason)
+            if index is not None and index.note:  # e.g. a base without content hashes
+                reason = f"{reason}; {index.note}"
             data_files, bases, extents, kept = manifest_files(
                 names, written.sizes, written.extents, written.referred, tmp.dir)
             writer = _writer_info(be, reason)

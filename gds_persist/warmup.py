@@ -61,18 +61,29 @@ def warmup(directory: str | os.PathLike[str] | None = None, *, device: Any = Non
     :func:`gds_persist.save` (None: the settings in force). Invalid settings raise as ``save``
     would; anything the machine lacks is a skipped or failed step in the report, never an error.
     """
-    cfg = settings.current(backend=backend, block_bytes=block_bytes,
-                           staging_bytes=staging_bytes, io_threads=io_threads)
+    cfg = _settings(backend, block_bytes, staging_bytes, io_threads)
     dev, why = default_device() if device is None else (_device(device), NO_CUDA)
     return _run(None if directory is None else os.fspath(directory), dev, why, cfg)
 
 
+def _settings(backend: str | None, block_bytes: int | None, staging_bytes: int | None,
+              io_threads: int | None) -> settings.Settings:
+    """The settings a warm-up needs: the ones that shape the staging ring and the backend probe.
+    A save's other arguments (content_hash, compression, ...) change nothing it prepares."""
+    return settings.current(backend=backend, block_bytes=block_bytes,
+                            staging_bytes=staging_bytes, io_threads=io_threads)
+
+
 class BackgroundWarmup:
     """:func:`warmup` running in a daemon thread (what a Checkpointer starts). ``report`` is
-    None until it is done; :meth:`wait` waits for it (bounded)."""
+    None until it is done; :meth:`wait` waits for it (bounded). The settings are
+    :func:`warmup`'s."""
 
-    def __init__(self, directory: str | os.PathLike[str] | None, **kwargs: Any):
-        cfg = settings.current(**kwargs)  # invalid settings raise here, in the caller
+    def __init__(self, directory: str | os.PathLike[str] | None, *, backend: str | None = None,
+                 block_bytes: int | None = None, staging_bytes: int | None = None,
+                 io_threads: int | None = None):
+        # invalid settings raise here, in the caller
+        cfg = _settings(backend, block_bytes, staging_bytes, io_threads)
         dev, why = default_device()  # the caller's device: a new thread starts on GPU 0
         self.report: WarmupReport | None = None
         self._done = threading.Event()

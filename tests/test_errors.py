@@ -5,7 +5,10 @@ from __future__ import annotations
 import errno
 import os
 import re
+import shutil
 import subprocess
+import sys
+import tempfile
 import warnings
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -235,7 +238,8 @@ def test_missing_data_file(tmp_path: Path) -> None:
 
 def test_checkpoint_errors_share_one_base() -> None:
     for cls in (BackendError, ChecksumError, DiskFullError, ManifestError, TruncatedError,
-                gds_persist.NotCommittedError, gds_persist.CheckpointReplacedError):
+                gds_persist.NotCommittedError, gds_persist.CheckpointReplacedError,
+                gds_persist.NotACheckpointDirectoryError, gds_persist.CheckpointPermissionError):
         assert issubclass(cls, CheckpointError)
 
 
@@ -758,3 +762,87 @@ def test_load_and_verify_a_read_only_checkpoint(read_only_checkpoint: tuple[Path
 
         chosen, why = choose_backend(backend, str(ro), False)
         assert chosen.name == "direct", why
+
+
+# --- errors that fit the ecosystem: the OSError subclass torch.load / open would raise --------
+
+def test_missing_checkpoint_is_a_file_not_found_error(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match=r"nowhere does not exist"):
+        gds_persist.load(tmp_path / "nowhere")
+    with pytest.raises(FileNotFoundError, match=r"nowhere does not exist"):
+        gds_persist.verify(tmp_path / "nowhere")
+    try:  # as torch.load users write it
+        state = gds_persist.load(tmp_path / "nowhere")
+    except FileNotFoundError:
+        state = {"step": 0}
+    assert state == {"step": 0}
+
+
+def test_file_where_a_checkpoint_directory_is_expected(tmp_path: Path) -> None:
+    target = tmp_path / "model.pt"
+    torch.save({"w": torch.ones(2)}, target)
+    before = target.read_bytes()
+    with pytest.raises(NotADirectoryError, match=r"model.pt is a file, not a gds_persist .*"
+                                                 r"import_checkpoint converts one") as e:
+        gds_persist.load(target)
+    assert not isinstance(e.value, FileNotFoundError)  # "start fresh" must not skip over it
+    assert isinstance(e.value, CheckpointError) and e.value.errno == errno.ENOTDIR
+    with pytest.raises(NotADirectoryError, match=r"cannot save .*model.pt/ck: .*model.pt is a "
+                                                 r"file, not a directory"):
+        gds_persist.save(_sd(), target / "ck")
+    assert target.read_bytes() == before
+    assert sorted(os.listdir(tmp_path)) == ["model.pt"]
+
+
+def _as_unprivileged(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` where file permissions apply: as user nobody (``setpriv``) when this runs as
+    root, which permissions do not stop."""
+    drop: list[str] = []
+    if os.geteuid() == 0:
+        if shutil.which("setpriv") is None:
+            pytest.skip("running as root and no setpriv to drop to an unprivileged user")
+        drop = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    return subprocess.run([*drop, sys.executable, "-c", code], cwd=cwd, capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHONPATH": repo})
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    """A directory an unprivileged user can reach (pytest's tmp dirs are root's, mode 0700)."""
+    d = Path(tempfile.mkdtemp(prefix="gds-persist-perm-"))
+    d.chmod(0o755)
+    try:
+        yield d
+    finally:
+        shutil.rmtree(d)
+
+
+def test_permission_errors_are_permission_errors_naming_the_path(shared_dir: Path) -> None:
+    gds_persist.save(_sd(), shared_dir / "private")
+    (shared_dir / "private").chmod(0o700)
+    (shared_dir / "ro").mkdir(mode=0o755)
+    gds_persist.save(_sd(), shared_dir / "ro" / "ck")
+    (shared_dir / "ro").chmod(0o555)
+    code = """
+import torch, gds_persist
+for what, call in [("load", lambda: gds_persist.load("private")),
+                   ("save", lambda: gds_persist.save({"x": torch.ones(2)}, "ro/ck"))]:
+    try:
+        call()
+    except PermissionError as e:
+        assert isinstance(e, gds_persist.CheckpointError), type(e)
+        print(what, "|", e, "|", type(e.__cause__).__name__)
+"""
+    r = _as_unprivileged(code, shared_dir)
+    assert r.returncode == 0, r.stderr
+    load, save = r.stdout.splitlines()
+    assert re.fullmatch(r"load \| \[Errno 13\] this process may not read the checkpoint "
+                        r"private \(Permission denied\): run as its owner or make it readable "
+                        r"\| PermissionError", load), load
+    assert re.fullmatch(rf"save \| \[Errno 13\] cannot save {shared_dir}/ro/ck: this process "
+                        rf"may not create files in {shared_dir}/ro \(Permission denied: .*\); "
+                        rf"save elsewhere or make {shared_dir}/ro writable \| PermissionError",
+                        save), save
+    (shared_dir / "ro").chmod(0o755)
+    assert_tree_equal(gds_persist.load(shared_dir / "ro" / "ck"), _sd())  # untouched

@@ -407,7 +407,7 @@ def _train_steps(ckpt, n, frozen, start=1):
 def test_checkpointer_incremental_keeps_what_kept_steps_refer_to(tmp_path, mode):
     frozen = (torch.randn(400_000) * 0.02).to(torch.bfloat16)
     with gds_persist.Checkpointer(tmp_path, keep_last=2, mode=mode, incremental=True,
-                                  compression="lossless", warmup=False) as ckpt:
+                                  compression="lossless") as ckpt:
         states = _train_steps(ckpt, 4, frozen)
         stats = ckpt.stats
     # steps 3 and 4 are kept; step 1 holds the frozen bytes both refer to
@@ -420,8 +420,7 @@ def test_checkpointer_incremental_keeps_what_kept_steps_refer_to(tmp_path, mode)
         assert _bits(got["frozen"]) == _bits(frozen)
         assert _bits(got["trained"]) == _bits(states[step]["trained"])
     # resuming continues the chain against the loaded step
-    with gds_persist.Checkpointer(tmp_path, keep_last=2, incremental=True,
-                                  warmup=False) as ckpt:
+    with gds_persist.Checkpointer(tmp_path, keep_last=2, incremental=True) as ckpt:
         assert ckpt.load()["step"] == 4
         info = ckpt.save(5, {"frozen": frozen, "trained": torch.ones(50_000), "step": 5},
                          blocking=True).wait()
@@ -431,7 +430,7 @@ def test_checkpointer_incremental_keeps_what_kept_steps_refer_to(tmp_path, mode)
 def test_checkpointer_helper_process_writes_incrementally(tmp_path):
     frozen = torch.randn(200_000)
     with gds_persist.Checkpointer(tmp_path, keep_last=1, mode="snapshot", writer="process",
-                                  incremental=True, warmup=False) as ckpt:
+                                  incremental=True) as ckpt:
         _train_steps(ckpt, 2, frozen)
         assert ckpt.stats.bytes_referenced == frozen.numel() * 4
     assert _steps.committed_steps(str(tmp_path)) == [1, 2]

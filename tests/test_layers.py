@@ -23,6 +23,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / ROOT
 LAYERS: dict[str, int] = {
     # 0 base: no gds_persist imports beyond this layer
     "gds_persist._version": 0,
+    "gds_persist._lazy": 0,
     "gds_persist.errors": 0,
     "gds_persist.settings": 0,
     "gds_persist.progress": 0,

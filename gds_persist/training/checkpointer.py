@@ -297,7 +297,9 @@ class Checkpointer:
         self._helper = HelperProcess() if writer == "process" else None
         if self._helper is not None:
             self._helper.start()  # it imports torch while training starts
-        self._warmup = BackgroundWarmup(self.root, **self._save_kwargs) if warmup else None
+        self._warmup = BackgroundWarmup(
+            self.root, backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
+            io_threads=io_threads) if warmup else None
         self._queues["write"] = queue.Queue()
         self._start("write")
         if mode != "auto":

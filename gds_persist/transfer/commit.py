@@ -25,6 +25,7 @@ Several processes, one path (``docs/FORMAT.md``, "Several processes, one path"):
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import os
@@ -32,9 +33,10 @@ import shutil
 import time
 import uuid
 import weakref
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointPermissionError, NotACheckpointDirectoryError
 from ..format import MANIFEST_NAME
 from .locks import (
     STALE_UNLOCKED_S,
@@ -178,20 +180,37 @@ def make_temporary(path: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Temporary
     directory (in that order: a temporary directory never exists without its lock file)."""
     path = os.path.abspath(path)
     parent, name = os.path.split(path)
-    os.makedirs(parent, exist_ok=True)
-    remove_stale_temporaries(parent, name, timeout_s)
-    while True:
-        ident = uuid.uuid4().hex[:12]
-        tmp = os.path.join(parent, f".{name}{_TMP_MARK}{ident}")
-        lock = acquire_new(tmp + LOCK_SUFFIX, timeout_s=timeout_s, what=f"saving {path}")
-        if lock is not None:
-            break
+    with _parent_errors(path, parent):
+        os.makedirs(parent, exist_ok=True)
+        remove_stale_temporaries(parent, name, timeout_s)
+        while True:
+            ident = uuid.uuid4().hex[:12]
+            tmp = os.path.join(parent, f".{name}{_TMP_MARK}{ident}")
+            lock = acquire_new(tmp + LOCK_SUFFIX, timeout_s=timeout_s, what=f"saving {path}")
+            if lock is not None:
+                break
     try:
         os.mkdir(tmp)
     except BaseException:
         lock.release(remove=True)
         raise
     return Temporary(path, tmp, ident, lock)
+
+
+@contextlib.contextmanager
+def _parent_errors(path: str, parent: str) -> Iterator[None]:
+    """The filesystem's refusals to make a save's directory, as errors that name the save and
+    the fix (and are still the ``OSError`` subclass the filesystem raised)."""
+    try:
+        yield
+    except PermissionError as e:
+        raise CheckpointPermissionError(
+            errno.EACCES, f"cannot save {path}: this process may not create files in {parent} "
+            f"({e.strerror}: {e.filename}); save elsewhere or make {parent} writable") from e
+    except (FileExistsError, NotADirectoryError) as e:  # makedirs met a file on the way
+        raise NotACheckpointDirectoryError(
+            errno.ENOTDIR, f"cannot save {path}: {e.filename} is a file, not a directory; "
+            "save elsewhere or move the file") from e
 
 
 def remove_stale_temporaries(parent: str, name: str,

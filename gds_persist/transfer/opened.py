@@ -24,6 +24,7 @@ a short pause); damaged: the usual :class:`TruncatedError` / :class:`NotCommitte
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import time
@@ -32,7 +33,9 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from ..errors import (
+    CheckpointPermissionError,
     CheckpointReplacedError,
+    NotACheckpointDirectoryError,
     NotCommittedError,
     ReferencedCheckpointError,
     TruncatedError,
@@ -224,8 +227,14 @@ def _open_once(path: str, last_try: bool) -> OpenCheckpoint:
             "interrupted save leaves only a hidden .NAME.tmp-* sibling)"
         ) from None
     except NotADirectoryError:
-        raise NotCommittedError(
-            f"{path} is not a directory: it is not a gds_persist checkpoint") from None
+        raise NotACheckpointDirectoryError(
+            errno.ENOTDIR, f"{path} is a file, not a gds_persist checkpoint directory (a "
+            "torch.save or safetensors file? gds_persist.import_checkpoint converts one)"
+        ) from None
+    except PermissionError as e:
+        raise CheckpointPermissionError(
+            errno.EACCES, f"this process may not read the checkpoint {path} ({e.strerror}): "
+            "run as its owner or make it readable") from e
     try:
         try:
             fd = os.open(MANIFEST_NAME, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
