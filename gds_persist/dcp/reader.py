@@ -311,8 +311,9 @@ class _Boxes:
             return
         head = (-at) % size
         whole = (raw.numel() - head) // size * size if raw.numel() > head else 0
-        if whole:
-            self._elements(e.storage, (at + head) // size, raw[head : head + whole])
+        if whole:  # (a cut element shifts the rest off the dtype's alignment: copy them)
+            run = raw[head : head + whole]
+            self._elements(e.storage, (at + head) // size, run.clone() if head else run)
         for lo, hi in ((0, min(head, raw.numel())), (head + whole, raw.numel())):
             if lo < hi:
                 self._fragment(e.storage, at + lo, raw[lo:hi], size)
