@@ -51,11 +51,12 @@ def dtensor_boxes(ctx: Any, path: str) -> dict[str, Any]:
     return {
         "w_equal": torch.equal(cols.full_tensor(), full(10, 6, 1)),
         "odd_equal": torch.equal(rows.full_tensor(), full(7, 3, 2).double()),
-        # every target the planner handed out lies in the local shards, which are still the
-        # same tensors: the bytes landed there
+        # every target the planner handed out lies in the local shards, which still have the
+        # same memory: the bytes landed there
         "targets_in_shards": bool(planner.resolved) and all(
             any(lo <= p < hi for lo, hi in spans) for p in planner.resolved),
-        "same_tensors": cols.to_local() is before[0] and rows.to_local() is before[1],
+        "same_tensors": [cols.to_local().data_ptr(), rows.to_local().data_ptr()]
+        == [t.data_ptr() for t in before],
     }
 
 
