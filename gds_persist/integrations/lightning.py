@@ -284,7 +284,7 @@ def load_from_checkpoint(cls: type, checkpoint_path: Any, map_location: Any = No
     checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = {**hparams, **kwargs}
     if issubclass(cls, pl.LightningDataModule):
         return saving._load_state(cls, checkpoint, **kwargs)
-    model = saving._load_state(cls, checkpoint, strict=strict, **kwargs)
+    model: Any = saving._load_state(cls, checkpoint, strict=strict, **kwargs)
     first = next((t for t in (checkpoint.get("state_dict") or {}).values()
                   if isinstance(t, torch.Tensor)), None)
     return model if first is None else model.to(first.device)
