@@ -242,6 +242,18 @@ def test_format_utils_round_trip(tmp_path: Path) -> None:
     assert torch.equal(full["a"], sd["a"]) and full["step"] == 7
 
 
+def test_dcp_to_torch_save_inside_the_checkpoint_and_what_a_replace_does(tmp_path: Path) -> None:
+    model = torch.nn.Linear(3, 2)
+    dcp.save({"model": model}, checkpoint_id=str(tmp_path / "ck"),
+             storage_writer=GdsPersistWriter(), no_dist=True)
+    dcp_to_torch_save(tmp_path / "ck", tmp_path / "ck" / "model.pt")
+    got = torch.load(tmp_path / "ck" / "model.pt", weights_only=True)
+    assert torch.equal(got["model"]["weight"], model.weight.detach())
+    assert gds_persist.verify(tmp_path / "ck").ok  # the extra file does not disturb it
+    save({"model": model}, tmp_path / "ck")  # replacing the checkpoint swaps the directory
+    assert "model.pt" not in os.listdir(tmp_path / "ck")
+
+
 def test_torch_save_to_dcp_into_the_source_directory_is_refused(tmp_path: Path) -> None:
     torch.save({"a": torch.ones(2)}, tmp_path / "model.pt")
     with pytest.raises(CheckpointError, match=r"not a gds_persist checkpoint; refusing to "
