@@ -6,6 +6,7 @@ load_from_checkpoint with its arguments. The real Trainer on the CPU, tiny model
 from __future__ import annotations
 
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -240,3 +241,27 @@ def test_load_from_checkpoint_of_a_datamodule_and_a_torch_file(written: tuple[Pa
     assert torch.equal(again.layer.weight, trained.layer.weight)
     with pytest.raises(TypeError, match="is not a LightningModule or LightningDataModule"):
         load_from_checkpoint(torch.nn.Linear, root / "model.ckpt")
+
+
+def test_a_removal_waits_for_the_save_of_that_path_on_another_thread(tmp_path: Path) -> None:
+    entered, release = threading.Event(), threading.Event()
+
+    class Slow(GdsPersistCheckpointIO):
+        def _write(self, flat: Any, path: str, kwargs: dict[str, Any]) -> Any:
+            entered.set()
+            release.wait(60)
+            return super()._write(flat, path, kwargs)
+
+    io = Slow(timeout_s=0.5)
+    saver = threading.Thread(target=io.save_checkpoint,
+                             args=({"w": torch.ones(2)}, tmp_path / "a.ckpt"))
+    saver.start()
+    assert entered.wait(60)
+    with pytest.raises(gds_persist.CheckpointTimeout, match=r"a\.ckpt.*did not finish within "
+                                                            r"0\.5 s.*not removed"):
+        io.remove_checkpoint(tmp_path / "a.ckpt")  # bounded: never hangs on a stuck save
+    release.set()
+    saver.join(60)
+    assert gds_persist.verify(tmp_path / "a.ckpt").ok
+    io.remove_checkpoint(tmp_path / "a.ckpt")
+    assert os.listdir(tmp_path) == []

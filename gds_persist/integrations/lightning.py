@@ -52,7 +52,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointTimeout
 from ..flatten import Flattened, flatten
 from ..load import load
 from ..results import SaveInfo
@@ -175,7 +175,7 @@ class _GdsPersistCheckpointIO:
         save of that path running on another thread (``AsyncCheckpointIO``'s) have finished."""
         path = _local(path)
         self.wait()
-        self._saving.wait_for(path)
+        self._saving.wait_for(path, self.timeout_s)
         if not os.path.lexists(path):
             log.warning("remove_checkpoint: nothing at %s. If its save is still queued in "
                         "Lightning's AsyncCheckpointIO, it will be written after this removal "
@@ -224,10 +224,13 @@ class _Saving:
                     del self._paths[key]
                 self._cond.notify_all()
 
-    def wait_for(self, path: str) -> None:
+    def wait_for(self, path: str, timeout_s: float) -> None:
         key = os.path.abspath(path)
         with self._cond:
-            self._cond.wait_for(lambda: key not in self._paths)
+            if not self._cond.wait_for(lambda: key not in self._paths, timeout_s):
+                raise CheckpointTimeout(
+                    f"remove_checkpoint({path}): its save on another thread did not finish "
+                    f"within {timeout_s} s (GdsPersistCheckpointIO(timeout_s=...)); not removed")
 
 
 def _replace_file(path: str, save: Callable[[str], Any]) -> Any:
