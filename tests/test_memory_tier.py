@@ -126,7 +126,8 @@ def test_no_room_falls_back_to_the_drive_with_the_reason(tmp_path, monkeypatch):
     root, mem = tmp_path / "drive", tmp_path / "mem"
     with gds_persist.Checkpointer(root, memory_root=mem, drive_every=5, warmup=False) as ckpt:
         h = ckpt.save(1, _state(1), blocking=True)
-    assert ckpt.stats.memory_fallbacks == 1 and "free but the step" in ckpt.stats.memory_fallback_reason
+    stats = ckpt.stats
+    assert stats.memory_fallbacks == 1 and "free but the step" in stats.memory_fallback_reason
     assert ckpt.steps() == [1] and h.path == os.path.join(root, "step-00000001")
 
 

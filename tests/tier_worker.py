@@ -25,22 +25,22 @@ import torch
 WIDTH = 384  # 3 x 384 x 384 x 4 B (weights + Adam's two moments) ~ 1.7 MiB per rank
 
 
-def build() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+def build(width: int = WIDTH) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = torch.nn.Linear(WIDTH, WIDTH)
+    model = torch.nn.Linear(width, width)
     return model, torch.optim.Adam(model.parameters(), lr=1e-3)
 
 
-def train_step(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> None:
+def train_step(model: torch.nn.Linear, opt: torch.optim.Optimizer, step: int) -> None:
     g = torch.Generator().manual_seed(step)
-    x = torch.randn(32, WIDTH, generator=g)
+    x = torch.randn(8, model.in_features, generator=g)
     loss = (model(x) - x.flip(1)).square().mean()
     loss.backward()
     opt.step()
     opt.zero_grad()
 
 
-def state(model: torch.nn.Module, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+def state(model: torch.nn.Linear, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
     return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
 
 
@@ -92,7 +92,7 @@ def main(cfg: dict[str, Any]) -> None:
     dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank,
                             world_size=cfg["world"], timeout=timedelta(seconds=60))
     group = dist.new_group(backend="gloo")  # the Checkpointer's own group
-    model, opt = build()
+    model, opt = build(cfg.get("width", WIDTH))
     out: dict[str, Any] = {"rank": rank}
     with gds_persist.Checkpointer(cfg["drive"], process_group=group, memory_root=cfg["memory"],
                                   memory_every=1, drive_every=cfg["drive_every"], replicas=1,
@@ -101,7 +101,8 @@ def main(cfg: dict[str, Any]) -> None:
         start = 0
         if cfg["resume"]:
             sd = ckpt.load()
-            out["restored_s"] = time.perf_counter() - t0  # process start to state restored
+            out["restored_s"] = time.perf_counter() - t0  # main() start to state restored
+            out["restored_at"] = time.time()  # the launcher knows when the process started
             out["restored"] = digest(sd)
             model.load_state_dict(sd["model"])
             opt.load_state_dict(sd["optim"])
@@ -142,11 +143,12 @@ class Job:
     under ``base``), started as separate processes like an elastic launcher starts them."""
 
     def __init__(self, base: str, *, resume: bool, stop: int, drive_every: int = 2,
-                 kill_in_replication: list[int] | None = None, memory: str | None = None):
+                 kill_in_replication: list[int] | None = None, memory: str | None = None,
+                 width: int = WIDTH):
         import subprocess
         import uuid
 
-        self.base = base
+        self.base, self.memory = base, memory
         tag = uuid.uuid4().hex[:8]
         self.outs = [os.path.join(base, f"out-{tag}-{r}.json") for r in range(self.world)]
         self.logs = [os.path.join(base, f"log-{tag}-{r}.txt") for r in range(self.world)]
@@ -154,9 +156,10 @@ class Job:
         self.procs = []
         for r in range(self.world):
             cfg = {"rank": r, "world": self.world, "init": os.path.join(base, f"init-{tag}"),
-                   "drive": os.path.join(base, "drive"), "memory": self.memory_root(r, memory),
+                   "drive": os.path.join(base, "drive"), "memory": self.memory_root(r),
                    "drive_every": drive_every, "stop": stop, "resume": resume,
-                   "out": self.outs[r], "kill_in_replication": kill_in_replication}
+                   "out": self.outs[r], "kill_in_replication": kill_in_replication,
+                   "width": width}
             env = {**os.environ, "GDS_PERSIST_NODE": node_of(r), "GLOO_SOCKET_IFNAME": "lo",
                    "PYTHONPATH": REPO}
             with open(self.logs[r], "w") as log:
@@ -165,8 +168,9 @@ class Job:
 
     world = NODES * PER_NODE
 
-    def memory_root(self, rank: int, memory: str | None = None) -> str:
-        return os.path.join(memory or self.base, f"mem-{node_of(rank)}")
+    def memory_root(self, rank: int) -> str:
+        """Node ``rank``'s memory_root: a directory per node, under ``memory`` (else ``base``)."""
+        return os.path.join(self.memory or self.base, f"mem-{node_of(rank)}")
 
     def log(self, rank: int) -> str:
         with open(self.logs[rank]) as f:
