@@ -26,7 +26,6 @@ targets of issue 20: memory >= 5x and replica >= 2x faster than the drive.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -40,6 +39,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 from bench import machine  # noqa: E402
+from bench import report as report_io  # noqa: E402
 from bench.bench_io import parse_size  # noqa: E402
 from tests.tier_worker import Job  # noqa: E402
 
@@ -160,8 +160,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     report = {"size_per_rank": size, "rounds": args.rounds, "results": results,
               "machine": desc}
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1, default=str)
+        report_io.to_json(report, args.json)
     return report
 
 
