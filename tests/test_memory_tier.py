@@ -121,6 +121,21 @@ def test_corrupt_memory_copy_falls_through_to_the_drive(tmp_path):
     assert "ChecksumError" in again.stats.restore_skipped[0]
 
 
+@pytest.mark.parametrize("memory", [False, True])
+def test_load_into_fills_the_callers_tensors_on_either_tier(tmp_path, memory):
+    tier = {"memory_root": tmp_path / "mem"} if memory else {}
+    with gds_persist.Checkpointer(tmp_path / "drive", warmup=False, **tier) as ckpt:
+        ckpt.save(3, _state(3))
+    live = {"w": torch.zeros(5000), "step": 0}
+    with gds_persist.Checkpointer(tmp_path / "drive", warmup=False, **tier) as again:
+        got = again.load(into=live)
+        assert again.restored_from == ("memory" if memory else "drive")
+        assert got["w"] is live["w"] and torch.equal(live["w"], _state(3)["w"])
+        assert got["step"] == 3
+        with pytest.raises(gds_persist.CheckpointError, match="StateMismatchError|shape"):
+            again.load(into={"w": torch.zeros(7), "step": 0})
+
+
 def test_no_room_falls_back_to_the_drive_with_the_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(memory_tier, "ROOM_SLACK", 1 << 62)  # more than any tmpfs holds
     root, mem = tmp_path / "drive", tmp_path / "mem"
@@ -159,7 +174,7 @@ def test_node_loss_resumes_from_replicas(tmp_path, run):
     first = Job(str(tmp_path), resume=False, stop=6)
     assert [r["holders"] for r in first.wait()] == [[2], [3], [0], [1]]
     shutil.rmtree(first.memory_root(2))  # node n1's memory: ranks 2 and 3
-    results = Job(str(tmp_path), resume=True, stop=8).wait()
+    results = Job(str(tmp_path), resume=True, stop=8, into=True).wait()  # in place
     _check_restored(results, ["memory", "memory", "replica", "replica"], step=6)
     _finished(results, 8)
 
@@ -194,7 +209,7 @@ def test_corrupt_or_truncated_memory_copy_is_skipped(tmp_path, run):
     _flip_a_byte(os.path.join(_mem(first, 0), "rank-00000", "step-00000006"))
     data = glob.glob(os.path.join(_mem(first, 3), "rank-00003", "step-00000006", "data-*"))[0]
     os.truncate(data, os.path.getsize(data) // 2)  # rank 3's copy cut short
-    results = Job(str(tmp_path), resume=True, stop=7).wait()
+    results = Job(str(tmp_path), resume=True, stop=7, into=True).wait()  # refilled in place
     _check_restored(results, ["replica", "memory", "memory", "replica"], step=6)
     assert "ChecksumError" in results[0]["restore_skipped"][0]
     assert "memory copy of step 6 of rank 3" in results[3]["restore_skipped"][0]

@@ -2,7 +2,8 @@
 tests/test_memory_tier.py (4 of them: 2 nodes x 2 ranks) and bench/bench_recovery.py.
 
 ``python tests/tier_worker.py CONFIG_JSON``: joins a gloo group (FileStore), restores with
-``ckpt.load()`` when ``resume`` is set, trains up to ``stop`` saving every step (memory every
+``ckpt.load()`` (``into=`` the live state
+with ``into``) when ``resume`` is set, trains up to ``stop`` saving every step (memory every
 step, drive every ``drive_every``), and writes what it restored and ended with to ``out``. The
 training is deterministic (:func:`reference` replays it in one process): a restored state is
 compared bit for bit with the uninterrupted run's. ``kill_in_replication`` ([rank, step]): that
@@ -100,7 +101,13 @@ def main(cfg: dict[str, Any]) -> None:
         ckpt.guard(opt)
         start = 0
         if cfg["resume"]:
-            sd = ckpt.load()
+            into = None
+            if cfg.get("into"):  # restore in place into the live model and optimizer
+                gds_persist.init_optimizer_state(opt)
+                into = state(model, opt, 0)
+            sd = ckpt.load(into=into)
+            if into is not None:
+                assert sd["model"]["weight"] is into["model"]["weight"], "not restored in place"
             out["restored_s"] = time.perf_counter() - t0  # main() start to state restored
             out["restored_at"] = time.time()  # the launcher knows when the process started
             out["restored"] = digest(sd)
@@ -146,7 +153,7 @@ class Job:
 
     def __init__(self, base: str, *, resume: bool, stop: int, drive_every: int = 2,
                  kill_in_replication: list[int] | None = None, memory: str | None = None,
-                 width: int = WIDTH):
+                 width: int = WIDTH, into: bool = False):
         import subprocess
         import uuid
 
@@ -161,7 +168,7 @@ class Job:
                    "drive": os.path.join(base, "drive"), "memory": self.memory_root(r),
                    "drive_every": drive_every, "stop": stop, "resume": resume,
                    "out": self.outs[r], "kill_in_replication": kill_in_replication,
-                   "width": width}
+                   "width": width, "into": into}
             env = {**os.environ, "GDS_PERSIST_NODE": node_of(r), "GLOO_SOCKET_IFNAME": "lo",
                    "PYTHONPATH": REPO}
             with open(self.logs[r], "w") as log:

@@ -451,7 +451,7 @@ class Checkpointer:
         return _steps.committed_steps(self.root)
 
     def load(self, step: int | None = None, *, map_location: Any = None,
-             verify: bool = True) -> Any:
+             verify: bool = True, into: Any = None, strict: bool = True) -> Any:
         """Load checkpoint ``step`` (default: the latest committed) after in-flight saves finish.
 
         Loading a step older than the latest marks a resume from it: the next ``save`` publishes
@@ -461,10 +461,14 @@ class Checkpointer:
         one evaluates): a step removed by retention while it is being opened is replaced by the
         then latest one (default ``step``; a few times at most), or raises
         :class:`CheckpointReplacedError` (an explicit ``step``). Once open, it loads whole.
+
+        ``into``, ``strict``: restore in place into the given state's tensors, as
+        :func:`gds_persist.load` (every tier). With the memory tier a copy that fails its checks
+        part-way is followed by the next source, which fills the same tensors again.
         """
         if self._pending_handles():
             self.wait()
-        kwargs = dict(self._load_kwargs)
+        kwargs = {**self._load_kwargs, "into": into, "strict": strict}
         if self.process_group is not None:
             kwargs["process_group"] = self.process_group
         if self._memory is not None and step is None:
