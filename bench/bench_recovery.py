@@ -144,8 +144,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     mem = tempfile.mkdtemp(prefix="gds_persist-bench-recovery-", dir=args.memory_dir)
     try:
         desc = machine.describe(base)
-        print(f"machine: {desc['cpu']}, {desc['cores']}, drive {base} "
-              f"({desc['filesystem'].get('fstype', '?')}), memory tier {mem}")
+        print(f"machine: {desc['cpu']}, {desc['cores'].get('usable', '?')} usable cores, "
+              f"drive {base} ({desc['filesystem'].get('fstype', '?')}), memory tier {mem}")
         print(f"job: 4 processes as 2 nodes x 2 ranks (gloo, loopback), {size / 2**20:.1f} MiB "
               f"per rank, {args.rounds} round(s)")
         Job(base, resume=False, stop=2, memory=mem, width=width).wait(args.timeout)
