@@ -83,7 +83,7 @@ def saved_value(key: str, like: torch.Tensor, seed: int) -> torch.Tensor:
     """The value the checkpoint holds under (canonical) ``key``: seeded per key, on the CPU."""
     if like.dim() == 0:
         return torch.tensor(SAVED_STEP, dtype=like.dtype)  # AdamW's step counters
-    gen = torch.Generator().manual_seed(seed << 32 | zlib.crc32(key.encode()))
+    gen = torch.Generator().manual_seed(zlib.crc32(f"{seed}:{key}".encode()))  # CPU: 32 bits
     values = torch.empty(like.shape, dtype=torch.float32).uniform_(-0.05, 0.05, generator=gen)
     return values.to(like.dtype)
 

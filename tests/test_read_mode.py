@@ -15,7 +15,6 @@ import gds_persist
 from gds_persist.backends import read_mode
 from gds_persist.backends.posix import memory_backed
 from gds_persist.backends.read_mode import ReadSample, decide, request_bytes
-
 from tests.helpers import assert_tree_equal, random_tensor
 
 GB = 1e9
