@@ -1,4 +1,5 @@
-"""Where a gds_persist save and load spend their time: the stage profile of one state dict.
+"""Where a gds_persist save and load spend their time: the stage profile of one state dict
+(save, cold load of fresh tensors, cold restore in place into live ones: ``load(into=)``).
 
     python bench/profile_stages.py [--size 2GiB] [--dir DIR] [--device cpu|cuda] [--runs 3]
                                    [--backend direct] [--io-threads N] [--json OUT]
@@ -30,6 +31,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
+from torch.utils._pytree import tree_map  # noqa: E402
 
 import gds_persist  # noqa: E402
 from bench import machine  # noqa: E402
@@ -37,7 +39,7 @@ from bench.bench_io import parse_size  # noqa: E402
 from bench.state import make_state_dict, summarize  # noqa: E402
 from gds_persist.stages import StageProfile, profiling  # noqa: E402
 
-OPS = ("save", "load")
+OPS = ("save", "load", "load into")  # "load into": load(into=) of live tensors
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -86,6 +88,15 @@ def profile_once(state: Any, path: str, args: argparse.Namespace) -> dict[str, A
         _sync(args.device)
         out["load"] = (time.perf_counter() - t0, prof, None, None)
     del loaded
+    live = tree_map(lambda t: torch.zeros_like(t) if isinstance(t, torch.Tensor) else t,
+                    state)  # a live state of other values, its memory touched
+    machine.drop_page_cache([path], args.cache_drop)
+    with profiling() as prof:
+        t0 = time.perf_counter()
+        gds_persist.load(path, into=live)
+        _sync(args.device)
+        out["load into"] = (time.perf_counter() - t0, prof, None, None)
+    del live
     shutil.rmtree(path)
     return out
 

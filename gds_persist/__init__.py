@@ -27,6 +27,7 @@ from .errors import (
     ReferencedCheckpointError,
     ReplicationError,
     SnapshotTooLarge,
+    StateMismatchError,
     TruncatedError,
     WorkerDied,
 )
@@ -36,6 +37,7 @@ from .materialize import materialize
 from .results import LoadInfo, SaveInfo, WarmupReport
 from .save import save
 from .training.checkpointer import Checkpointer, SaveHandle
+from .training.optimizer_state import init_optimizer_state
 from .warmup import warmup
 
 __all__ = [
@@ -57,12 +59,14 @@ __all__ = [
     "SaveHandle",
     "SaveInfo",
     "SnapshotTooLarge",
+    "StateMismatchError",
     "TruncatedError",
     "WarmupReport",
     "WorkerDied",
     "__version__",
     "export_checkpoint",
     "import_checkpoint",
+    "init_optimizer_state",
     "load",
     "materialize",
     "read_manifest",

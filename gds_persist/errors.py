@@ -87,3 +87,9 @@ class SnapshotTooLarge(CheckpointError):
 class PickleRefusedError(CheckpointError):
     """A leaf saved with ``allow_pickle=True`` needs a class that ``torch.load(weights_only=True)``
     does not allow; the message names the key path and how to allow it."""
+
+
+class StateMismatchError(CheckpointError, ValueError):
+    """``load(into=state)``: the tensors of ``state`` do not fit the checkpoint (shapes, dtypes,
+    missing or unexpected keys with ``strict=True``, destinations tied where the checkpoint's
+    tensors are not); raised before any byte is read, every mismatch in one message."""

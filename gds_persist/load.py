@@ -27,6 +27,7 @@ in a row while being opened, or removed.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -48,7 +49,6 @@ from .errors import (
     NotCommittedError,
 )
 from .exchange import exchange
-from .flatten import rebuild_tensor
 from .format import (
     Extent,
     Manifest,
@@ -59,6 +59,7 @@ from .format import (
 )
 from .format.tree import decode, tensor_indices
 from .progress import ByteCounter, ProgressCallback
+from .restore import Destinations, Matched, match, plan_destinations
 from .results import LoadInfo, VerifyReport
 from .schedule import plan_reads
 from .stages import stage
@@ -81,6 +82,7 @@ from .transfer.reader import (
 )
 from .transfer.staging import io_session
 
+log = logging.getLogger("gds_persist")
 MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
 
 
@@ -185,6 +187,8 @@ def load(
     rank_local: Any = None,
     data_dirs: Any = None,
     return_info: bool = False,
+    into: Any = None,
+    strict: bool = True,
 ) -> Any:
     """Load the checkpoint at ``path``; every extent's CRC32C is checked unless ``verify=False``.
 
@@ -207,6 +211,18 @@ def load(
 
     ``return_info=True`` returns ``(state, LoadInfo)``: the backend used and why (``auto`` reads
     through the page cache where that measured faster on the filesystem), bytes, seconds.
+
+    ``into``: restore in place. A state shaped as ``save`` takes it (e.g. ``{"model":
+    model.state_dict(), "optim": optimizer.state_dict()}``) whose tensors are filled with the
+    checkpoint's bytes, read straight into them (host or CUDA memory; extra memory bounded by
+    ``staging_bytes``, see :mod:`gds_persist.restore`). Returns the checkpoint's state with those
+    same tensor objects in place; its other leaves come from the checkpoint, and checkpoint
+    tensors with no destination are loaded fresh. Key paths, shapes and dtypes are checked
+    before any byte is read, :class:`StateMismatchError` listing every mismatch; ``strict``
+    (default) also refuses missing and unexpected keys, ``strict=False`` fills what matches,
+    logs the rest and reports it in ``LoadInfo.missing_keys`` / ``unexpected_keys``.
+    ``map_location`` applies only to tensors loaded fresh. A restore that fails part-way raises
+    saying which tensors of ``into`` may hold partial data (``partial_keys`` of the error).
     """
     t0 = time.perf_counter()
     path = os.fspath(path)
@@ -228,7 +244,7 @@ def load(
         ck, lp = _open_agreed(path, comm, what, plan_for)
     with ck:
         state, info = _load_held(ck, lp, comm, cfg, what, map_location, verify, progress,
-                                 distributed)
+                                 distributed, into, strict)
     info.seconds = time.perf_counter() - t0
     return (state, info) if return_info else state
 
@@ -340,68 +356,141 @@ def _open_step(path: str, attempt: int, held: dict[str, Any],
 
 def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Settings,
                what: str, map_location: MapLocation, verify: bool,
-               progress: ProgressCallback | None,
-               distributed: bool) -> tuple[Any, LoadInfo]:
+               progress: ProgressCallback | None, distributed: bool, into: Any,
+               strict: bool) -> tuple[Any, LoadInfo]:
     """The rest of :func:`load`, on a checkpoint held open with this rank's files."""
     m = ck.manifest
-    describe = storage_descriptions(m)
-    dests: list[torch.Tensor | None] = [None] * len(m.storages)
+    describe_storage = storage_descriptions(m)
     chosen: list[tuple[str, str]] = []  # (backend, reason) of every directory read
-    read_bytes = [0]
+    held: dict[str, Any] = {}
+
+    def allocate(s: int) -> torch.Tensor:
+        rec = m.storages[s]
+        device = _target_device(rec.device, map_location, distributed)
+        return torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
 
     def read() -> list[list[int]]:
         with stage("allocate destinations"):
-            for s in lp.needed:
-                rec = m.storages[s]
-                device = _target_device(rec.device, map_location, distributed)
-                dests[s] = torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
+            found = held["found"] = (None if into is None else
+                                     match(m, lp.tree, into, strict, what))
+            held["dest"] = plan_destinations(m, lp.wanted, lp.needed, found, allocate)
+        reading = _PieceReader(ck, held["dest"], cfg, verify, describe_storage, chosen)
+        mine = lp.mine if not lp.share else (
+            lp.by_rank[comm.rank] + _own_reads(m, lp.needed, lp.replicated))
+        held["read_bytes"] = sum(align_up(e.stored_length) for e in mine)
+        counter = ByteCounter(progress, held["read_bytes"])
         if not lp.share:
-            read_bytes[0] = sum(align_up(e.stored_length) for e in lp.mine)
-            counter = ByteCounter(progress, read_bytes[0])
-            chosen.extend(read_extents(ck, lp.mine, dests, cfg, verify=verify,
-                                       describe=describe, progress=counter.hook))
+            reading.read(lp.mine, counter.hook)
             counter.finish()
             return []
-        own = _own_reads(m, lp.needed, lp.replicated)
-        sub = lp.by_rank[comm.rank]
-        read_bytes[0] = sum(align_up(e.stored_length) for e in sub + own)
-        counter = ByteCounter(progress, read_bytes[0])
-        piece_crcs: dict[tuple[int, int], int] = {}
-
-        def record(_: str, e: Extent, actual: int) -> None:  # pieces: checked once combined
-            piece_crcs[(e.file, e.offset)] = actual
-
-        chosen.extend(read_extents(ck, sub, dests, cfg, verify=verify, describe=describe,
-                                   on_checksum=record if verify else None,
-                                   progress=counter.hook))
-        chosen.extend(read_extents(ck, own, dests, cfg, verify=verify, describe=describe,
-                                   progress=counter.hook))
+        crcs = reading.read(lp.by_rank[comm.rank], counter.hook, shared=True)
+        reading.read(_own_reads(m, lp.needed, lp.replicated), counter.hook)
         counter.finish()
-        return [[e.file, e.offset, e.length, piece_crcs[(e.file, e.offset)]]
-                for e in sub] if verify else []
+        return crcs
 
-    crcs = comm.agree("read", read, what)
-    if lp.share:
-        if verify:
-            _check_combined(ck, lp.shared, crcs, describe)
-        pieces = [[(e.storage, e.start, e.length) for e in sub] for sub in lp.by_rank]
-        exchange(comm, cfg.load_strategy, pieces, dests, cfg.staging_bytes)
-
-    storages = [d.untyped_storage() if d is not None else None for d in dests]
-    if callable(map_location) and not isinstance(map_location, dict):
-        storages = [_apply_callable(map_location, s, rec.device) if s is not None else None
-                    for s, rec in zip(storages, m.storages, strict=True)]
+    try:
+        crcs = comm.agree("read", read, what)
+        dest: Destinations = held["dest"]
+        if lp.share:
+            if verify:
+                _check_combined(ck, lp.shared, crcs, describe_storage)
+            pieces = [[(p.storage, p.start, p.length) for p in dest.pieces(sub, True)[0]]
+                      for sub in lp.by_rank]
+            exchange(comm, cfg.load_strategy, pieces, dest.buffers, cfg.staging_bytes)
+        dest.finish()
+    except Exception as e:
+        told = _partial(e, held["found"]) if held.get("found") and "dest" in held else e
+        if told is e:
+            raise  # a plain load, nothing of into= touched yet, or the note was added to e
+        raise told from e
+    found = held["found"]
     with stage("rebuild tensors"):
-        tensors: list[Any] = [None] * len(m.tensors)  # only those in ``tree`` are needed
-        for i in lp.wanted:
-            t = m.tensors[i]
-            tensors[i] = rebuild_tensor(t, storages[t.storage])  # type: ignore[arg-type]
-        state = decode(lp.tree, tensors)
+        state = decode(lp.tree, dest.returned(m, lp.wanted, _fresh_storages(m, lp, dest,
+                                                                             map_location)))
     unique = list(dict.fromkeys(chosen))
     payload = sum(m.storages[s].nbytes for s in lp.needed)
-    return state, LoadInfo(ck.path, ",".join(dict.fromkeys(b for b, _ in unique)) or "none",
-                           "; ".join(r for _, r in unique) or "nothing to read", read_bytes[0],
-                           payload, 0.0)
+    info = LoadInfo(ck.path, ",".join(dict.fromkeys(b for b, _ in unique)) or "none",
+                    "; ".join(r for _, r in unique) or "nothing to read", held["read_bytes"],
+                    payload, 0.0)
+    if found is not None:
+        info.missing_keys, info.unexpected_keys = found.missing_keys, found.unexpected_keys
+        info.in_place_bytes = dest.in_place_bytes()
+        if found.missing_keys or found.unexpected_keys:
+            log.warning("load(into=) of %s (strict=False): %d missing key(s) %s, %d unexpected "
+                        "(loaded fresh) %s", ck.path, len(found.missing_keys),
+                        found.missing_keys[:8], len(found.unexpected_keys),
+                        found.unexpected_keys[:8])
+    return state, info
+
+
+def _fresh_storages(m: Manifest, lp: _LoadPlan, dest: Destinations,
+                    map_location: MapLocation) -> list[torch.UntypedStorage | None]:
+    """By checkpoint storage: the fresh buffers whose tensors are returned (after a callable
+    ``map_location`` had its say)."""
+    storages: list[Any] = [None] * len(m.storages)
+    returned = {m.tensors[i].storage for i in lp.wanted if i not in dest.matched}
+    for s in returned:
+        storage = dest.buffers[dest.fresh[s]].untyped_storage()
+        if callable(map_location) and not isinstance(map_location, dict):
+            storage = _apply_callable(map_location, storage, m.storages[s].device)
+        storages[s] = storage
+    return storages
+
+
+@dataclass
+class _PieceReader:
+    """Reads extents into a load's :class:`Destinations`, cut into the pieces that land in
+    each destination, and checks each extent's CRC32C once its pieces are joined."""
+
+    ck: OpenCheckpoint
+    dest: Destinations
+    cfg: settings.Settings
+    verify: bool
+    describe_storage: Describe
+    chosen: list[tuple[str, str]]
+
+    def describe(self, buffer: int) -> str:
+        return self.describe_storage(self.dest.storage_of[buffer])
+
+    def read(self, extents: list[Extent], progress: Callable[[int], None] | None, *,
+             shared: bool = False) -> list[list[int]]:
+        """Read ``extents``; ``shared``: they are this rank's pieces of a shared load, cut alike
+        on every rank, and the CRC32C of every piece is returned to be joined with the other
+        ranks' (else each extent is checked here)."""
+        pieces, cut = self.dest.pieces(extents, uniform=shared)
+        crcs: list[list[int]] = []
+
+        def on_checksum(path: str, e: Extent, actual: int) -> None:
+            if shared or (e.file, e.offset) in cut:
+                crcs.append([e.file, e.offset, e.length, actual])
+            elif actual != e.crc32c:
+                raise checksum_mismatch(self.describe(e.storage), path, e, actual)
+
+        self.chosen.extend(read_extents(
+            self.ck, pieces, self.dest.buffers, self.cfg, verify=self.verify,
+            describe=self.describe, on_checksum=on_checksum if self.verify else None,
+            progress=progress))
+        if self.verify and cut and not shared:
+            _check_combined(self.ck, [e for e in extents if (e.file, e.offset) in cut], [crcs],
+                            self.describe_storage)
+        return crcs
+
+
+def _partial(e: Exception, found: Matched) -> Exception:
+    """``e`` of a restore in place, saying which destinations may hold partial data."""
+    names = [found.paths[i] for i in found.dests]
+    shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+    message = (f"{e}; load(into=) stopped part-way: {len(names)} tensor(s) of into= may hold "
+               f"partial data ({shown}); restore them again before using them")
+    try:
+        new = type(e)(message)
+        new.__dict__.update(e.__dict__)
+    except Exception:  # noqa: BLE001 - an exception type that takes other arguments
+        if hasattr(e, "add_note"):  # Python >= 3.11
+            e.add_note(message)
+        new = e
+    new.partial_keys = names  # type: ignore[attr-defined]
+    return new
 
 
 def _my_pieces(m: Manifest, replicated: set[int],

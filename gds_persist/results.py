@@ -74,6 +74,10 @@ class LoadInfo:
     bytes_read: int  # data file bytes this process read, incl. alignment padding
     payload_bytes: int  # tensor bytes returned
     seconds: float
+    # load(into=): keys of into= not in the checkpoint, checkpoint keys loaded fresh (strict=False)
+    missing_keys: list[str] = field(default_factory=list)
+    unexpected_keys: list[str] = field(default_factory=list)
+    in_place_bytes: int = 0  # read straight into the tensors of into=
 
     @property
     def gbps(self) -> float:

@@ -118,6 +118,35 @@ def load_check(ctx: Any, m: int, path: str, strategy: str, local: str | None = N
     return {"problems": check_loaded(out, expected_local), "read": read}
 
 
+def load_into_check(ctx: Any, m: int, path: str, strategy: str) -> Any:
+    """Restore in place over the group: every tensor of a live state with other values is
+    filled, the same objects come back, and the bytes are the saved ones."""
+    group = ctx.group(m)
+    if group is None:
+        return None
+    live = make_state(seed=7)
+    before = {id(t): t.data_ptr() for t in _tensors(live)}
+    out = gds_persist.load(path, process_group=group, strategy=strategy, into=live)
+    problems = check_loaded(out)
+    got = list(_tensors(out))
+    if [id(t) for t in got] != [id(t) for t in _tensors(live)]:
+        problems.append("load(into=) returned other tensor objects than it was given")
+    if any(before[id(t)] != t.data_ptr() for t in got):
+        problems.append("a destination moved")
+    return problems
+
+
+def _tensors(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
 def save_expect_error(ctx: Any, n: int, path: str, kind: str, **kw: Any) -> Any:
     """Save where something goes wrong on some rank; return what this rank raised."""
     group = ctx.group(n)

@@ -45,6 +45,27 @@ def test_round_trip_restores_everything_so_next_steps_match(tmp_path: Path) -> N
     assert sorted(os.listdir(tmp_path / "ck")) == ["data-00000.bin", "manifest.json"]
 
 
+def test_load_state_fills_the_live_model_and_optimizer_in_place(tmp_path: Path) -> None:
+    acc, model, opt, sched, counter = setup(0)
+    steps(acc, model, opt, sched, counter, 3)
+    save_state(acc, tmp_path / "ck")
+    acc2, model2, opt2, sched2, counter2 = setup(1)
+    steps(acc2, model2, opt2, sched2, counter2, 1)  # the optimizer's moments exist
+    params = [(p, p.data_ptr()) for p in model2.parameters()]
+    moments = [(t, t.data_ptr()) for st in opt2.optimizer.state.values() for t in st.values()
+               if isinstance(t, torch.Tensor)]
+    load_state(acc2, tmp_path / "ck")
+    assert [p.data_ptr() for p in model2.parameters()] == [ptr for _, ptr in params]
+    assert all(t.data_ptr() == ptr for t, ptr in moments)
+    kept = [t for st in opt2.optimizer.state.values() for t in st.values()
+            if isinstance(t, torch.Tensor)]
+    assert [id(t) for t in kept] == [id(t) for t, _ in moments]
+    for a, b in zip(model.parameters(), model2.parameters(), strict=True):
+        assert torch.equal(a, b)
+    for st, st2 in zip(opt.optimizer.state.values(), opt2.optimizer.state.values(), strict=True):
+        assert torch.equal(st["exp_avg"], st2["exp_avg"])
+
+
 def test_automatic_naming_total_limit_and_latest(tmp_path: Path) -> None:
     acc, model, opt, sched, counter = setup(0, project_dir=str(tmp_path),
                                             automatic_checkpoint_naming=True, total_limit=2)

@@ -44,6 +44,7 @@ LAYERS: dict[str, int] = {
     "gds_persist.save": 3,
     "gds_persist.parallel_save": 3,
     "gds_persist.load": 3,
+    "gds_persist.restore": 3,
     "gds_persist.exchange": 3,
     "gds_persist.warmup": 3,
     "gds_persist.incremental": 3,

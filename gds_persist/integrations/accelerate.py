@@ -100,11 +100,14 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
 def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None, *,
                verify: bool = True, strict: bool = True) -> None:
     """Restore the state saved by :func:`save_state` into the prepared objects of
-    ``accelerator`` (``input_dir`` None: the newest automatically named checkpoint)."""
+    ``accelerator`` (``input_dir`` None: the newest automatically named checkpoint). The
+    models' and optimizers' tensors are filled in place (``gds_persist.load(into=...)``);
+    ``strict`` applies to the models' keys as in ``load_state_dict``."""
     several = _processes(accelerator) > 1
     input_dir = _input_dir(accelerator, input_dir)
     state = load(input_dir, map_location="cpu", verify=verify,
-                 process_group="default" if several else None)
+                 process_group="default" if several else None, into=_live(accelerator),
+                 strict=False)  # what the live objects lack is loaded fresh; checked below
     if not (isinstance(state, dict) and state.get("layout") == LAYOUT):
         raise CheckpointError(
             f"{input_dir} was not written by gds_persist.integrations.accelerate.save_state")
@@ -126,6 +129,14 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None
              lambda obj, sd: obj.load_state_dict(sd))
     set_rng_states(state["rng"])
     accelerator.step = state["step"]
+
+
+def _live(accelerator: Any) -> dict[str, Any]:
+    """The tensors of the prepared models and optimizers, for the load to fill in place (on
+    their own devices: a model on a GPU is read straight into its parameters). Their
+    ``load_state_dict`` then finds its own tensors there: nothing is copied twice."""
+    return {"models": [accelerator.get_state_dict(m, unwrap=False) for m in accelerator._models],
+            "optimizers": [opt.state_dict() for opt in accelerator._optimizers]}
 
 
 def rng_states() -> dict[str, Any]:
