@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import multiprocessing
 import os
@@ -242,15 +241,8 @@ def _load_gds(model: GPT, opt: torch.optim.Optimizer, workdir: str,
 
 def _load_gds_into(model: GPT, opt: torch.optim.Optimizer, workdir: str,
                    device: torch.device) -> None:
-    state = live_state(model, opt)
-    gds_persist.load(os.path.join(workdir, "gds"), into=state)  # type: ignore[call-arg]
-    opt.load_state_dict(state["optim"])  # its tensors are the optimizer's: only the lr etc.
-
-
-def _needs_into() -> str | None:
-    if "into" in inspect.signature(gds_persist.load).parameters:
-        return None
-    return "needs load(into=), which this gds_persist does not have yet"
+    restored = gds_persist.load(os.path.join(workdir, "gds"), into=live_state(model, opt))
+    opt.load_state_dict(restored["optim"])  # its tensors are the optimizer's: the lr etc.
 
 
 def _needs(module: str) -> Callable[[], str | None]:
@@ -283,8 +275,7 @@ METHODS: dict[str, Restore] = {
     "dcp-gds": Restore("DCP GdsPersistReader", "dcp-gds", _dcp_loader(_gds_reader),
                        unavailable=_needs("torch.distributed.checkpoint")),
     "gds": Restore("gds_persist.load + lsd", "gds", _load_gds),
-    "gds-into": Restore("gds_persist.load(into=)", "gds", _load_gds_into,
-                        unavailable=_needs_into),
+    "gds-into": Restore("gds_persist.load(into=)", "gds", _load_gds_into),
 }
 FIO = "fio"  # the drive row's key
 
