@@ -25,7 +25,6 @@ import multiprocessing
 import os
 import re
 import sys
-import tempfile
 import time
 import zlib
 from collections.abc import Callable
@@ -40,7 +39,7 @@ import torch  # noqa: E402
 import gds_persist  # noqa: E402
 from bench import machine, methods, report  # noqa: E402
 from bench.bench_fewer_bytes import fingerprints  # noqa: E402
-from bench.bench_io import log, parse_size  # noqa: E402
+from bench.bench_io import device_of, log, new_parser, require_known, work_directory  # noqa: E402
 from bench.bench_train import GPT  # noqa: E402
 from bench.drive import DriveProbe, fio_version  # noqa: E402
 from bench.state import GPTShape, choose_shape, iter_tensors, summarize  # noqa: E402
@@ -370,10 +369,7 @@ def measure(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="bench_restore.py",
-                                description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--size", type=parse_size, default=parse_size("2GiB"),
-                   help="model + AdamW state size (default 2GiB)")
+    p = new_parser("bench_restore.py", __doc__, "model + AdamW state size")
     p.add_argument("--runs", type=int, default=3, help="measurements per method (default 3)")
     p.add_argument("--dir", default=None,
                    help="directory on the drive (e.g. /dev/shm/bench for RAM); a temporary "
@@ -395,21 +391,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         args.size, args.runs = 8 << 20, 1
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch.cuda.is_available() is False on this machine")
+    device = device_of(args.device)
     keys = [k.strip() for k in args.methods.split(",")] if args.methods else [*METHODS, FIO]
-    unknown = [k for k in keys if k not in METHODS and k != FIO]
-    if unknown:
-        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; "
-                         f"choose from {', '.join([*METHODS, FIO])}")
-    base = args.dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    os.makedirs(base, exist_ok=True)
-    workdir = tempfile.mkdtemp(prefix="restore-", dir=base)
-    try:
+    require_known(keys, [*METHODS, FIO])
+    with work_directory(args.dir, "restore-") as workdir:
         return _run_in(args, device, keys, workdir)
-    finally:
-        methods.remove(workdir)
 
 
 def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str],

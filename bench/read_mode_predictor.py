@@ -18,7 +18,6 @@ import argparse
 import gc
 import os
 import sys
-import tempfile
 import time
 from typing import Any
 
@@ -26,8 +25,8 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gds_persist  # noqa: E402
-from bench import machine, methods, report  # noqa: E402
-from bench.bench_io import parse_size  # noqa: E402
+from bench import machine, report  # noqa: E402
+from bench.bench_io import new_parser, work_directory  # noqa: E402
 from bench.state import make_state_dict  # noqa: E402
 from gds_persist.backends import read_mode  # noqa: E402
 
@@ -58,29 +57,28 @@ def judge(chosen: str, seconds: dict[str, float], tie: float) -> str:
 
 
 def measure_dir(directory: str, args: argparse.Namespace) -> dict[str, Any]:
-    os.makedirs(directory, exist_ok=True)
-    workdir = tempfile.mkdtemp(prefix="predictor-", dir=directory)
-    try:
+    with work_directory(directory, "predictor-") as workdir:
         path = os.path.join(workdir, "ck")
         gds_persist.save(make_state_dict(args.size, seed=0), path)
         gc.collect()
-        runs = []
-        for r in range(args.runs):
-            order = list(MODES[r % 3:] + MODES[: r % 3])
-            seconds, infos = {}, {}
-            for mode in order:
-                seconds[mode], infos[mode] = timed_load(path, mode)
-            chosen = infos["auto"].backend
-            runs.append({"order": order, "seconds": seconds, "chosen": chosen,
-                         "reason": infos["auto"].reason,
-                         "verdict": judge(chosen, seconds, args.tie)})
-            print(f"  {directory} run {r + 1}: chose {chosen}; " + ", ".join(
-                f"{m} {s:.2f}s" for m, s in seconds.items()) + f" -> {runs[-1]['verdict']}",
-                file=sys.stderr, flush=True)
-        return {"directory": directory, "fstype": machine.mount_of(directory)["fstype"],
-                "payload_bytes": infos["direct"].payload_bytes, "runs": runs}
-    finally:
-        methods.remove(workdir)
+        runs = [one_run(path, r, args.tie) for r in range(args.runs)]
+    return {"directory": directory, "fstype": machine.mount_of(directory)["fstype"],
+            "payload_bytes": runs[-1]["payload_bytes"], "runs": runs}
+
+
+def one_run(path: str, r: int, tie: float) -> dict[str, Any]:
+    """The three cold loads of run ``r`` (order rotated) and the verdict on auto's choice."""
+    order = list(MODES[r % 3:] + MODES[: r % 3])
+    seconds, infos = {}, {}
+    for mode in order:
+        seconds[mode], infos[mode] = timed_load(path, mode)
+    chosen = infos["auto"].backend
+    run = {"order": order, "seconds": seconds, "chosen": chosen, "reason": infos["auto"].reason,
+           "verdict": judge(chosen, seconds, tie), "payload_bytes": infos["auto"].payload_bytes}
+    print(f"  {path} run {r + 1}: chose {chosen}; " + ", ".join(
+        f"{m} {s:.2f}s" for m, s in seconds.items()) + f" -> {run['verdict']}",
+        file=sys.stderr, flush=True)
+    return run
 
 
 def report_lines(result: dict[str, Any], tie: float) -> list[str]:
@@ -108,10 +106,7 @@ def report_lines(result: dict[str, Any], tie: float) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="read_mode_predictor.py",
-                                description=__doc__.split("\n\n")[0] if __doc__ else None)
-    p.add_argument("--size", type=parse_size, default=parse_size("2GiB"),
-                   help="checkpoint size (default 2GiB)")
+    p = new_parser("read_mode_predictor.py", __doc__, "checkpoint size")
     p.add_argument("--runs", type=int, default=5, help="runs per directory (default 5)")
     p.add_argument("--dir", dest="dirs", action="append", default=None,
                    help="a directory to measure in (repeatable; default bench/out and "

@@ -122,3 +122,20 @@ def test_auto_load_reports_the_choice_and_why(tmp_path: Path) -> None:
         assert "reads via O_DIRECT, not measured: on tmpfs" in info.reason
     finally:
         shutil.rmtree(shm, ignore_errors=True)
+
+
+def test_predictor_benchmark_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/read_mode_predictor.py at a small size, so it cannot rot."""
+    from bench import read_mode_predictor
+
+    _on_disk(tmp_path)
+    record = read_mode_predictor.main(["--size", "80MiB", "--runs", "1", "--dir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    (result,) = record["results"]
+    (run,) = result["runs"]
+    assert set(run["seconds"]) == set(read_mode_predictor.MODES)
+    assert all(s > 0 for s in run["seconds"].values())
+    assert run["chosen"] in ("direct", "buffered") and run["verdict"] in ("right", "tie", "wrong")
+    assert "measured on this filesystem" in run["reason"]
+    assert f"{run['verdict']}" in printed and "auto load time / the faster mode's" in printed
+    assert list(tmp_path.iterdir()) == []  # the checkpoint is removed
