@@ -102,6 +102,38 @@ first = L.Trainer(plugins=[GdsPersistCheckpointIO()], logger=False, enable_progr
 first.fit(model)  # the checkpoint the block resumes from
 """
 
+TWO_NODES = """
+import os
+import shutil
+import subprocess
+import sys
+import torch
+import torch.distributed as dist
+import gds_persist
+from tests.dcp_workers import free_port
+
+if "DOC_PEER" not in os.environ:  # rank 0 starts rank 1 on "another node": this same script
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+                      LOCAL_RANK="0", GDS_PERSIST_JOB=f"doc-block-{os.getpid()}")
+    peer = subprocess.Popen([sys.executable, "-W", "error", __file__],
+                            env={**os.environ, "DOC_PEER": "1", "RANK": "1",
+                                 "GDS_PERSIST_NODE": "doc-node-b"})
+    os.environ.update(RANK="0", GDS_PERSIST_NODE="doc-node-a")
+dist.init_process_group("gloo")
+MEMORY_TIER = dict(memory_root="/dev/shm/ckpt", memory_every=1, drive_every=100, replicas=1)
+"""
+TWO_NODES_DONE = """
+if "DOC_PEER" not in os.environ:
+    assert peer.wait(timeout=240) == 0, "the peer rank failed"
+    shutil.rmtree(f"/dev/shm/ckpt/{os.environ['GDS_PERSIST_JOB']}", ignore_errors=True)
+dist.destroy_process_group()
+"""
+MEMORY_STEP_ONE = """
+with gds_persist.Checkpointer("ckpt", process_group=dist.group.WORLD, **MEMORY_TIER) as first:
+    first.save(1, {"w": torch.ones(4), "step": 1})
+pg = dist.group.WORLD
+"""
+
 PRELUDES: dict[tuple[str, str], Prelude] = {
     # README.md
     ("README.md", 'state = gds_persist.load("checkpoints/step-1000", map_location="cuda")   '
@@ -141,6 +173,10 @@ assert gds_persist.read_manifest("ckpt/step-2").bases, "step-2 refers to nothing
 ckpt.close()
 assert ckpt.incremental and ckpt.warmup_report is not None  # the default warm-up ran
 """),
+    ("README.md", 'print(ckpt.restored_from)       # "memory", "replica" or "drive"'): Prelude(
+        setup=TWO_NODES + MEMORY_STEP_ONE,
+        check='assert ckpt.restored_from == "memory" and state["step"] == 1\n'
+              "ckpt.close()\n" + TWO_NODES_DONE),
     # docs/BENCHMARK.md
     ("docs/BENCHMARK.md", 'key="gds-direct-64MiB")'): Prelude(
         setup="from bench.methods import REGISTRY, GdsPersist, register\n",
@@ -184,6 +220,11 @@ for key in ("w", "b", "t"):
               'state_dict["w"].zero_()  # saved as zeros at step-100 and step-200\n',
         check='assert gds_persist.verify("ckpt/step-100").ok\n'
               'assert torch.equal(state_dict["w"], torch.zeros(64, 8))\n'),
+    ("docs/INTEGRATIONS.md", 'torch_save_to_dcp("model.pt", "ckpt/dcp")          # one process; '
+                             "source: torch.load(weights_only=True)"): Prelude(
+        setup='import torch\ntorch.save({"w": torch.randn(4), "step": 3}, "model.pt")\n',
+        check='back, orig = torch.load("model-full.pt"), torch.load("model.pt")\n'
+              'assert torch.equal(back["w"], orig["w"]) and back["step"] == 3\n'),
     ("docs/INTEGRATIONS.md", 'gds_persist.export_checkpoint("ckpt/step-100", "model.pt")'
                              "                  # torch.save file"): Prelude(
         setup=SMALL_STATE + 'gds_persist.save(state, "ckpt/step-100")\n'
@@ -219,4 +260,14 @@ for key in ("w", "b", "t"):
         check="import torch\nfor step in (1, 2):\n"
               '    ckpt.save(step, {"frozen": torch.ones(1000), "step": step}).wait()\n'
               "assert ckpt.stats.bytes_referenced == 4000, ckpt.stats\nckpt.close()\n"),
+    # docs/RECOVERY.md
+    ("docs/RECOVERY.md", "pg = torch.distributed.new_group()                 # the Checkpointer's "
+                         "own group"): Prelude(
+        setup=TWO_NODES + TINY_TRAINING + "total = 3\n",
+        check="""
+ckpt.close()
+again = gds_persist.Checkpointer("ckpt", process_group=pg, **MEMORY_TIER)
+assert again.load()["step"] == 3 and again.restored_from == "memory", again.restored_from
+again.close()
+""" + TWO_NODES_DONE),
 }
