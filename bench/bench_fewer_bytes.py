@@ -131,8 +131,8 @@ def payload_bytes(tree: Any) -> int:
 
 def fingerprints(tree: Any) -> dict[str, str]:
     """SHA-256 of every tensor's bytes (independent of the library's own hashes)."""
-    return {k: hashlib.sha256(t.detach().contiguous().reshape(-1).view(torch.uint8).numpy()
-                              .tobytes()).hexdigest() for k, t in tensors_of(tree)}
+    return {k: hashlib.sha256(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+                              .numpy()).hexdigest() for k, t in tensors_of(tree)}
 
 
 def summary(values: list[float]) -> dict[str, float | None]:

@@ -21,6 +21,8 @@ import re
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
@@ -64,11 +66,43 @@ def _int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="bench_io.py", description=__doc__.split("\n\n")[0] if __doc__ else None)
+def new_parser(prog: str, doc: str | None, size_help: str) -> argparse.ArgumentParser:
+    """A benchmark's parser: described by the first paragraph of ``doc``, with ``--size``."""
+    p = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0] if doc else None)
     p.add_argument("--size", type=parse_size, default=parse_size(DEFAULT_SIZE),
-                   help=f"state dict size, e.g. 2GiB, 512MiB (default {DEFAULT_SIZE})")
+                   help=f"{size_help} (default {DEFAULT_SIZE})")
+    return p
+
+
+def device_of(name: str) -> torch.device:
+    """``--device`` as a torch.device; exits saying so where it is CUDA and there is none."""
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit(f"--device {name}: torch.cuda.is_available() is False on this machine")
+    return device
+
+
+def require_known(keys: list[str], known: list[str]) -> None:
+    unknown = [k for k in keys if k not in known]
+    if unknown:
+        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; "
+                         f"choose from {', '.join(known)}")
+
+
+@contextmanager
+def work_directory(directory: str | None, prefix: str) -> Iterator[str]:
+    """A temporary subdirectory of ``directory`` (default bench/out), removed afterwards."""
+    base = directory or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    os.makedirs(base, exist_ok=True)
+    workdir = tempfile.mkdtemp(prefix=prefix, dir=base)
+    try:
+        yield workdir
+    finally:
+        methods.remove(workdir)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = new_parser("bench_io.py", __doc__, "state dict size, e.g. 2GiB, 512MiB")
     p.add_argument("--runs", type=int, default=DEFAULT_RUNS,
                    help=f"timed repetitions per method, median and spread reported "
                         f"(default {DEFAULT_RUNS})")
@@ -171,22 +205,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     if args.runs < 1:
         raise SystemExit("--runs must be at least 1")
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("--device cuda: torch.cuda.is_available() is False on this machine")
+    device = device_of(args.device)
     keys = [k.strip() for k in args.methods.split(",") if k.strip()] if args.methods else None
-    unknown = [k for k in keys or [] if k not in methods.REGISTRY]
-    if unknown:
-        raise SystemExit(f"unknown method(s) {', '.join(unknown)}; "
-                         f"choose from {', '.join(methods.REGISTRY)}")
-
-    base = args.dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
-    os.makedirs(base, exist_ok=True)
-    workdir = tempfile.mkdtemp(prefix="bench-", dir=base)
-    try:
+    require_known(keys or [], list(methods.REGISTRY))
+    with work_directory(args.dir, "bench-") as workdir:
         return _run_in(args, device, keys, workdir, started, t_start)
-    finally:
-        methods.remove(workdir)
 
 
 def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | None,

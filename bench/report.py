@@ -81,7 +81,12 @@ def _num(v: float | None, fmt: str = "{:.2f}") -> str:
     return "-" if v is None else fmt.format(v)
 
 
-def header_lines(record: dict[str, Any]) -> list[str]:
+RUNS_NOTE = ("interleaved (round-robin, order rotated every repetition); every save includes "
+             "fsync")
+
+
+def header_lines(record: dict[str, Any], title: str = "gds_persist I/O benchmark",
+                 runs_note: str = RUNS_NOTE) -> list[str]:
     m = record["machine"]
     fs, bd, st = m["filesystem"], m["block_device"], record["state"]
     v = m["versions"]
@@ -95,7 +100,7 @@ def header_lines(record: dict[str, Any]) -> list[str]:
     cached = ("" if worst is None else
               f"; checkpoint bytes cached before a load: at most {_bytes(worst)} (mincore)")
     lines = [
-        "gds_persist I/O benchmark",
+        title,
         f"  CPU        {m['cpu']}; {m['cores']['usable']} usable of {m['cores']['logical']} "
         f"logical cores; memory {_bytes(m['memory_bytes'])}",
         f"  directory  {m['directory']} on {fs['fstype']} ({fs['source']}, mounted at "
@@ -108,8 +113,7 @@ def header_lines(record: dict[str, Any]) -> list[str]:
         f"kernel {v.get('kernel')}",
         f"  state      {_bytes(st['payload_bytes'])} ({st['payload_bytes']} bytes) on "
         f"{record['config']['device']}: {st['description']}",
-        f"  runs       {record['config']['runs']} per method, interleaved (round-robin, order "
-        "rotated every repetition); every save includes fsync",
+        f"  runs       {record['config']['runs']} per method, {runs_note}",
         f"  cold load  {cache['detail']}{cached}",
         f"  drive      {record['drive']['tool']}"
         + (f", {record['drive']['fio']}" if record["drive"]["tool"].startswith("fio") else "")
@@ -128,10 +132,15 @@ COLUMNS = (("op", 4, "<"), ("method", 30, "<"), ("GB/s", 7, ">"), ("min-max", 13
            ("IQR", 13, ">"), ("x drive", 7, ">"), ("x torch", 7, ">"), ("on disk", 10, ">"))
 
 
+def fixed_width(values: tuple[str, ...], columns: tuple[tuple[str, int, str], ...]) -> str:
+    """One table line: each value padded to its column's (name, width, alignment)."""
+    cells = zip(values, columns, strict=True)
+    return "  ".join(f"{v:{a}{w}}" for v, (_, w, a) in cells).rstrip()
+
+
 def table_lines(table: list[dict[str, Any]], disk: dict[str, int]) -> list[str]:
     def fmt(values: tuple[str, ...]) -> str:
-        cells = zip(values, COLUMNS, strict=True)
-        return "  ".join(f"{v:{a}{w}}" for v, (_, w, a) in cells).rstrip()
+        return fixed_width(values, COLUMNS)
 
     lines = [fmt(tuple(c[0] for c in COLUMNS)), fmt(tuple("-" * c[1] for c in COLUMNS))]
     for r in table:

@@ -56,6 +56,15 @@ class Comm:
     def all_gather_tensor(self, out: torch.Tensor, inp: torch.Tensor, phase: str) -> None:
         out.copy_(inp)
 
+    def send_recv(self, sends: list[tuple[int, torch.Tensor]],
+                  recvs: list[tuple[int, torch.Tensor]], phase: str) -> None:
+        """Point to point: send each ``(dst, tensor)`` and fill each ``(src, tensor)``, all posted
+        at once and then waited for (so pairs that send both ways cannot deadlock). One process
+        has no peers: only empty lists."""
+        if sends or recvs:
+            raise DistributedError(f"phase '{phase}': point-to-point transfers need a process "
+                                   "group (this Checkpointer has none)", phase=phase)
+
     # -- built on the primitives ----------------------------------------------------------------
     def all_gather_json(self, obj: Any, phase: str) -> list[Any]:
         return [json.loads(b) for b in self.all_gather_bytes(json.dumps(obj).encode(), phase)]
@@ -176,6 +185,14 @@ class GroupComm(Comm):
 
     def all_gather_tensor(self, out: torch.Tensor, inp: torch.Tensor, phase: str) -> None:
         self._wait(self._gather_single(out, inp, group=self.group, async_op=True), phase)
+
+    def send_recv(self, sends: list[tuple[int, torch.Tensor]],
+                  recvs: list[tuple[int, torch.Tensor]], phase: str) -> None:
+        outgoing = [(d, t.to(self.device)) for d, t in sends]  # alive until waited for
+        works = [self._dist.isend(t, dst=self._global(d), group=self.group) for d, t in outgoing]
+        works += [self._dist.irecv(t, src=self._global(s), group=self.group) for s, t in recvs]
+        for work in works:
+            self._wait(work, phase)
 
 
 def make_comm(process_group: Any, timeout_s: float) -> Comm:

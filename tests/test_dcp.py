@@ -245,11 +245,14 @@ def test_reader_refuses_plain_checkpoints_and_unsafe_pickles(tmp_path):
         {"obj": Custom(), "x": torch.ones(2)}, storage_writer=GdsPersistWriter(path), no_dist=True
     )
     with pytest.raises(CheckpointException) as info:
-        dcp.load(
-            {"obj": None, "x": torch.zeros(2)}, storage_reader=GdsPersistReader(path), no_dist=True
-        )
+        dcp.load({"obj": None, "x": torch.zeros(2)},
+                 storage_reader=GdsPersistReader(path, weights_only=True), no_dist=True)
     assert "weights_only=True" in str(info.value.failures[0][0])
     assert "DCP item 'obj'" in str(info.value.failures[0][0])
+    # by default the planner unpickles it, as with FileSystemReader (the StorageReader contract)
+    back = {"obj": None, "x": torch.zeros(2)}
+    dcp.load(back, storage_reader=GdsPersistReader(path), no_dist=True)
+    assert isinstance(back["obj"], Custom) and back["obj"].v == 1
 
 
 def test_use_collectives_false_is_refused(tmp_path):

@@ -82,7 +82,8 @@ def choose_backend(
         return _kvikio(directory, io_threads, block_bytes, reason)
     if name != "direct":
         return BufferedBackend(), reason
-    measured = measured_read_mode(*read_sample, io_threads) if read_sample else None
+    measured = (measured_read_mode(*read_sample, io_threads, block_bytes) if read_sample
+                else None)
     if measured is None:
         return _direct(directory), reason
     buffered, why = measured

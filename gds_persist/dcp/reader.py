@@ -9,12 +9,16 @@ DCP calls (see ``torch.distributed.checkpoint.storage.StorageReader``)::
     4) (coordinator) prepare_global_plan(plans)   unchanged
     5) (all ranks)   read_data(plan, planner)     aligned reads, CRC32C verified, then copied
 
-DCP's planner does the resharding: each read item asks for a box of a saved chunk. Every chunk
-a rank needs is read whole (its CRC32C covers the whole extent, so that is what can be
-verified), once, however many read items use it. Where a read item is the whole chunk and its
-destination is contiguous with the same dtype, the bytes go straight into the destination
-(device memory too); otherwise through a temporary host buffer, at most ``read_budget_bytes``
-of them at a time (a chunk larger than that is read alone).
+DCP's planner does the resharding: each read item asks for a box of a saved chunk, and the
+planner's ``resolve_tensor`` gives the tensor the box goes into (for DCP's default planner, the
+caller's own tensor or a view of it). Every saved chunk a rank needs is read whole (its CRC32C
+covers the whole extent, so that is what can be verified), once, however many read items use
+it, and its bytes land in those tensors: a whole chunk whose target is contiguous with the same
+dtype is read straight into it (device memory too); any other target (a box of the chunk,
+non-contiguous, another dtype, on a device) is filled piece by piece as the chunk's bytes pass
+through the staging ring, so the extra memory is the ring's, never a copy of a chunk. Non-tensor
+("bytes") items are read into buffers, at most ``read_budget_bytes`` at a time, for the
+planner's ``load_bytes``.
 
 Other processes may replace or remove the checkpoint meanwhile: ``read_metadata`` (or, on a rank
 that did not read it, ``set_up_storage_reader``) holds the checkpoint directory and manifest
@@ -48,6 +52,7 @@ from ..progress import ByteCounter, ProgressCallback
 from ..transfer.opened import OpenCheckpoint, open_checkpoint
 from ..transfer.pipeline import byte_view
 from ._codec import decode_metadata
+from .boxes import copy_run
 from .writer import WRITER_TAG
 
 
@@ -128,10 +133,12 @@ class GdsPersistReader(StorageReader):
     number of ranks (DCP reshards). ``backend``: as in :func:`gds_persist.load`.
     ``verify=False`` skips the checksum comparison (the bytes read are the same).
 
-    Non-tensor values (DCP "bytes" items) are pickles made by DCP's planner, which DCP's
-    ``DefaultLoadPlanner.load_bytes`` unpickles with ``weights_only=False``. Unless
-    ``trust_bytes=True``, the reader first checks each one loads with
-    ``torch.load(weights_only=True)`` (which runs no arbitrary code) and refuses it otherwise.
+    Non-tensor values (DCP "bytes" items) are the planner's own serialized bytes and go to its
+    ``load_bytes`` as ``FileSystemReader`` hands them (DCP's ``DefaultLoadPlanner`` unpickles
+    them with ``torch.load(weights_only=False)``, so load checkpoints you trust).
+    ``weights_only=True`` is stricter: each must first load with ``torch.load(weights_only=True)``
+    (which runs no arbitrary code), or the load is refused naming the item and the unpickler's
+    whole reason.
 
     A corrupted data file raises :class:`gds_persist.ChecksumError` naming the DCP item; DCP
     wraps it in ``CheckpointException`` (``exc.failures[rank][0]`` is the original).
@@ -143,7 +150,7 @@ class GdsPersistReader(StorageReader):
         *,
         backend: str | None = None,
         verify: bool = True,
-        trust_bytes: bool = False,
+        weights_only: bool = False,
         read_budget_bytes: int = 256 << 20,
         progress: ProgressCallback | None = None,
     ):
@@ -151,7 +158,7 @@ class GdsPersistReader(StorageReader):
         self.path = os.fspath(path)
         self.backend = backend
         self.verify = verify
-        self.trust_bytes = trust_bytes
+        self.weights_only = weights_only
         self.read_budget_bytes = read_budget_bytes
         self.progress = progress
         self.storage_data: dict[MetadataIndex, ItemRecord] = {}
@@ -266,12 +273,6 @@ def _is_whole(req: ReadItem, rec: ItemRecord) -> bool:
     )
 
 
-def _narrow(t: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
-    for dim, (o, n) in enumerate(zip(offsets, lengths, strict=False)):
-        t = t.narrow(dim, int(o), int(n))
-    return t
-
-
 def _direct_bytes(target: torch.Tensor, rec: ItemRecord) -> torch.Tensor | None:
     """The destination's own bytes, when the chunk can be read straight into it."""
     if (
@@ -287,6 +288,52 @@ def _direct_bytes(target: torch.Tensor, rec: ItemRecord) -> torch.Tensor | None:
     return byte_view(target.untyped_storage())[start : start + rec.nbytes]
 
 
+Targets = list[tuple[ReadItem, torch.Tensor]]  # the read items of one saved chunk, resolved
+
+
+class _Boxes:
+    """The ``on_bytes`` hook of a streamed read: every piece of a saved chunk, as it passes
+    through a staging buffer, is copied into the part of each target that it covers
+    (:func:`~gds_persist.dcp.boxes.copy_run`), so the chunk is never held anywhere else. An
+    element cut by a piece boundary (never, with the writer's aligned layout) is assembled
+    from its fragments first."""
+
+    def __init__(self, jobs: list[tuple[ItemRecord, Targets]]):
+        self.jobs = jobs  # by the storage index the read uses
+        self.fragments: dict[tuple[int, int], bytearray] = {}
+        self.filled: dict[tuple[int, int], int] = {}
+
+    def __call__(self, e: Extent, at: int, piece: memoryview) -> None:
+        rec, _ = self.jobs[e.storage]
+        size = DTYPES[rec.dtype].itemsize
+        raw = torch.frombuffer(piece, dtype=torch.uint8) if piece.nbytes else None
+        if raw is None:
+            return
+        head = (-at) % size
+        whole = (raw.numel() - head) // size * size if raw.numel() > head else 0
+        if whole:  # (a cut element shifts the rest off the dtype's alignment: copy them)
+            run = raw[head : head + whole]
+            self._elements(e.storage, (at + head) // size, run.clone() if head else run)
+        for lo, hi in ((0, min(head, raw.numel())), (head + whole, raw.numel())):
+            if lo < hi:
+                self._fragment(e.storage, at + lo, raw[lo:hi], size)
+
+    def _fragment(self, storage: int, at: int, data: torch.Tensor, size: int) -> None:
+        key = (storage, at // size)
+        held = self.fragments.setdefault(key, bytearray(size))
+        held[at % size : at % size + data.numel()] = data.numpy().tobytes()
+        self.filled[key] = self.filled.get(key, 0) + data.numel()
+        if self.filled[key] == size:
+            del self.fragments[key], self.filled[key]
+            self._elements(storage, key[1], torch.frombuffer(held, dtype=torch.uint8))
+
+    def _elements(self, storage: int, first: int, raw: torch.Tensor) -> None:
+        rec, targets = self.jobs[storage]
+        run = raw.view(DTYPES[rec.dtype])
+        for req, target in targets:
+            copy_run(run, first, rec.shape, req.storage_offsets, req.lengths, target)
+
+
 class _ReadJob:
     def __init__(self, reader: GdsPersistReader, planner: LoadPlanner, counter: ByteCounter,
                  ck: OpenCheckpoint):
@@ -294,86 +341,87 @@ class _ReadJob:
         self.planner = planner
         self.counter = counter
         self.ck = ck
+        self.cfg = settings.current(backend=reader.backend)
 
     def run(self, groups: dict[MetadataIndex, list[ReadItem]]) -> None:
+        """Whole chunks whose target can take their bytes are read straight into it; every
+        other tensor chunk streams into its targets through the staging ring; bytes items are
+        read into buffers (at most ``read_budget_bytes`` at a time) for the planner."""
         direct: list[tuple[ItemRecord, ReadItem, torch.Tensor, torch.Tensor]] = []
-        # (record, read items, their targets if already resolved)
-        staged: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]] = []
+        streamed: list[tuple[ItemRecord, Targets]] = []
+        stored: list[tuple[ItemRecord, list[ReadItem]]] = []
         for key, reqs in groups.items():
             rec = self.r.storage_data[key]
-            if len(reqs) == 1 and _is_whole(reqs[0], rec):
-                target = self.planner.resolve_tensor(reqs[0]).detach()
-                dest = _direct_bytes(target, rec)
-                if dest is not None:
-                    direct.append((rec, reqs[0], target, dest))
-                else:
-                    staged.append((rec, reqs, [target]))
+            if rec.kind == "bytes":
+                stored.append((rec, reqs))
                 continue
-            staged.append((rec, reqs, None))
-        self.cfg = settings.current(backend=self.r.backend)
+            targets = [(req, self._target(rec, req)) for req in reqs]
+            dest = (_direct_bytes(targets[0][1], rec)
+                    if len(reqs) == 1 and _is_whole(reqs[0], rec) else None)
+            if dest is not None:
+                direct.append((rec, reqs[0], targets[0][1], dest))
+            else:
+                streamed.append((rec, targets))
         if direct:
             self._read([(rec, dest) for rec, _, _, dest in direct])
-            for _, req, target, _ in direct:
+        if streamed:
+            self._read([(rec, None) for rec, _ in streamed], on_bytes=_Boxes(streamed))
+        for _, req, target, _ in direct:
+            self.planner.commit_tensor(req, target)
+        for _, targets in streamed:
+            for req, target in targets:
                 self.planner.commit_tensor(req, target)
-        batch: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]] = []
-        size = 0
-        for entry in staged:
-            rec = entry[0]
-            if batch and size + rec.nbytes > self.r.read_budget_bytes:
-                self._staged_batch(batch)
-                batch, size = [], 0
-            batch.append(entry)
-            size += rec.nbytes
-        if batch:
-            self._staged_batch(batch)
+        self._read_bytes(stored)
 
-    def _read(self, jobs: list[tuple[ItemRecord, torch.Tensor]]) -> None:
-        """Read every extent of each record into its byte destination, verifying CRC32C."""
+    def _target(self, rec: ItemRecord, req: ReadItem) -> torch.Tensor:
+        target = self.planner.resolve_tensor(req).detach()
+        if tuple(target.shape) != tuple(req.lengths):
+            raise CheckpointError(
+                f"{rec.describe(req.storage_index.offset)}: the planner asked for a "
+                f"{tuple(req.lengths)} box but resolved a {tuple(target.shape)} tensor for it"
+            )
+        return target
+
+    def _read(self, jobs: Sequence[tuple[ItemRecord, torch.Tensor | None]],
+              on_bytes: Any = None) -> None:
+        """Read every extent of each record into its byte destination (None: only ``on_bytes``
+        sees the bytes), verifying CRC32C."""
         names = [rec.describe(None) for rec, _ in jobs]
         # storage indices renumbered to the jobs, so each job's destination is its storage
         extents = [replace(e, storage=local) for local, (rec, _) in enumerate(jobs)
                    for e in rec.extents]
-        read_extents(self.ck, extents, [dest for _, dest in jobs], self.cfg,
-                     verify=self.r.verify, describe=lambda i: names[i],
-                     progress=self.counter.hook)
+        dests = None if on_bytes is not None else [dest for _, dest in jobs]
+        read_extents(self.ck, extents, dests, self.cfg, verify=self.r.verify,
+                     describe=lambda i: names[i], on_bytes=on_bytes, progress=self.counter.hook)
 
-    def _staged_batch(
-        self, batch: list[tuple[ItemRecord, list[ReadItem], list[torch.Tensor] | None]]
-    ) -> None:
-        bufs = [torch.empty(rec.nbytes, dtype=torch.uint8) for rec, _, _ in batch]
-        self._read([(rec, buf) for (rec, _, _), buf in zip(batch, bufs, strict=False)])
-        for (rec, reqs, targets), buf in zip(batch, bufs, strict=False):
-            if rec.kind == "bytes":
-                self._load_bytes(rec, reqs, buf)
-                continue
-            saved = (
-                buf.view(DTYPES[rec.dtype]).view(rec.shape)
-                if rec.nbytes
-                else torch.empty(rec.shape, dtype=DTYPES[rec.dtype])
-            )
-            for k, req in enumerate(reqs):
-                src = _narrow(saved, req.storage_offsets, req.lengths)
-                target = targets[k] if targets else self.planner.resolve_tensor(req).detach()
-                if target.shape != src.shape:
-                    raise CheckpointError(
-                        f"{rec.describe(req.storage_index.offset)}: the planner asked for a "
-                        f"{tuple(target.shape)} box but the saved box is {tuple(src.shape)}"
-                    )
-                target.copy_(src)
-                self.planner.commit_tensor(req, target)
+    def _read_bytes(self, stored: list[tuple[ItemRecord, list[ReadItem]]]) -> None:
+        batch: list[tuple[ItemRecord, list[ReadItem]]] = []
+        size = 0
+        for n, entry in enumerate(stored):
+            batch.append(entry)
+            size += entry[0].nbytes
+            if n + 1 == len(stored) or size + stored[n + 1][0].nbytes > self.r.read_budget_bytes:
+                bufs = [torch.empty(rec.nbytes, dtype=torch.uint8) for rec, _ in batch]
+                self._read(list(zip([rec for rec, _ in batch], bufs, strict=True)))
+                for (rec, reqs), buf in zip(batch, bufs, strict=True):
+                    self._load_bytes(rec, reqs, buf.numpy().tobytes())
+                batch, size = [], 0
 
-    def _load_bytes(self, rec: ItemRecord, reqs: list[ReadItem], buf: torch.Tensor) -> None:
-        data = buf.numpy().tobytes()
-        if not self.r.trust_bytes:
+    def _load_bytes(self, rec: ItemRecord, reqs: list[ReadItem], data: bytes) -> None:
+        """Hand the bytes to the planner, which deserializes them (the StorageReader contract;
+        DCP's DefaultLoadPlanner uses ``torch.load(weights_only=False)``). With
+        ``weights_only=True`` they must first load with ``torch.load(weights_only=True)``."""
+        if self.r.weights_only:
             try:
                 torch.load(io.BytesIO(data), weights_only=True)
             except Exception as e:  # noqa: BLE001 - any refusal of the safe unpickler
                 raise CheckpointError(
                     f"{rec.describe(None)} in {self.r.path} holds a pickled object that "
-                    f"torch.load(weights_only=True) refuses ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}); DCP's planner would unpickle it "
-                    "with weights_only=False, which can run arbitrary code. Pass "
-                    "GdsPersistReader(..., trust_bytes=True) only for checkpoints you trust"
+                    f"torch.load(weights_only=True) refuses, and this GdsPersistReader was made "
+                    f"with weights_only=True; the unpickler said: {type(e).__name__}: {e}\n"
+                    "Allow its classes with torch.serialization.add_safe_globals([...]), or "
+                    "leave weights_only=False (the planner then unpickles it, as DCP's "
+                    "FileSystemReader does) for checkpoints you trust"
                 ) from e
         for req in reqs:
             self.planner.load_bytes(req, io.BytesIO(data))

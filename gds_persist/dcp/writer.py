@@ -31,8 +31,10 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
@@ -120,7 +122,7 @@ def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     return byte_view(t.untyped_storage())[start : start + t.numel() * t.element_size()]
 
 
-class GdsPersistWriter(StorageWriter):
+class GdsPersistWriter(StorageWriter, BlockingAsyncStager):
     """Write DCP checkpoints with gds_persist's aligned backends, CRC32C and atomic commit.
 
     ``dcp.save(state_dict, storage_writer=GdsPersistWriter(path))`` and ``dcp.async_save(...)``
@@ -132,6 +134,15 @@ class GdsPersistWriter(StorageWriter):
     ``split_min_bytes`` across the ranks holding them (see :mod:`gds_persist.dcp.balancing`);
     ``False`` keeps DCP's whole-item assignment. ``progress(done, total)`` reports this rank's
     bytes. After a save, :attr:`rank_bytes` (coordinator) holds the bytes each rank was given.
+
+    ``FileSystemWriter``'s arguments (docs/INTEGRATIONS.md, "FileSystemWriter's arguments"):
+    ``overwrite=False`` refuses to replace a checkpoint at ``path`` (checked when the save starts
+    and again under the commit lock); ``thread_count`` is ``io_threads``; ``sync_files=True`` and
+    ``single_file_per_rank=True`` are what this writer always does, and ``False`` is refused (an
+    atomic commit needs fsynced files; one aligned file per rank is the layout);
+    ``cache_staged_state_dict=True`` keeps the ``dcp.async_save`` staging copy between saves
+    (pinned where CUDA is available). As ``FileSystemWriter``, the writer is the ``AsyncStager``
+    that ``dcp.async_save`` uses when no ``async_stager`` is given.
 
     Not supported: ``use_collectives=False`` and ``DefaultSavePlanner(enable_plan_caching=True)``
     (both need rank-local decisions about the shared temporary directory); a clear error says so.
@@ -148,15 +159,28 @@ class GdsPersistWriter(StorageWriter):
         staging_bytes: int | None = None,
         io_threads: int | None = None,
         progress: ProgressCallback | None = None,
+        overwrite: bool = True,
+        thread_count: int | None = None,
+        sync_files: bool = True,
+        single_file_per_rank: bool = True,
+        cache_staged_state_dict: bool = False,
     ):
-        super().__init__()
+        StorageWriter.__init__(self)
+        BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
+        _refuse_unsupported(sync_files, single_file_per_rank)
+        if thread_count is not None and io_threads not in (None, thread_count):
+            raise CheckpointError(
+                f"GdsPersistWriter(thread_count={thread_count}, io_threads={io_threads}): they "
+                "name the same thing (the I/O threads of each rank); pass one of them"
+            )
+        self.overwrite = overwrite
         self.path = os.fspath(path)
         self.backend = backend
         self.balance = balance
         self.split_min_bytes = split_min_bytes
         self.block_bytes = block_bytes
         self.staging_bytes = staging_bytes
-        self.io_threads = io_threads
+        self.io_threads = io_threads if io_threads is not None else thread_count
         self.progress = progress
         self.is_coordinator = False
         self.rank_bytes: list[int] = []
@@ -208,8 +232,22 @@ class GdsPersistWriter(StorageWriter):
         held = tuple(i.index for i in plan.items if i.type != WriteItemType.BYTE_IO)
         return replace(plan, storage_data=_Inventory(held))
 
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        """``dcp.async_save``'s copy of the state on the host (``AsyncStager``); with
+        ``cache_staged_state_dict`` one copy is kept and refilled, pinned only where CUDA is
+        available (``BlockingAsyncStager`` pins always, which fails on a CPU-only machine)."""
+        if not self.cache_staged_state_dict:
+            return super().stage(state_dict)
+        if self.state_dict_cache is None:
+            self.state_dict_cache = _create_cpu_state_dict(
+                state_dict, pin_memory=torch.cuda.is_available())
+        return _copy_state_dict(state_dict, self.state_dict_cache)  # type: ignore[no-any-return]
+
+    def __getstate__(self) -> dict[str, Any]:  # DCP's process executor pickles the writer
+        return {**self.__dict__, "state_dict_cache": None}
+
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        check_replaceable(self.path)
+        check_replaceable(self.path, self.overwrite)
         tmp = self._tmp = make_temporary(self.path)
         try:
             assignment = self._assign(plans)
@@ -396,10 +434,25 @@ class GdsPersistWriter(StorageWriter):
         try:
             manifest = build_manifest(metadata, results, self)
             write_manifest(tmp.dir, dump_manifest(manifest))
-            commit(tmp, settings.current(backend=self.backend).io_timeout_s)
+            commit(tmp, settings.current(backend=self.backend).io_timeout_s, self.overwrite)
         except BaseException:
             abort(tmp)
             raise
+
+
+def _refuse_unsupported(sync_files: bool, single_file_per_rank: bool) -> None:
+    if not sync_files:
+        raise CheckpointError(
+            "GdsPersistWriter(sync_files=False) is not supported: every data file is fsynced "
+            "before the atomic commit, which is what makes the checkpoint at the path complete "
+            "after a crash; leave sync_files=True (the default)"
+        )
+    if not single_file_per_rank:
+        raise CheckpointError(
+            "GdsPersistWriter(single_file_per_rank=False) is not supported: each rank writes one "
+            "aligned data file (two where kvikio writes CUDA tensors) and the manifest records "
+            "every item's offset and CRC32C in it; leave single_file_per_rank=True (the default)"
+        )
 
 
 def build_manifest(

@@ -30,20 +30,29 @@ Options: ``allow_pickle`` (store leaves that are not tensors / JSON / the extra 
 loaded only through ``torch.load(weights_only=True)``), ``safe_globals`` (classes such pickles
 may hold, passed to ``torch.serialization.safe_globals`` on load), ``verify`` (check CRC32C on
 load, default True), and ``gds_persist.save`` keywords (``backend``, ``io_threads``, ...).
-``storage_options`` of ``Trainer.save_checkpoint`` may be a dict of those keywords too.
+``storage_options`` of ``Trainer.save_checkpoint`` may be None or a dict of those keywords
+(:data:`STORAGE_OPTIONS`); anything else raises a ``TypeError`` that lists them.
+
+``LightningModule.load_from_checkpoint(path)`` reads the path with Lightning's own loader, which
+cannot read a checkpoint directory (``IsADirectoryError``): use :func:`load_from_checkpoint`
+(``load_from_checkpoint(MyModule, path, map_location=..., strict=..., hparams_file=...,
+**overrides)``, the same arguments; a LightningDataModule class too).
 """
 
 from __future__ import annotations
 
 import contextlib
+import inspect
+import logging
 import os
+import threading
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, CheckpointTimeout
 from ..flatten import Flattened, flatten
 from ..load import load
 from ..results import SaveInfo
@@ -60,8 +69,36 @@ except ImportError:  # pragma: no cover - exercised only without the `lightning`
         TorchCheckpointIO as _TorchCheckpointIO,
     )
 
-__all__ = ["GdsPersistCheckpointIO", "pytorch_lightning_checkpoint_io"]
+log = logging.getLogger("gds_persist")
+__all__ = ["STORAGE_OPTIONS", "GdsPersistCheckpointIO", "load_from_checkpoint",
+           "pytorch_lightning_checkpoint_io"]
 _PICKLE_HINT = "with Lightning: GdsPersistCheckpointIO(allow_pickle=True)"
+# gds_persist.save keywords a Lightning save may pass: not those of a process group (Lightning
+# saves from global rank zero) nor allow_pickle (the plugin's own option, applied before them)
+STORAGE_OPTIONS = frozenset(
+    name for name, p in inspect.signature(save).parameters.items()
+    if p.kind is p.KEYWORD_ONLY and name not in {
+        "process_group", "rank_local", "writers_per_node", "data_dirs", "check_replicas",
+        "allow_pickle"})
+
+
+def _save_options(options: Any, where: str) -> dict[str, Any]:
+    """``options`` checked as ``gds_persist.save`` keywords of a Lightning save."""
+    if options is None:
+        return {}
+    if not isinstance(options, Mapping):
+        raise TypeError(
+            f"{where}: storage_options must be None or a dict of gds_persist.save keywords "
+            f"({', '.join(sorted(STORAGE_OPTIONS))}), not {type(options).__name__} "
+            f"{str(options)[:60]!r}"
+        )
+    unknown = sorted(str(k) for k in options if k not in STORAGE_OPTIONS)
+    if unknown:
+        raise TypeError(
+            f"{where}: unknown storage option(s) {unknown}; GdsPersistCheckpointIO accepts "
+            f"the gds_persist.save keywords {', '.join(sorted(STORAGE_OPTIONS))}"
+        )
+    return dict(options)
 
 
 class _GdsPersistCheckpointIO:
@@ -78,9 +115,10 @@ class _GdsPersistCheckpointIO:
         self.safe_globals = list(safe_globals)
         self.verify = verify
         self.timeout_s = timeout_s
-        self.save_kwargs = save_kwargs
+        self.save_kwargs = _save_options(save_kwargs, "GdsPersistCheckpointIO(...)")
         self._last_info: SaveInfo | None = None
         self._writer = BackgroundWriter(self._write, snapshot_bytes, timeout_s)
+        self._saving = _Saving()
 
     @property
     def last_info(self) -> SaveInfo | None:
@@ -92,7 +130,12 @@ class _GdsPersistCheckpointIO:
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any = None) -> None:
         path = _local(path)
-        kwargs = {**self.save_kwargs, **(storage_options or {})}
+        with self._saving.of(path):
+            self._save(checkpoint, path, storage_options)
+
+    def _save(self, checkpoint: dict[str, Any], path: str, storage_options: Any) -> None:
+        kwargs = {**self.save_kwargs,
+                  **_save_options(storage_options, "GdsPersistCheckpointIO.save_checkpoint")}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         try:
             flat = flatten(checkpoint, self.allow_pickle)  # a TypeError names the key, here
@@ -128,9 +171,17 @@ class _GdsPersistCheckpointIO:
         return state
 
     def remove_checkpoint(self, path: Any) -> None:
-        """Remove the checkpoint at ``path`` whole (after the background saves, if any)."""
+        """Remove the checkpoint at ``path`` whole, after the background saves (if any) and a
+        save of that path running on another thread (``AsyncCheckpointIO``'s) have finished."""
+        path = _local(path)
         self.wait()
-        remove_checkpoint(_local(path))
+        self._saving.wait_for(path, self.timeout_s)
+        if not os.path.lexists(path):
+            log.warning("remove_checkpoint: nothing at %s. If its save is still queued in "
+                        "Lightning's AsyncCheckpointIO, it will be written after this removal "
+                        "and stay on disk; GdsPersistCheckpointIO(background=True) keeps "
+                        "removals in order", path)
+        remove_checkpoint(path)
 
     def teardown(self) -> None:
         """Finish the background saves, if any (raising the first error), stop the thread and
@@ -151,6 +202,37 @@ class _GdsPersistCheckpointIO:
         return save(flat, path, **kwargs)
 
 
+class _Saving:
+    """The paths whose ``save_checkpoint`` is running, on any thread: a removal of one waits
+    for it (Lightning's AsyncCheckpointIO saves on its thread and removes on the caller's)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._paths: dict[str, int] = {}
+
+    @contextlib.contextmanager
+    def of(self, path: str) -> Iterator[None]:
+        key = os.path.abspath(path)
+        with self._cond:
+            self._paths[key] = self._paths.get(key, 0) + 1
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._paths[key] -= 1
+                if not self._paths[key]:
+                    del self._paths[key]
+                self._cond.notify_all()
+
+    def wait_for(self, path: str, timeout_s: float) -> None:
+        key = os.path.abspath(path)
+        with self._cond:
+            if not self._cond.wait_for(lambda: key not in self._paths, timeout_s):
+                raise CheckpointTimeout(
+                    f"remove_checkpoint({path}): its save on another thread did not finish "
+                    f"within {timeout_s} s (GdsPersistCheckpointIO(timeout_s=...)); not removed")
+
+
 def _replace_file(path: str, save: Callable[[str], Any]) -> Any:
     """Save into a hidden sibling directory, then put it where the file ``path`` was (a crash
     between the two leaves no checkpoint at ``path``, the new one at the hidden name)."""
@@ -169,6 +251,58 @@ def _local(path: Any) -> str:
         raise ValueError(f"{text}: gds_persist checkpoints live on a local or mounted "
                          "filesystem, not at a URL")
     return text
+
+
+def load_from_checkpoint(cls: type, checkpoint_path: Any, map_location: Any = None,
+                         hparams_file: Any = None, strict: bool | None = None,
+                         weights_only: bool | None = None, *,
+                         checkpoint_io: _GdsPersistCheckpointIO | None = None,
+                         **kwargs: Any) -> Any:
+    """``cls.load_from_checkpoint(checkpoint_path, ...)`` for a checkpoint this plugin wrote
+    (Lightning's own reads the path as a file: ``IsADirectoryError``) or a ``torch.save`` file.
+
+    ``cls``: a LightningModule or LightningDataModule class of the ``lightning`` package. The
+    arguments mean what they mean in Lightning: ``map_location`` (default: where each tensor
+    was saved, the CPU where that device is missing), ``hparams_file`` (.yaml/.yml/.csv,
+    replacing the saved hyper-parameters), ``strict`` (the model's ``load_state_dict``),
+    ``weights_only`` (for ``torch.save`` files; a checkpoint directory never runs code), and
+    ``**kwargs`` overriding saved hyper-parameters. ``checkpoint_io``: the plugin to read with
+    (its ``verify``, ``safe_globals``); a default one otherwise. Returns the instance, a module
+    on the device of its first saved tensor as in Lightning."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.core import saving
+
+    if not (isinstance(cls, type)
+            and issubclass(cls, (pl.LightningModule, pl.LightningDataModule))):
+        raise TypeError(f"load_from_checkpoint: {cls!r} is not a LightningModule or "
+                        "LightningDataModule class of the lightning package")
+    reader = checkpoint_io or GdsPersistCheckpointIO()
+    checkpoint = reader.load_checkpoint(checkpoint_path,
+                                        map_location or saving._default_map_location,
+                                        weights_only)
+    checkpoint = saving._pl_migrate_checkpoint(checkpoint, checkpoint_path=_local(checkpoint_path))
+    if hparams_file is not None:
+        checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = _hparams_from(hparams_file)
+    hparams = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {}
+    checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = {**hparams, **kwargs}
+    if issubclass(cls, pl.LightningDataModule):
+        return saving._load_state(cls, checkpoint, **kwargs)
+    model: Any = saving._load_state(cls, checkpoint, strict=strict, **kwargs)
+    first = next((t for t in (checkpoint.get("state_dict") or {}).values()
+                  if isinstance(t, torch.Tensor)), None)
+    return model if first is None else model.to(first.device)
+
+
+def _hparams_from(hparams_file: Any) -> Any:
+    from lightning.pytorch.core import saving
+
+    suffix = os.fspath(hparams_file).rsplit(".", 1)[-1].lower()
+    if suffix == "csv":
+        return saving.load_hparams_from_tags_csv(hparams_file)
+    if suffix in ("yml", "yaml"):
+        return saving.load_hparams_from_yaml(hparams_file)
+    raise ValueError(f"hparams_file {os.fspath(hparams_file)!r}: a .csv, .yml or .yaml file is "
+                     "required (as in Lightning's load_from_checkpoint)")
 
 
 class GdsPersistCheckpointIO(_GdsPersistCheckpointIO, _CheckpointIO):

@@ -68,7 +68,7 @@ import traceback
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -88,10 +88,14 @@ from ..format import MANIFEST_NAME
 from ..load import load as core_load
 from ..results import SaveInfo, WarmupReport
 from ..save import save as core_save
+from ..topology import node_name
 from ..warmup import BackgroundWarmup
 from . import steps as _steps
 from .helper import HelperProcess
+from .memory_tier import MemoryTier, job_name, lacks_room, step_bytes
 from .mode import ModeChoice, choose_mode, host_memory
+from .recovery import Restored, restore
+from .replicate import holders, transfer
 from .snapshot import (
     Reservation,
     SnapshotArena,
@@ -129,6 +133,19 @@ class CheckpointerStats:
     write_s: float = 0.0  # total seconds spent in gds_persist.save by the writer
     bytes_written: int = 0
     bytes_referenced: int = 0  # incremental=True: payload bytes referred to, not written
+    # the memory tier (memory_root=): steps committed to the node's memory, with their replicas
+    memory_committed: int = 0
+    memory_write_s: float = 0.0  # this rank's own memory commits
+    replicate_s: float = 0.0  # copying to and from the replica holders
+    memory_fallbacks: int = 0  # memory steps written to the drive instead (no room)
+    memory_fallback_reason: str = ""
+    replica_holders: list[int] = field(default_factory=list)  # ranks keeping this rank's copies
+    # the last ckpt.load(): where this rank's bytes came from, every rank's, what fell through
+    restored_from: str = ""
+    restore_step: int | None = None
+    restore_sources: list[str] = field(default_factory=list)
+    restore_skipped: list[str] = field(default_factory=list)
+    restore_s: float = 0.0
 
 
 class SaveHandle:
@@ -188,6 +205,7 @@ class _Job:
     events: list[tuple[torch.device, Any]]  # (device, CUDA event recorded at save())
     reservation: Reservation | None = None
     remote: dict[str, Any] | None = None  # writer="process": the snapshot, described for the helper
+    tiers: tuple[str, ...] = ("drive",)  # where this step goes: "memory" and/or "drive"
 
 
 _STOP = object()
@@ -219,6 +237,13 @@ class Checkpointer:
     change - frozen weights, embeddings that rarely change - instead of writing it again.
     Retention keeps every step a kept step refers to. ``compression``: ``"none"``,
     ``"lossless"`` or ``"auto"`` as for :func:`gds_persist.save` (default: the setting).
+
+    ``memory_root``: a node-local tmpfs directory (``/dev/shm/...``) for the memory tier
+    (``docs/RECOVERY.md``): every ``memory_every`` steps each rank commits its own state there
+    and copies it to ``replicas`` ranks on other nodes (default 1 where the group spans several
+    nodes, else 0; the node is ``$GDS_PERSIST_NODE`` or the host name); every ``drive_every``
+    steps the state goes to ``root`` as well. A step in neither tier is not written.
+    ``load()`` then restores from the nearest verified copy (``restored_from``).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -228,7 +253,9 @@ class Checkpointer:
                  block_bytes: int | None = None, staging_bytes: int | None = None,
                  io_threads: int | None = None, writer: str = "thread",
                  allow_pickle: bool = False, warmup: bool = True,
-                 incremental: bool = False, compression: str | None = None):
+                 incremental: bool = False, compression: str | None = None,
+                 memory_root: str | os.PathLike[str] | None = None, memory_every: int = 1,
+                 drive_every: int = 1, replicas: int | None = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
         if writer not in WRITERS:
@@ -250,6 +277,7 @@ class Checkpointer:
             raise ValueError(f"max_pending={max_pending} must be at least 1")
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
+        _check_tiers(memory_root, memory_every, drive_every, replicas, writer)
         self.root = os.path.abspath(os.fspath(root))
         self.keep_last = keep_last
         self.requested_mode = mode
@@ -262,9 +290,11 @@ class Checkpointer:
         self.process_group = process_group
         self.allow_pickle = allow_pickle
         self.loaded_step: int | None = None
+        self.restored_from: str | None = None  # "memory", "replica" or "drive": the last load's
         self._save_kwargs: dict[str, Any] = {"backend": backend, "block_bytes": block_bytes,
                                              "staging_bytes": staging_bytes,
                                              "io_threads": io_threads}
+        self._io_kwargs = dict(self._save_kwargs)  # memory-tier saves: plain, whole, alone
         if compression is not None:
             self._save_kwargs["compression"] = compression
         self.incremental = incremental
@@ -274,6 +304,11 @@ class Checkpointer:
         # Ranks agree on publishing each step and on the step a load reads (SoloComm: no group).
         self._comm = make_comm(process_group, settings.current().collective_timeout_s)
         self._publisher = self._comm.rank == 0  # moves `latest` and removes old steps
+        self.memory_every, self.drive_every, self._replicas = memory_every, drive_every, replicas
+        self._memory = (None if memory_root is None else MemoryTier(
+            os.path.join(os.path.abspath(os.fspath(memory_root)), job_name(self.root)),
+            self._comm.rank))
+        self._holders: list[list[int]] | None = None  # by rank: who keeps its replicas
         os.makedirs(self.root, exist_ok=True)
         self._lock = threading.RLock()
         self._stats = CheckpointerStats()
@@ -328,6 +363,9 @@ class Checkpointer:
                 "ckpt.load(step=...) it first (newer checkpoints are then replaced as training "
                 "proceeds), or use another root"
             )
+        tiers = self._tiers(step)
+        if not tiers:
+            return self._skip(step)
         # TypeError naming the key, here rather than in the thread
         flat = flatten(state_dict, self.allow_pickle)
         if self.mode == "auto":
@@ -341,9 +379,10 @@ class Checkpointer:
             _steps.write_latest(self.root, self._rollback_to)
         self._rollback_to = None
         mode = self.mode
-        handle = SaveHandle(self, step, _steps.step_path(self.root, step), mode,
-                            self.mode_reason or "")
-        job = _Job(handle, flat, _record_events(flat))
+        path = (_steps.step_path(self.root, step) if "drive" in tiers or self._memory is None
+                else self._memory.own_step(step))
+        handle = SaveHandle(self, step, path, mode, self.mode_reason or "")
+        job = _Job(handle, flat, _record_events(flat), tiers=tiers)
         with self._lock:
             self._floor = step
             self._pending.append(handle)
@@ -351,6 +390,23 @@ class Checkpointer:
         self._queues["snapshot" if mode == "snapshot" else "write"].put(job)
         if blocking:
             handle.wait()
+        return handle
+
+    def _tiers(self, step: int) -> tuple[str, ...]:
+        if self._memory is None:
+            return ("drive",)
+        return tuple(t for t, every in (("memory", self.memory_every),
+                                        ("drive", self.drive_every)) if step % every == 0)
+
+    def _skip(self, step: int) -> SaveHandle:
+        """A step in neither tier: nothing is written; the handle is done at once."""
+        with self._lock:
+            self._floor = step
+        handle = SaveHandle(self, step, "", self.mode, self.mode_reason or "")
+        handle._finish(info=SaveInfo(
+            path="", backend="none", bytes_written=0, payload_bytes=0, seconds=0.0,
+            tensors=0, storages=0, reason=f"step {step} is in neither tier (memory_every="
+            f"{self.memory_every}, drive_every={self.drive_every}): not written"))
         return handle
 
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
@@ -397,7 +453,7 @@ class Checkpointer:
         return _steps.committed_steps(self.root)
 
     def load(self, step: int | None = None, *, map_location: Any = None,
-             verify: bool = True) -> Any:
+             verify: bool = True, into: Any = None, strict: bool = True) -> Any:
         """Load checkpoint ``step`` (default: the latest committed) after in-flight saves finish.
 
         Loading a step older than the latest marks a resume from it: the next ``save`` publishes
@@ -407,12 +463,18 @@ class Checkpointer:
         one evaluates): a step removed by retention while it is being opened is replaced by the
         then latest one (default ``step``; a few times at most), or raises
         :class:`CheckpointReplacedError` (an explicit ``step``). Once open, it loads whole.
+
+        ``into``, ``strict``: restore in place into the given state's tensors, as
+        :func:`gds_persist.load` (every tier). With the memory tier a copy that fails its checks
+        part-way is followed by the next source, which fills the same tensors again.
         """
         if self._pending_handles():
             self.wait()
-        kwargs = dict(self._load_kwargs)
+        kwargs = {**self._load_kwargs, "into": into, "strict": strict}
         if self.process_group is not None:
             kwargs["process_group"] = self.process_group
+        if self._memory is not None and step is None:
+            return self._restore(map_location, verify, kwargs)
         for attempt in range(_LOAD_ATTEMPTS):
             latest = self.latest_step()
             # with a process group, every rank loads the step rank 0 chose
@@ -427,12 +489,39 @@ class Checkpointer:
             except CheckpointReplacedError:
                 if step is not None or attempt == _LOAD_ATTEMPTS - 1:
                     raise
-        with self._lock:
-            self.loaded_step = chosen
-            self._floor = chosen
-            self._base_step = chosen
-            self._rollback_to = chosen if latest is not None and chosen < latest else None
+        self._loaded(chosen, latest, Restored(None, chosen, "drive", ["drive"] * self._comm.size))
         return state
+
+    def _restore(self, map_location: Any, verify: bool, kwargs: dict[str, Any]) -> Any:
+        """load() with a memory tier: the nearest verified copy of the newest step every rank
+        can restore (:mod:`.recovery`)."""
+        assert self._memory is not None
+        alone = {k: v for k, v in kwargs.items() if k != "process_group"}
+
+        def load_alone(path: str, drive: bool) -> Any:
+            rank_local = self._comm.rank if drive and self.process_group is not None else None
+            return core_load(path, map_location=map_location, verify=True,
+                             rank_local=rank_local, **alone)
+
+        def load_group(path: str) -> Any:
+            return core_load(path, map_location=map_location, verify=verify, **kwargs)
+
+        latest = self.latest_step()
+        got = restore(self._comm, self._memory, self.root, load_alone, load_group)
+        state, got.state = got.state, None
+        self._loaded(got.step, latest, got)
+        return state
+
+    def _loaded(self, step: int, latest: int | None, got: Restored) -> None:
+        with self._lock:
+            self.loaded_step = step
+            self._floor = step
+            self._base_step = step
+            self._rollback_to = step if latest is not None and step < latest else None
+            self.restored_from = got.source
+            s = self._stats
+            s.restored_from, s.restore_step, s.restore_s = got.source, step, got.seconds
+            s.restore_sources, s.restore_skipped = list(got.sources), list(got.skipped)
 
     @property
     def warmup_report(self) -> WarmupReport | None:
@@ -702,42 +791,95 @@ class Checkpointer:
             _synchronize(job)
             if self._before_write is not None:
                 self._before_write(h.step)
-            kwargs = dict(self._save_kwargs)
-            if self.process_group is not None:
-                kwargs["process_group"] = self.process_group
-            base = self._base_for(h)
-            if base is not None:
-                kwargs["base"] = base
-            if job.remote is not None:
-                assert self._helper is not None
-                try:
-                    info = self._helper.write(
-                        {**job.remote, **self._helper_job_extra, "path": h.path,
-                         "kwargs": kwargs}, self.timeout_s, f"writing step {h.step}")
-                except TimeoutError as e:
-                    raise CheckpointTimeout(f"{e} (under {self.root}); raise "
-                                            "Checkpointer(timeout_s=...) if the drive is slow"
-                                            ) from None
-            else:
-                assert job.flat is not None
-                info = core_save(job.flat, h.path, **kwargs)  # flattened once, at save()
+            info = self._write_memory(job) if "memory" in job.tiers else None
+            if info is None or "drive" in job.tiers:
+                info = self._write_drive(job)
             job.flat = None
             self._free(job)
             h._released.set()
-            # Every rank's save has returned; rank 0 publishes and every rank learns the outcome,
-            # so no rank's handle is done before `latest` names the step.
-            self._comm.agree("publish", lambda: self._publish(h),
-                             f"publishing step {h.step} under {self.root}")
+            if "drive" in job.tiers:
+                # Every rank's save has returned; rank 0 publishes and every rank learns the
+                # outcome, so no rank's handle is done before `latest` names the step.
+                self._comm.agree("publish", lambda: self._publish(h),
+                                 f"publishing step {h.step} under {self.root}")
         except Exception as e:  # noqa: BLE001 - reported through the handle
             self._fail(job, e)
             return
-        with self._lock:
-            self._stats.committed += 1
-            self._stats.write_s += info.seconds
-            self._stats.bytes_written += info.bytes_written
-            self._stats.bytes_referenced += info.referenced_bytes
-            self._base_step = h.step
+        if "drive" in job.tiers:
+            with self._lock:
+                self._stats.committed += 1
+                self._stats.write_s += info.seconds
+                self._stats.bytes_written += info.bytes_written
+                self._stats.bytes_referenced += info.referenced_bytes
+                self._base_step = h.step
         h._finish(info=info)
+
+    def _write_memory(self, job: _Job) -> SaveInfo | None:
+        """Commit the step to every rank's node memory and its replicas to their holders; None
+        (and the step goes to the drive instead) when some node's tmpfs lacks room."""
+        assert self._memory is not None and job.flat is not None
+        tier, flat, step, comm = self._memory, job.flat, job.handle.step, self._comm
+        facts = comm.all_gather_json({"node": node_name(), "need": step_bytes(flat),
+                                      "free": tier.free_bytes()}, "memory tier room")
+        nodes = [f["node"] for f in facts]
+        if self._holders is None:
+            count = self._replicas
+            if count is None:  # default: one copy elsewhere, where there is an elsewhere
+                count = min(1, len(set(nodes)) - 1)
+            self._holders = holders(nodes, count)
+        why = lacks_room([f["need"] for f in facts], [f["free"] for f in facts], nodes,
+                         self._holders)
+        if why is not None:
+            log.warning("gds_persist.Checkpointer(%s): step %d goes to the drive: %s",
+                        self.root, step, why)
+            with self._lock:
+                self._stats.memory_fallbacks += 1
+                self._stats.memory_fallback_reason = why
+            job.tiers = (*job.tiers, "drive") if "drive" not in job.tiers else job.tiers
+            job.handle.path = _steps.step_path(self.root, step)
+            return None
+        t0 = time.perf_counter()
+        saved: list[SaveInfo] = []
+        comm.agree("memory save", lambda: saved.append(tier.save(flat, step, self._io_kwargs)),
+                   f"memory-tier save of step {step} under {tier.root}")
+        t1 = time.perf_counter()
+        mine = self._holders[comm.rank]
+        held = [r for r, hs in enumerate(self._holders) if comm.rank in hs]
+        transfer(comm, {h: tier.own_step(step) for h in mine},
+                 {r: tier.replica_step(r, step) for r in held}, f"replicas of step {step}")
+        comm.agree("memory retention", lambda: tier.retain(step, held),
+                   f"memory-tier retention after step {step} under {tier.root}")
+        with self._lock:
+            s = self._stats
+            s.memory_committed += 1
+            s.memory_write_s += t1 - t0
+            s.replicate_s += time.perf_counter() - t1
+            s.replica_holders = list(mine)
+        return saved[0]
+
+    def _write_drive(self, job: _Job) -> SaveInfo:
+        """The step to ``root`` (the drive): one writer, or every rank 1/N with a group."""
+        h = job.handle
+        kwargs = dict(self._save_kwargs)
+        if self.process_group is not None:
+            kwargs["process_group"] = self.process_group
+        base = self._base_for(h)
+        if base is not None:
+            kwargs["base"] = base
+        if job.remote is not None:
+            assert self._helper is not None
+            try:
+                info = self._helper.write(
+                    {**job.remote, **self._helper_job_extra, "path": h.path,
+                     "kwargs": kwargs}, self.timeout_s, f"writing step {h.step}")
+            except TimeoutError as e:
+                raise CheckpointTimeout(f"{e} (under {self.root}); raise "
+                                        "Checkpointer(timeout_s=...) if the drive is slow"
+                                        ) from None
+        else:
+            assert job.flat is not None
+            info = core_save(job.flat, h.path, **kwargs)  # flattened once, at save()
+        return info
 
     def _base_for(self, h: SaveHandle) -> str | None:
         """incremental=True: the committed step this save refers to (the last one this
@@ -760,6 +902,24 @@ class Checkpointer:
                 f"step {h.step} was committed at {h.path}, but publishing it failed "
                 f"(updating {self.root}/latest or removing old steps): {e}"
             ) from e
+
+
+def _check_tiers(memory_root: Any, memory_every: int, drive_every: int, replicas: int | None,
+                 writer: str) -> None:
+    for name, value in (("memory_every", memory_every), ("drive_every", drive_every)):
+        if operator.index(value) < 1:
+            raise ValueError(f"{name}={value} must be at least 1 (a step is written to a tier "
+                             "when the tier's interval divides it)")
+    if replicas is not None and replicas < 0:
+        raise ValueError(f"replicas={replicas} must be 0 or more")
+    if memory_root is None:
+        if memory_every != 1 or drive_every != 1 or replicas:
+            raise ValueError("memory_every, drive_every and replicas are the memory tier's: "
+                             "pass memory_root=DIR (a tmpfs such as /dev/shm/ckpt) as well")
+        return
+    if writer == "process":
+        raise ValueError("writer='process' writes only to the drive; the memory tier "
+                         "(memory_root=) needs writer='thread'")
 
 
 def _record_events(flat: Flattened) -> list[tuple[torch.device, Any]]:

@@ -20,26 +20,11 @@ one that overlaps training and stalls only for its exposed part.
 from __future__ import annotations
 
 import math
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-_UNITS = {"": 1.0, "s": 1.0, "m": 60.0, "min": 60.0, "h": 3600.0, "d": 86400.0}
-
-
-def parse_duration(text: str | float) -> float:
-    """Seconds from ``90``, ``90s``, ``2.5m``, ``24h``, ``7d``."""
-    if isinstance(text, (int, float)):
-        value = float(text)
-    else:
-        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+(?:[eE][-+]?[0-9]+)?)\s*([a-z]*)\s*", text)
-        if not m or m.group(2) not in _UNITS:
-            raise ValueError(f"bad duration {text!r}: use a number of seconds or e.g. 90s, 5m, "
-                             "24h, 7d")
-        value = float(m.group(1)) * _UNITS[m.group(2)]
-    if not math.isfinite(value) or value < 0:
-        raise ValueError(f"bad duration {text!r}: must be finite and >= 0")
-    return value
+from .units import format_duration
+from .wear import Endurance, Wear, describe_wear, wear, wear_interval
 
 
 def young_interval(cost_s: float, mtbf_s: float) -> float:
@@ -89,6 +74,10 @@ class Advice:
     iteration_s: float | None = None
     per_iteration: Plan | None = None  # checkpoint every iteration with the overlapped cost
     per_iteration_break_even_cost_s: float | None = None  # per-iteration optimal below this cost
+    daly_interval_s: float | None = None  # what failures alone set (optimal unless wear-bound)
+    limited_by: str = "failures"  # failures | iteration | wear
+    wear_interval_s: float | None = None  # the endurance budget's shortest interval
+    wear: Wear | None = None  # the drive's writes at the optimal interval
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -102,21 +91,36 @@ def _plan(interval: float, cost: float, mtbf: float, restart: float, iteration: 
 
 
 def advise(cost_s: float, mtbf_s: float, *, restart_s: float = 0.0,
-           iteration_s: float | None = None, per_iteration_cost_s: float | None = None) -> Advice:
+           iteration_s: float | None = None, per_iteration_cost_s: float | None = None,
+           drive_bytes: float | None = None, budget: Endurance | None = None,
+           wear_share: float = 1.0) -> Advice:
     """The optimal interval for checkpoints stalling ``cost_s``, and, given an iteration time,
-    what checkpointing every iteration with a stall of ``per_iteration_cost_s`` would waste."""
+    what checkpointing every iteration with a stall of ``per_iteration_cost_s`` would waste.
+
+    ``drive_bytes``: what one drive takes per checkpoint; with ``budget``, the interval never
+    writes more than ``wear_share`` of the drive's rated endurance (:mod:`.wear`)."""
     if mtbf_s <= 0:
         raise ValueError(f"mtbf={mtbf_s} must be positive")
     if cost_s < 0 or restart_s < 0:
         raise ValueError("checkpoint cost and restart time must be >= 0")
-    interval = daly_interval(cost_s, mtbf_s) if cost_s > 0 else 0.0
-    if iteration_s:
-        interval = max(interval, iteration_s)  # no finer than one iteration
+    if budget is not None and drive_bytes is None:
+        raise ValueError("the drive's endurance needs the checkpoint size (the bytes each "
+                         "drive takes per checkpoint) to compare writes against it")
+    daly = daly_interval(cost_s, mtbf_s) if cost_s > 0 else 0.0
+    interval = max(daly, iteration_s or 0.0)  # no finer than one iteration
+    floor = None if budget is None or drive_bytes is None else wear_interval(drive_bytes, budget,
+                                                                             wear_share)
+    limited_by = ("wear" if floor is not None and floor > interval
+                  else "iteration" if interval > daly else "failures")
+    interval = max(interval, floor or 0.0)
     if interval <= 0:
         raise ValueError("a checkpoint that costs nothing has no optimal interval; give "
                          "--iteration-time to checkpoint every iteration")
     a = Advice(mtbf_s, restart_s, young_interval(cost_s, mtbf_s),
-               _plan(interval, cost_s, mtbf_s, restart_s, iteration_s))
+               _plan(interval, cost_s, mtbf_s, restart_s, iteration_s), daly_interval_s=daly,
+               limited_by=limited_by, wear_interval_s=floor)
+    if drive_bytes is not None:
+        a.wear = wear(drive_bytes, interval, iteration_s, budget, wear_share)
     if iteration_s:
         a.iteration_s = iteration_s
         a.per_iteration_break_even_cost_s = iteration_s**2 / (2.0 * mtbf_s)
@@ -125,36 +129,36 @@ def advise(cost_s: float, mtbf_s: float, *, restart_s: float = 0.0,
     return a
 
 
-def _duration(s: float) -> str:
-    for unit, size in (("d", 86400.0), ("h", 3600.0), ("min", 60.0)):
-        if s >= size:
-            return f"{s / size:.3g} {unit} ({s:.0f} s)"
-    return f"{s:.3g} s"
-
-
 def describe(a: Advice) -> list[str]:
     """The advice as lines of text."""
     o = a.optimal
+    at = format_duration(o.interval_s) + (f" = {o.interval_iterations:.1f} iterations"
+                                          if o.interval_iterations else "")
     lines = [
-        f"MTBF {_duration(a.mtbf_s)}, restart {_duration(a.restart_s)}, checkpoint stall "
-        f"{_duration(o.cost_s)}",
-        f"Young interval sqrt(2CM):  {_duration(a.young_interval_s)}",
-        f"Daly interval (optimal):   {_duration(o.interval_s)}"
-        + (f" = {o.interval_iterations:.1f} iterations" if o.interval_iterations else ""),
-        f"  expected lost work per failure {_duration(o.lost_per_failure_s)}, "
+        f"MTBF {format_duration(a.mtbf_s)}, restart {format_duration(a.restart_s)}, "
+        f"checkpoint stall {format_duration(o.cost_s)}",
+        f"Young interval sqrt(2CM):  {format_duration(a.young_interval_s)}",
+        *([f"Daly interval:             {format_duration(a.daly_interval_s or 0.0)}",
+           f"Wear-limited interval:     {at}"] if a.limited_by == "wear" else
+          [f"Daly interval (optimal):   {at}"]),
+        f"  expected lost work per failure {format_duration(o.lost_per_failure_s)}, "
         f"waste {100 * o.waste:.3f}% of wall time",
     ]
     p = a.per_iteration
     if p is not None and a.iteration_s is not None and a.per_iteration_break_even_cost_s:
         lines += [
-            f"Every iteration ({_duration(a.iteration_s)}) with a stall of {_duration(p.cost_s)}:",
-            f"  expected lost work per failure {_duration(p.lost_per_failure_s)}, "
+            f"Every iteration ({format_duration(a.iteration_s)}) with a stall of "
+            f"{format_duration(p.cost_s)}:",
+            f"  expected lost work per failure {format_duration(p.lost_per_failure_s)}, "
             f"waste {100 * p.waste:.3f}% of wall time",
             f"  per-iteration checkpointing is the optimum when a checkpoint stalls training at "
-            f"most {_duration(a.per_iteration_break_even_cost_s)} "
+            f"most {format_duration(a.per_iteration_break_even_cost_s)} "
             f"({100 * a.per_iteration_break_even_cost_s / a.iteration_s:.3g}% of an iteration)",
         ]
         better = "pays off" if p.waste <= o.waste else "does not pay off"
         lines.append(f"  => per-iteration checkpointing {better} here "
                      f"({100 * p.waste:.3f}% vs {100 * o.waste:.3f}% waste)")
+    if a.wear is not None:
+        lines += describe_wear(a.wear, a.daly_interval_s or 0.0, a.limited_by == "wear",
+                               a.wear_interval_s)
     return lines

@@ -89,20 +89,34 @@ def remove_tree(path: str) -> bool:
     return False
 
 
-def check_replaceable(path: str) -> None:
-    """Refuse to replace anything at ``path`` that is not a gds_persist checkpoint."""
+def check_replaceable(path: str, replace: bool = True) -> None:
+    """Refuse to replace anything at ``path`` that is not a gds_persist checkpoint (an empty
+    directory is taken); ``replace=False``: refuse a checkpoint there too."""
     if not os.path.lexists(path):
         return
+    entries: list[str] = []
     if os.path.isdir(path) and not os.path.islink(path):
         try:
-            entries = os.listdir(path)
+            entries = sorted(os.listdir(path))
         except FileNotFoundError:  # replaced or removed by another process just now
             return
-        if not entries or MANIFEST_NAME in entries:
+        if not entries:
             return
+        if MANIFEST_NAME in entries:
+            if replace:
+                return
+            raise CheckpointError(
+                f"{path} already holds a checkpoint and this save was asked not to replace one "
+                "(overwrite=False); choose another path, remove it, or pass overwrite=True "
+                "(replaced atomically once the new checkpoint is complete)"
+            )
+    held = (f"a directory holding {', '.join(repr(e) for e in entries[:3])}"
+            f"{', ...' if len(entries) > 3 else ''}" if entries else "a file or link")
     raise CheckpointError(
-        f"{path} exists and is not a gds_persist checkpoint; refusing to replace it. Choose "
-        "another path or remove it yourself"
+        f"{path} exists and is not a gds_persist checkpoint; refusing to replace it ({held}): "
+        "a save replaces the whole directory at the path atomically, which would delete what "
+        "is there. Save into a new or empty directory (e.g. a subdirectory of it), or remove "
+        "it yourself"
     )
 
 
@@ -125,15 +139,16 @@ class Temporary:
     def __post_init__(self) -> None:
         self._finalizer = weakref.finalize(self, _close_quietly, self.lock)
 
-    def swap_in(self, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    def swap_in(self, timeout_s: float = DEFAULT_TIMEOUT_S, replace: bool = True) -> None:
         """Put the fsynced ``dir`` at ``path`` under the commit lock, which stays held until
-        :meth:`finish` (a data-parallel save removes stale data directories under it)."""
+        :meth:`finish` (a data-parallel save removes stale data directories under it);
+        ``replace=False``: only where no checkpoint is (checked under the lock)."""
         fsync_path(self.dir)
         path, parent = self.path, os.path.dirname(self.path)
         lock = acquire(commit_lock_path(path), timeout_s=timeout_s,
                        what=f"committing {path} (another process is committing it)")
         try:
-            check_replaceable(path)
+            check_replaceable(path, replace)
             if os.path.lexists(path) and _exchange(self.dir, path):
                 pass  # self.dir now holds the previous checkpoint
             elif os.path.lexists(path):  # no exchange: two renames, old kept until the new is in
@@ -297,12 +312,12 @@ def _exchange(a: str, b: str) -> bool:
     raise OSError(err, f"renameat2({a}, {b}, RENAME_EXCHANGE): {os.strerror(err)}")
 
 
-def commit(tmp: Temporary, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+def commit(tmp: Temporary, timeout_s: float = DEFAULT_TIMEOUT_S, replace: bool = True) -> None:
     """Publish the fully written ``tmp`` directory at its path (taking turns with other commits
-    of that path, waiting at most ``timeout_s``); on failure the previous checkpoint is intact
-    and ``tmp`` is removed."""
+    of that path, waiting at most ``timeout_s``; ``replace=False``: refuse if a checkpoint is
+    there); on failure the previous checkpoint is intact and ``tmp`` is removed."""
     try:
-        tmp.swap_in(timeout_s)
+        tmp.swap_in(timeout_s, replace)
     except BaseException:
         tmp.finish()
         raise

@@ -1,0 +1,28 @@
+"""Smoke run of the recovery benchmark at a tiny size so it cannot rot (no timing asserted)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+from tests.test_bench_train import _bench_module
+
+
+def test_bench_recovery_tiny(tmp_path, capsys):
+    bench = _bench_module("bench_recovery")
+    out = tmp_path / "recovery.json"
+    drive, mem = tmp_path / "drive", tmp_path / "mem"
+    drive.mkdir()
+    mem.mkdir()
+    report = bench.main(["--tiny", "--dir", str(drive), "--memory-dir", str(mem),
+                         "--cache", "per-file", "--json", str(out)])
+    text = capsys.readouterr().out
+    results = report["results"]
+    assert results["memory"]["sources"] == ["memory"] * 4
+    assert results["replica"]["sources"] == ["memory", "memory", "replica", "replica"]
+    assert results["drive"]["sources"] == ["drive"] * 4 and results["drive"]["cache"] == "fadvise"
+    for src in bench.SOURCES:
+        assert f"\n{src} " in text and results[src]["restore_s"] > 0
+    assert "target memory >= 5x the drive" in text and "target replica >= 2x" in text
+    assert json.loads(out.read_text())["results"].keys() == results.keys()
+    assert os.listdir(drive) == [] and os.listdir(mem) == []  # everything it wrote is removed

@@ -1,0 +1,222 @@
+"""One rank of a small data-parallel training job checkpointing through the memory tier; run by
+tests/test_memory_tier.py (4 of them: 2 nodes x 2 ranks) and bench/bench_recovery.py.
+
+``python tests/tier_worker.py CONFIG_JSON``: joins a gloo group (FileStore), restores with
+``ckpt.load()`` (``into=`` the live state
+with ``into``) when ``resume`` is set, trains up to ``stop`` saving every step (memory every
+step, drive every ``drive_every``), and writes what it restored and ended with to ``out``. The
+training is deterministic (:func:`reference` replays it in one process): a restored state is
+compared bit for bit with the uninterrupted run's. ``kill_in_replication`` ([rank, step]): that
+rank SIGKILLs itself in the middle of copying that step to its replica holder.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+WIDTH = 384  # 3 x 384 x 384 x 4 B (weights + Adam's two moments) ~ 1.7 MiB per rank
+
+
+def build(width: int = WIDTH) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(width, width)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3)
+
+
+def train_step(model: torch.nn.Linear, opt: torch.optim.Optimizer, step: int) -> None:
+    g = torch.Generator().manual_seed(step)
+    x = torch.randn(8, model.in_features, generator=g)
+    loss = (model(x) - x.flip(1)).square().mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def state(model: torch.nn.Linear, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
+    return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+
+def digest(sd: dict[str, Any]) -> str:
+    """A hash of every tensor's bytes and the step: equal digests are bit-identical states."""
+    h = hashlib.sha256(str(sd["step"]).encode())
+    model = sd["model"]
+    for k in sorted(model):
+        h.update(k.encode() + model[k].numpy().tobytes())
+    for pid, st in sorted(sd["optim"]["state"].items()):
+        for k in sorted(st):
+            h.update(f"{pid}.{k}".encode() + st[k].numpy().tobytes())
+    return h.hexdigest()
+
+
+def reference(steps: int) -> list[str]:
+    """Digests of the uninterrupted run after each step (index 0: before training)."""
+    model, opt = build()
+    out = [""]
+    for s in range(1, steps + 1):
+        train_step(model, opt, s)
+        out.append(digest(state(model, opt, s)))
+    return out
+
+
+def _kill_in_replication(rank: int, step: int) -> None:
+    from gds_persist.training import replicate
+
+    replicate.CHUNK = 64 << 10  # many rounds per step: the kill lands mid-copy
+    original = replicate._round
+
+    def killing(comm: Any, k: int, *args: Any) -> None:
+        if comm.rank == rank and k == 3 and args[-1] == f"replicas of step {step}":
+            os.kill(os.getpid(), signal.SIGKILL)
+        original(comm, k, *args)
+
+    replicate._round = killing  # type: ignore[assignment]
+
+
+def main(cfg: dict[str, Any]) -> None:
+    t0 = time.perf_counter()
+    import torch.distributed as dist
+
+    import gds_persist
+
+    rank = cfg["rank"]
+    if cfg.get("kill_in_replication"):
+        _kill_in_replication(*cfg["kill_in_replication"])
+    dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank,
+                            world_size=cfg["world"], timeout=timedelta(seconds=60))
+    group = dist.new_group(backend="gloo")  # the Checkpointer's own group
+    model, opt = build(cfg.get("width", WIDTH))
+    out: dict[str, Any] = {"rank": rank}
+    with gds_persist.Checkpointer(cfg["drive"], process_group=group, memory_root=cfg["memory"],
+                                  memory_every=1, drive_every=cfg["drive_every"], replicas=1,
+                                  keep_last=2, mode="fence", warmup=False, timeout_s=120) as ckpt:
+        ckpt.guard(opt)
+        start = 0
+        if cfg["resume"]:
+            into = None
+            if cfg.get("into"):  # restore in place into the live model and optimizer
+                gds_persist.init_optimizer_state(opt)
+                into = state(model, opt, 0)
+            sd = ckpt.load(into=into)
+            if into is not None:
+                assert sd["model"]["weight"] is into["model"]["weight"], "not restored in place"
+            out["restored_s"] = time.perf_counter() - t0  # main() start to state restored
+            out["restored_at"] = time.time()  # the launcher knows when the process started
+            out["restored"] = digest(sd)
+            model.load_state_dict(sd["model"])
+            opt.load_state_dict(sd["optim"])
+            start = sd["step"]
+            s = ckpt.stats
+            out.update(restored_from=ckpt.restored_from, restore_step=s.restore_step,
+                       restore_sources=s.restore_sources, restore_skipped=s.restore_skipped,
+                       restore_s=s.restore_s)
+        for step in range(start + 1, cfg["stop"] + 1):
+            train_step(model, opt, step)
+            ckpt.save(step, state(model, opt, step))
+            print(f"saved {step}", flush=True)
+        ckpt.wait()
+        out["final"] = digest(state(model, opt, cfg["stop"]))
+        out["holders"] = ckpt.stats.replica_holders
+    with open(cfg["out"], "w") as f:
+        json.dump(out, f)
+    sys.stdout.flush()
+    os._exit(0)  # skip the gloo teardown, which may abort at exit on a loaded machine
+    # (tests/test_examples.py, GLOO_EXIT_ABORT): everything is committed and reported
+
+
+if __name__ == "__main__":
+    main(json.loads(sys.argv[1]))
+
+
+# ------------------------------------------------------------------ the launcher (tests, bench)
+
+WORKER = os.path.abspath(__file__)
+REPO = os.path.dirname(os.path.dirname(WORKER))
+NODES, PER_NODE = 2, 2
+
+
+def node_of(rank: int) -> str:
+    return f"n{rank // PER_NODE}"
+
+
+class Job:
+    """The 4 ranks of one incarnation of the job (2 nodes x 2 ranks, a memory_root per node
+    under ``base``), started as separate processes like an elastic launcher starts them."""
+
+    def __init__(self, base: str, *, resume: bool, stop: int, drive_every: int = 2,
+                 kill_in_replication: list[int] | None = None, memory: str | None = None,
+                 width: int = WIDTH, into: bool = False):
+        import subprocess
+        import uuid
+
+        self.base, self.memory = base, memory
+        tag = uuid.uuid4().hex[:8]
+        self.outs = [os.path.join(base, f"out-{tag}-{r}.json") for r in range(self.world)]
+        self.logs = [os.path.join(base, f"log-{tag}-{r}.txt") for r in range(self.world)]
+        self.started = time.time()
+        self.procs = []
+        for r in range(self.world):
+            cfg = {"rank": r, "world": self.world, "init": os.path.join(base, f"init-{tag}"),
+                   "drive": os.path.join(base, "drive"), "memory": self.memory_root(r),
+                   "drive_every": drive_every, "stop": stop, "resume": resume,
+                   "out": self.outs[r], "kill_in_replication": kill_in_replication,
+                   "width": width, "into": into}
+            env = {**os.environ, "GDS_PERSIST_NODE": node_of(r), "GLOO_SOCKET_IFNAME": "lo",
+                   "PYTHONPATH": REPO}
+            with open(self.logs[r], "w") as log:
+                self.procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(cfg)],
+                                                   env=env, stdout=log, stderr=log))
+
+    world = NODES * PER_NODE
+
+    def memory_root(self, rank: int) -> str:
+        """Node ``rank``'s memory_root: a directory per node, under ``memory`` (else ``base``)."""
+        return os.path.join(self.memory or self.base, f"mem-{node_of(rank)}")
+
+    def log(self, rank: int) -> str:
+        with open(self.logs[rank]) as f:
+            return f.read()
+
+    def wait(self, timeout: float = 180) -> list[dict[str, Any]]:
+        """Every rank's result; raises with the logs of ranks that failed."""
+        deadline = time.monotonic() + timeout
+        try:
+            for p in self.procs:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        finally:
+            self.kill()
+        bad = [r for r, p in enumerate(self.procs) if p.returncode != 0]
+        if bad:
+            raise AssertionError("\n".join(f"--- rank {r} exited {self.procs[r].returncode}:\n"
+                                           f"{self.log(r)[-4000:]}" for r in bad))
+        out = []
+        for path in self.outs:
+            with open(path) as f:
+                out.append(json.load(f))
+        return out
+
+    def kill_at(self, rank: int, step: int, timeout: float = 180) -> None:
+        """SIGKILL ``rank`` once it has saved ``step``, then the others (the launcher tearing
+        down the job after one rank died)."""
+        deadline = time.monotonic() + timeout
+        while f"saved {step}\n" not in self.log(rank):
+            if self.procs[rank].poll() is not None or time.monotonic() > deadline:
+                self.kill()
+                raise AssertionError(f"rank {rank} never saved step {step}:\n{self.log(rank)}")
+            time.sleep(0.01)
+        self.procs[rank].send_signal(signal.SIGKILL)
+        self.kill()
+
+    def kill(self) -> None:
+        for p in self.procs:  # our own children, by object
+            if p.poll() is None:
+                p.send_signal(signal.SIGKILL)
+            p.wait()
