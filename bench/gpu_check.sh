@@ -69,7 +69,7 @@ WARMUP_SIZE=1GiB
 TRAIN_ARGS=""
 H200_TRAIN="--d-model 1024 --layers 6 --heads 16 --vocab 8192 --seq 1024 --batch 48 --iters 5 --warmup 2 --rounds 2"
 
-usage() { sed -n '2,47p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; }  # the header comment, whatever its length
 while [ $# -gt 0 ]; do
     case "$1" in
         --out) OUT_DIR="$2"; shift 2 ;;

@@ -250,6 +250,13 @@ for key in ("w", "b", "t"):
               "optimizer = torch.optim.SGD(model.parameters(), lr=0.1)\n"
               "scheduler = torch.optim.lr_scheduler.StepLR(optimizer, 1)\n",
         check='assert gds_persist.verify("ckpt/step-100").ok\n'),
+    ("docs/INTEGRATIONS.md", 'dcp_to_torch_save("ckpt/dcp", "model-full.pt")'
+                             "     # consolidated, written atomically, CRC32C checked"): Prelude(
+        setup="import torch\n"
+              'want = {"w": torch.randn(16, 4), "b": torch.arange(3)}\n'
+              'torch.save(want, "model.pt")\n',
+        check='got = torch.load("model-full.pt")\n'
+              "assert all(torch.equal(got[k], v) for k, v in want.items()), got\n"),
     # docs/TRAINING.md
     ("docs/TRAINING.md", "for step in range(start + 1, total_steps + 1):"): Prelude(
         setup=TINY_TRAINING + "total_steps = 3\n",
