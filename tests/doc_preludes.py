@@ -220,11 +220,6 @@ for key in ("w", "b", "t"):
               'state_dict["w"].zero_()  # saved as zeros at step-100 and step-200\n',
         check='assert gds_persist.verify("ckpt/step-100").ok\n'
               'assert torch.equal(state_dict["w"], torch.zeros(64, 8))\n'),
-    ("docs/INTEGRATIONS.md", 'torch_save_to_dcp("model.pt", "ckpt/dcp")          # one process; '
-                             "source: torch.load(weights_only=True)"): Prelude(
-        setup='import torch\ntorch.save({"w": torch.randn(4), "step": 3}, "model.pt")\n',
-        check='back, orig = torch.load("model-full.pt"), torch.load("model.pt")\n'
-              'assert torch.equal(back["w"], orig["w"]) and back["step"] == 3\n'),
     ("docs/INTEGRATIONS.md", 'gds_persist.export_checkpoint("ckpt/step-100", "model.pt")'
                              "                  # torch.save file"): Prelude(
         setup=SMALL_STATE + 'gds_persist.save(state, "ckpt/step-100")\n'
