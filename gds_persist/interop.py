@@ -58,7 +58,6 @@ import pickle
 import struct
 import uuid
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,6 +71,7 @@ from .format import DTYPES, Extent, Manifest, TensorRecord, full_tree, leaves
 from .format.tree import decode, path_str, tensor_key_paths, validate, walk
 from .load import load, read_extents, read_manifest
 from .progress import ByteCounter, ProgressCallback
+from .restore import contiguous, tensor_leaves
 from .results import ExportInfo, SaveInfo
 from .save import save
 from .transfer.commit import fsync_path
@@ -252,19 +252,8 @@ def _export_torch(state: Any, out: str, counter: ByteCounter, notes: list[str]) 
         f.abort()
         raise
     counter.finish()
-    n = sum(1 for _ in _tensors(state))
+    n = sum(1 for _ in tensor_leaves(state))
     return ExportInfo(out, "torch", n, os.path.getsize(out), notes)
-
-
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 @dataclass
@@ -348,15 +337,6 @@ def _st_header(entries: list[_StEntry], metadata: dict[str, str]) -> bytes:
     return struct.pack("<Q", len(raw)) + raw
 
 
-def _is_contiguous(rec: TensorRecord) -> bool:
-    expected = 1
-    for d, s in zip(reversed(rec.shape), reversed(rec.stride), strict=False):
-        if d != 1 and s != expected:
-            return False
-        expected *= d
-    return True
-
-
 class _SafetensorsExport:
     def __init__(
         self,
@@ -405,7 +385,7 @@ class _SafetensorsExport:
                 by_storage.setdefault(e.record.storage, []).append(e)
             copied = []
             for storage, entries in by_storage.items():
-                if all(_is_contiguous(e.record) for e in entries):
+                if all(contiguous(e.record) for e in entries):
                     ranges = self.ranges[storage] = []
                     for e in entries:
                         lo = e.record.storage_offset * DTYPES[e.record.dtype].itemsize

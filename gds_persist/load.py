@@ -178,6 +178,8 @@ def _apply_callable(fn: Callable[..., Any], storage: torch.UntypedStorage, locat
 def load(
     path: str | os.PathLike[str],
     *,
+    into: Any = None,
+    strict: bool = True,
     map_location: MapLocation = None,
     verify: bool = True,
     backend: str | None = None,
@@ -187,8 +189,6 @@ def load(
     rank_local: Any = None,
     data_dirs: Any = None,
     return_info: bool = False,
-    into: Any = None,
-    strict: bool = True,
 ) -> Any:
     """Load the checkpoint at ``path``; every extent's CRC32C is checked unless ``verify=False``.
 

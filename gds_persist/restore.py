@@ -232,7 +232,7 @@ def _tiles(m: Manifest, s: int, indices: list[int], matched: dict[int, torch.Ten
         start, length = _byte_range(rec)
         if length == 0:
             continue
-        if not (_contiguous(rec) and dest.is_contiguous()):
+        if not (contiguous(rec) and dest.is_contiguous()):
             return None
         if start in ranges:
             if ranges[start][0] != length:
@@ -268,7 +268,8 @@ def _boundaries(m: Manifest, indices: list[int]) -> list[int]:
     return sorted(points)
 
 
-def _contiguous(rec: TensorRecord) -> bool:
+def contiguous(rec: TensorRecord) -> bool:
+    """Whether a saved tensor is laid out row-major without gaps (any stride on size-1 dims)."""
     expected = 1
     for n, stride in zip(reversed(rec.shape), reversed(rec.stride), strict=True):
         if n != 1 and stride != expected:

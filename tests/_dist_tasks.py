@@ -11,6 +11,7 @@ import torch
 
 import gds_persist
 from gds_persist import settings
+from gds_persist.restore import tensor_leaves
 
 
 def make_state(seed: int = 0) -> dict[str, Any]:
@@ -125,26 +126,15 @@ def load_into_check(ctx: Any, m: int, path: str, strategy: str) -> Any:
     if group is None:
         return None
     live = make_state(seed=7)
-    before = {id(t): t.data_ptr() for t in _tensors(live)}
+    before = {id(t): t.data_ptr() for _, t in tensor_leaves(live)}
     out = gds_persist.load(path, process_group=group, strategy=strategy, into=live)
     problems = check_loaded(out)
-    got = list(_tensors(out))
-    if [id(t) for t in got] != [id(t) for t in _tensors(live)]:
+    got = [t for _, t in tensor_leaves(out)]
+    if [id(t) for t in got] != [id(t) for _, t in tensor_leaves(live)]:
         problems.append("load(into=) returned other tensor objects than it was given")
     if any(before[id(t)] != t.data_ptr() for t in got):
         problems.append("a destination moved")
     return problems
-
-
-def _tensors(obj: Any) -> Any:
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
 
 
 def save_expect_error(ctx: Any, n: int, path: str, kind: str, **kw: Any) -> Any:
