@@ -52,8 +52,8 @@ def width_for(size: int) -> int:
     return max(64, int(math.sqrt(size / 12)))
 
 
-def _restart(base: str, mem: str, width: int, timeout: float) -> dict[str, Any]:
-    job = Job(base, resume=True, stop=2, memory=mem, width=width)
+def _restart(base: str, mem: str, width: int, timeout: float, into: bool) -> dict[str, Any]:
+    job = Job(base, resume=True, stop=2, memory=mem, width=width, into=into)
     results = job.wait(timeout)
     return {"start_to_restored_s": max(r["restored_at"] for r in results) - job.started,
             "restore_s": max(r["restore_s"] for r in results),
@@ -66,20 +66,20 @@ def _warm_libraries() -> None:
                    check=True, env={**os.environ, "PYTHONPATH": REPO})
 
 
-def run_round(base: str, mem: str, width: int, cache: str,
-              timeout: float) -> dict[str, dict[str, Any]]:
+def run_round(base: str, mem: str, width: int, cache: str, timeout: float,
+              into: bool = False) -> dict[str, dict[str, Any]]:
     """One restart per source; the memory directories are as the training left them after."""
     nodes = [os.path.join(mem, "mem-n0"), os.path.join(mem, "mem-n1")]
-    out = {"memory": _restart(base, mem, width, timeout)}
+    out = {"memory": _restart(base, mem, width, timeout, into)}
     shutil.rmtree(nodes[1])  # node n1 lost; the replica restore heals it
-    out["replica"] = _restart(base, mem, width, timeout)
+    out["replica"] = _restart(base, mem, width, timeout, into)
     for n in nodes:
         os.rename(n, n + ".away")
     try:
         how, _ = machine.drop_page_cache([os.path.join(base, "drive")], cache)
         if how == "drop_caches":
             _warm_libraries()
-        out["drive"] = _restart(base, mem, width, timeout)
+        out["drive"] = _restart(base, mem, width, timeout, into)
         out["drive"]["cache"] = how
     finally:
         for n in nodes:
@@ -129,6 +129,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                    help="how the page cache is emptied before the drive restore")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per restart")
     p.add_argument("--json", default=None, help="write the results here too")
+    p.add_argument("--into", action="store_true",
+                   help="restore in place (ckpt.load(into=...)) into the restarted job's live "
+                        "model and optimizer, as a training script does, instead of fresh tensors")
     p.add_argument("--tiny", action="store_true", help="smoke test: 1 MiB, one round")
     args = p.parse_args(argv)
     if args.tiny:
@@ -149,7 +152,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"job: 4 processes as 2 nodes x 2 ranks (gloo, loopback), {size / 2**20:.1f} MiB "
               f"per rank, {args.rounds} round(s)")
         Job(base, resume=False, stop=2, memory=mem, width=width).wait(args.timeout)
-        rounds = [run_round(base, mem, width, args.cache, args.timeout)
+        rounds = [run_round(base, mem, width, args.cache, args.timeout, args.into)
                   for _ in range(args.rounds)]
     finally:
         shutil.rmtree(base, ignore_errors=True)
