@@ -375,16 +375,12 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
                                      match(m, lp.tree, into, strict, what))
             held["dest"] = plan_destinations(m, lp.wanted, lp.needed, found, allocate)
         reading = _PieceReader(ck, held["dest"], cfg, verify, describe_storage, chosen)
-        mine = lp.mine if not lp.share else (
-            lp.by_rank[comm.rank] + _own_reads(m, lp.needed, lp.replicated))
-        held["read_bytes"] = sum(align_up(e.stored_length) for e in mine)
+        sub = lp.by_rank[comm.rank] if lp.share else []
+        own = _own_reads(m, lp.needed, lp.replicated) if lp.share else lp.mine
+        held["read_bytes"] = sum(align_up(e.stored_length) for e in sub + own)
         counter = ByteCounter(progress, held["read_bytes"])
-        if not lp.share:
-            reading.read(lp.mine, counter.hook)
-            counter.finish()
-            return []
-        crcs = reading.read(lp.by_rank[comm.rank], counter.hook, shared=True)
-        reading.read(_own_reads(m, lp.needed, lp.replicated), counter.hook)
+        crcs = reading.read(sub, counter.hook, shared=True) if sub else []
+        reading.read(own, counter.hook)  # checked here, extent by extent
         counter.finish()
         return crcs
 
