@@ -57,7 +57,7 @@ def make_state(nbytes: int) -> dict[str, Any]:
     (a fixed byte pattern: no time spent generating random numbers)."""
     import torch
 
-    from gds_persist.scale import bytes_split, gpt_param_numels, gpt_shape
+    from gds_persist.advice.scale import bytes_split, gpt_param_numels, gpt_shape
 
     params = max(nbytes / 14, 2e5)
     layers, hidden = gpt_shape(params, vocab=8192, seq=1024)

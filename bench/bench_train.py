@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import gds_persist
-from gds_persist.flatten import flatten
+from gds_persist.state.flatten import flatten
 
 MODES = ("none", "torch_save", "gds_blocking", "gds_fence", "gds_snapshot", "gds_snapshot_process",
          "gds_auto", "gds_memory")

@@ -62,7 +62,7 @@ def child(args: argparse.Namespace) -> dict[str, Any]:
 
     import gds_persist
     from bench.state import make_state_dict
-    from gds_persist.flatten import flatten
+    from gds_persist.state.flatten import flatten
 
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     sd = make_state_dict(args.size, device=device)

@@ -29,7 +29,7 @@ def _try(fn: Any) -> Any:
 def facts() -> dict[str, Any]:
     import torch
 
-    from gds_persist.topology import topology
+    from gds_persist.parallel.topology import topology
 
     out: dict[str, Any] = {"python": sys.version.split()[0], "torch": torch.__version__,
                            "torch_cuda": torch.version.cuda}

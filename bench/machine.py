@@ -120,7 +120,7 @@ def gpu_info() -> dict[str, Any]:
     except Exception as e:  # noqa: BLE001 - NVMLError_LibraryNotFound on CPU machines
         info["nvml"] = f"no NVML ({type(e).__name__})"
     try:
-        from gds_persist.topology import topology
+        from gds_persist.parallel.topology import topology
 
         topo = topology()  # never raises
         info["topology"] = topo.as_dict()

@@ -15,6 +15,8 @@ from __future__ import annotations
 from . import settings
 from ._lazy import lazy_submodules
 from ._version import __version__
+from .convert.interop import export_checkpoint, import_checkpoint
+from .convert.materialize import materialize
 from .errors import (
     BackendError,
     CheckpointError,
@@ -37,17 +39,15 @@ from .errors import (
     UnhashedBaseWarning,
     WorkerDied,
 )
-from .interop import export_checkpoint, import_checkpoint
-from .load import load, read_manifest, verify
-from .materialize import materialize
+from .loading.load import load, read_manifest, verify
 from .results import LoadInfo, SaveInfo, WarmupReport
-from .save import save
+from .saving.save import save
 from .training.checkpointer import Checkpointer, SaveHandle
 from .training.optimizer_state import init_optimizer_state
-from .warmup import warmup
+from .transfer.warmup import warmup
 
 # imported on first use (gds_persist.dcp...): they pull in torch.distributed.checkpoint, trainers
-LAZY_SUBMODULES = ("cli", "commands", "dcp", "integrations", "scale")
+LAZY_SUBMODULES = ("advice", "cli", "dcp", "integrations")
 __getattr__, __dir__ = lazy_submodules(__name__, globals(), LAZY_SUBMODULES)
 
 __all__ = [

@@ -33,7 +33,7 @@ AUTO_KVIKIO = ("gds", "always", "never")
 # process group. The default was chosen by bench/bench_parallel.py (docs/DISTRIBUTED.md):
 # broadcast matched read_all there while reading each byte once; gloo's all-gather was far slower.
 LOAD_STRATEGIES = ("broadcast", "allgather", "read_all")
-# How a save stores its bytes (gds_persist.compression): "none" - raw; "lossless" - encoded by
+# How a save stores its bytes (gds_persist.saving.compression): "none" - raw; "lossless" - encoded by
 # the lossless codec where it shrinks them; "auto" - encoded only where measured to be faster.
 COMPRESSIONS = ("none", "lossless", "auto")
 
@@ -49,7 +49,7 @@ class Settings:
     load_strategy: str = "broadcast"  # data-parallel load of replicated data; see LOAD_STRATEGIES
     auto_kvikio: str = "gds"  # when backend="auto" takes kvikio; see AUTO_KVIKIO
     file_streams: int = 0  # data files one writer spreads a save over; 0: one per I/O thread
-    # for large saves (gds_persist.layout.file_streams says why and when)
+    # for large saves (gds_persist.format.layout.file_streams says why and when)
     compression: str = "none"  # none | lossless | auto; see COMPRESSIONS
 
     @property

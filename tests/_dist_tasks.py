@@ -11,7 +11,7 @@ import torch
 
 import gds_persist
 from gds_persist import settings
-from gds_persist.restore import tensor_leaves
+from gds_persist.loading.destinations import tensor_leaves
 
 
 def make_state(seed: int = 0) -> dict[str, Any]:

@@ -11,17 +11,17 @@ from pathlib import Path
 import pytest
 
 from gds_persist import cli
-from gds_persist.backends import write_rate
-from gds_persist.training.interval import (
+from gds_persist.advice.interval import (
     advise,
     daly_interval,
     lost_work,
     waste_fraction,
     young_interval,
 )
-from gds_persist.training.levels import Failures, Tier, advise_levels, describe_levels
-from gds_persist.training.units import parse_duration, parse_size
-from gds_persist.training.wear import endurance, wear_interval, writes_per_day
+from gds_persist.advice.levels import Failures, Tier, advise_levels, describe_levels
+from gds_persist.advice.units import parse_duration, parse_size
+from gds_persist.advice.wear import endurance, wear_interval, writes_per_day
+from gds_persist.backends import write_rate
 
 
 def test_young_and_daly_intervals():

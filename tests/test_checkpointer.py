@@ -14,7 +14,7 @@ import torch
 
 import gds_persist
 from gds_persist import Checkpointer, CheckpointError, CheckpointTimeout, WorkerDied
-from gds_persist.flatten import flatten
+from gds_persist.state.flatten import flatten
 from gds_persist.training.snapshot import SnapshotArena, snapshot_nbytes, take_snapshot
 from gds_persist.training.steps import LATEST, step_name
 from tests.ckpt_train import (

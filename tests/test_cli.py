@@ -126,7 +126,7 @@ def test_every_command_is_discovered_with_its_help(command: str,
 def test_the_command_list_is_the_commands_package() -> None:
     import pkgutil
 
-    from gds_persist import commands
+    from gds_persist.cli import commands
 
     found = sorted(i.name.rstrip("_") for i in pkgutil.iter_modules(commands.__path__))
     assert found == COMMANDS

@@ -371,7 +371,7 @@ def test_dcp_reader_holds_the_checkpoint(other: Contender, tmp_path: Path,
 
 def test_stale_stripe_removal_respects_live_owners(other: Contender, tmp_path: Path,
                                                    small_blocks: None) -> None:
-    from gds_persist.parallel_save import _stripe_prefix
+    from gds_persist.saving.data_parallel import _stripe_prefix
 
     path, roots = tmp_path / "ck", [tmp_path / "nvme0", tmp_path / "nvme1"]
     for r in roots:

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from gds_persist.dcp.balancing import ALIGN, balance, rank_bytes
+from gds_persist.parallel.balancing import ALIGN, balance, rank_bytes
 
 
 def check_cover(sizes, holders, pieces):

@@ -542,12 +542,12 @@ _ALL_SETTING_VALUES: dict[str, tuple[Any, Any, Any]] = {
     "staging_bytes": (32 << 20, 48 << 20, 64 << 20),
     "io_threads": (2, 3, 5),
     "io_timeout_s": (11.5, 22.0, 33.25),
-    # data-parallel settings (gds_persist.parallel_save), where that code is present
+    # data-parallel settings (gds_persist.saving.data_parallel), where that code is present
     "collective_timeout_s": (12.5, 24.0, 36.75),
     "load_strategy": ("allgather", "read_all", "allgather"),
     "auto_kvikio": ("always", "never", "always"),
     "file_streams": (2, 3, 5),
-    "compression": ("lossless", "auto", "lossless"),  # issue 13: gds_persist.compression
+    "compression": ("lossless", "auto", "lossless"),  # issue 13: gds_persist.saving.compression
 }
 SETTING_VALUES = {k: v for k, v in _ALL_SETTING_VALUES.items() if k in settings.ENV_VARS}
 

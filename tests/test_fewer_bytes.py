@@ -164,7 +164,7 @@ def test_auto_says_why_either_way(tmp_path):
 
 
 def test_auto_rule():
-    from gds_persist.compression import AUTO_GAIN, predicted_gain
+    from gds_persist.saving.compression import AUTO_GAIN, predicted_gain
 
     assert predicted_gain(rate=3e9, ratio=1.3, drive=2e9) == pytest.approx(1.3)  # drive-bound
     assert predicted_gain(rate=2.2e9, ratio=1.3, drive=2e9) == pytest.approx(1.1)  # CPU-bound

@@ -19,7 +19,7 @@ import pytest
 import torch
 
 import gds_persist
-from gds_persist.topology import Topology, bind_current_thread_near, cpus_near, topology
+from gds_persist.parallel.topology import Topology, bind_current_thread_near, cpus_near, topology
 from gds_persist.transfer.cuda_copy import StreamCopier, copier_for
 
 REPO = Path(__file__).resolve().parent.parent
@@ -240,7 +240,7 @@ def test_no_cufile_log_in_working_directory(tmp_path):
 
 
 def test_import_does_not_touch_the_gpu_stack():
-    code = ("import sys, gds_persist, gds_persist.topology, gds_persist.transfer.device_crc, "
+    code = ("import sys, gds_persist, gds_persist.parallel.topology, gds_persist.transfer.device_crc, "
             "gds_persist.transfer.cuda_copy\n"
             "bad = [m for m in ('kvikio', 'cupy') if m in sys.modules]\n"
             "assert not bad, bad\n")
@@ -288,7 +288,7 @@ def test_topology_defaults_without_nvml():
 def test_topology_without_nvidia_ml_py_installed():
     """As if nvidia-ml-py were not installed (its import blocked): still a clean answer."""
     code = ("import sys; sys.modules['pynvml'] = None\n"
-            "from gds_persist.topology import topology\n"
+            "from gds_persist.parallel.topology import topology\n"
             "t = topology(); print(t.reason)\n"
             "assert not t.nvml and 'nvidia-ml-py not importable' in t.reason\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,

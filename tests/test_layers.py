@@ -36,30 +36,19 @@ LAYERS: dict[str, int] = {
     "gds_persist.transfer.locks": 2,
     "gds_persist.transfer.opened": 2,
     "gds_persist.backends": 2,
-    # 3 orchestration: flatten, plan, schedule, one save and one load orchestrator
-    "gds_persist.flatten": 3,
-    "gds_persist.layout": 3,
-    "gds_persist.schedule": 3,
-    "gds_persist.distributed": 3,
-    "gds_persist.topology": 3,
-    "gds_persist.save": 3,
-    "gds_persist.parallel_save": 3,
-    "gds_persist.load": 3,
-    "gds_persist.restore": 3,
-    "gds_persist.exchange": 3,
-    "gds_persist.warmup": 3,
-    "gds_persist.incremental": 3,
-    "gds_persist.compression": 3,
-    "gds_persist.materialize": 3,
-    # 4 training: Checkpointer, snapshots, the helper process
+    # 3 orchestration: state, parallel, one save and one load orchestrator
+    "gds_persist.state": 3,
+    "gds_persist.parallel": 3,
+    "gds_persist.saving": 3,
+    "gds_persist.loading": 3,
+    # 4 training: Checkpointer, snapshots, the helper process; advice
     "gds_persist.training": 4,
-    # 5 integrations: DCP, interop, the CLI, the trainer plugins
+    "gds_persist.advice": 4,
+    # 5 integrations: DCP, conversions, the CLI, the trainer plugins
     "gds_persist.dcp": 5,
-    "gds_persist.interop": 5,
+    "gds_persist.convert": 5,
     "gds_persist.cli": 5,
     "gds_persist.__main__": 5,
-    "gds_persist.commands": 5,
-    "gds_persist.scale": 5,
     "gds_persist.integrations": 5,
     # the package itself only re-exports the public API
     "gds_persist": 6,
@@ -240,7 +229,7 @@ def test_no_import_cycles() -> None:
 @pytest.mark.parametrize(
     ("importer", "level", "module", "expected"),
     [
-        ("gds_persist.load", 1, "format", "gds_persist.format"),
+        ("gds_persist.loading.load", 1, "format", "gds_persist.loading.format"),
         ("gds_persist.format.tree", 1, "records", "gds_persist.format.records"),
         ("gds_persist.format.tree", 2, "errors", "gds_persist.errors"),
         ("gds_persist.format", 1, "tree", "gds_persist.format.tree"),
@@ -253,19 +242,19 @@ def test_relative_imports_resolve(importer: str, level: int, module: str | None,
 
 
 def test_parent_packages_count_but_not_the_root_or_enclosing_ones() -> None:
-    assert _with_parents("gds_persist.transfer.writer", "gds_persist.load") == [
+    assert _with_parents("gds_persist.transfer.writer", "gds_persist.loading.load") == [
         "gds_persist.transfer.writer", "gds_persist.transfer"]
     assert _with_parents("gds_persist.transfer.pipeline", "gds_persist.transfer.writer") == [
         "gds_persist.transfer.pipeline"]
-    assert _with_parents("gds_persist.errors", "gds_persist.load") == ["gds_persist.errors"]
+    assert _with_parents("gds_persist.errors", "gds_persist.loading.load") == ["gds_persist.errors"]
 
 
 def test_a_planted_upward_import_and_circle_are_found(monkeypatch: pytest.MonkeyPatch) -> None:
     graph = {name: dict(targets) for name, targets in GRAPH.items()}
-    graph["gds_persist.errors"]["gds_persist.load"] = 1  # base importing orchestration
+    graph["gds_persist.errors"]["gds_persist.loading.load"] = 1  # base importing orchestration
     monkeypatch.setitem(globals(), "GRAPH", graph)
     with pytest.raises(AssertionError, match=r"gds_persist\.errors \[layer 0 \(base\)\] imports "
-                                             r"gds_persist\.load \[layer 3"):
+                                             r"gds_persist\.loading\.load \[layer 3"):
         test_no_lower_layer_imports_a_higher_one()
     with pytest.raises(AssertionError, match=r"(?s)import cycles:\n.*gds_persist\.errors \(line"):
         test_no_import_cycles()

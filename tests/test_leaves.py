@@ -23,8 +23,8 @@ import torch
 
 import gds_persist
 from gds_persist.errors import ManifestError, PickleRefusedError
-from gds_persist.flatten import flatten, rebuild_tensor
 from gds_persist.format import MANIFEST_NAME, tree
+from gds_persist.state.flatten import flatten, rebuild_tensor
 from gds_persist.training.steps import step_name
 from tests.helpers import rewrite_manifest
 

@@ -21,8 +21,9 @@ import pytest
 import torch
 
 import gds_persist
-from gds_persist.training import memory_tier, recovery, replicate
-from gds_persist.training.memory_tier import MemoryTier, job_name, lacks_room
+from gds_persist.training.tier import memory as memory_tier
+from gds_persist.training.tier import recovery, replicate
+from gds_persist.training.tier.memory import MemoryTier, job_name, lacks_room
 from tests.tier_worker import Job, reference
 
 RUNS = int(os.environ.get("GDS_PERSIST_TIER_RUNS", "1"))

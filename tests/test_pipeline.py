@@ -173,7 +173,7 @@ def test_filesystem_type_and_host_alignment_probes(tmp_path: Path, shm_dir: Path
 def test_one_writer_spreads_a_save_over_file_streams(tmp_path: Path, streams: int) -> None:
     """``file_streams`` data files, written at once, balanced within a block; the checkpoint loads
     the same, and one stream is the single-file layout (a storage cut between files is joined)."""
-    from gds_persist.layout import file_streams
+    from gds_persist.format.layout import file_streams
 
     sd = {"a": random_tensor(torch.float32, 300_000, seed=1),
           "b": random_tensor(torch.uint8, 77_777, seed=2),

@@ -6,8 +6,8 @@ import json
 
 import pytest
 
+from gds_persist.advice.scale import Scenario, bytes_split, gpt_shape, gpt_storage_sizes, predict
 from gds_persist.cli import main
-from gds_persist.scale import Scenario, bytes_split, gpt_shape, gpt_storage_sizes, predict
 
 
 def test_plan_prints_balance_times_and_iteration_fraction(

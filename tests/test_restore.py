@@ -22,7 +22,7 @@ import pytest
 import torch
 
 import gds_persist
-from gds_persist.restore import tensor_leaves
+from gds_persist.loading.destinations import tensor_leaves
 
 
 def _model(seed: int) -> torch.nn.Module:

@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gds_persist.advice.scale import gpt_storage_sizes
 from gds_persist.format import (
     ALIGNMENT,
     Manifest,
@@ -16,9 +17,8 @@ from gds_persist.format import (
     dump_manifest,
     parse_manifest,
 )
-from gds_persist.layout import split_stream
-from gds_persist.scale import gpt_storage_sizes
-from gds_persist.schedule import (
+from gds_persist.format.layout import split_stream
+from gds_persist.parallel.schedule import (
     RankInfo,
     balanced_targets,
     choose_writers,

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import gds_persist
-from gds_persist.flatten import flatten
 from gds_persist.format import tree
+from gds_persist.state.flatten import flatten
 from tests.helpers import assert_tree_equal, flip_byte
 
 

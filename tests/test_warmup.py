@@ -13,7 +13,7 @@ import torch
 import gds_persist
 from gds_persist.backends import supports_o_direct
 from gds_persist.transfer import staging
-from gds_persist.warmup import NO_CUDA, default_device
+from gds_persist.transfer.warmup import NO_CUDA, default_device
 
 STEPS = ["cuda", "staging", "backend", "crc_kernel", "hash_kernel"]
 

@@ -68,7 +68,7 @@ def reference(steps: int) -> list[str]:
 
 
 def _kill_in_replication(rank: int, step: int) -> None:
-    from gds_persist.training import replicate
+    from gds_persist.training.tier import replicate
 
     replicate.CHUNK = 64 << 10  # many rounds per step: the kill lands mid-copy
     original = replicate._round

@@ -1,5 +1,5 @@
 """How fast the drive under a directory takes durable writes: a short measurement, once per
-filesystem and backend per process, for ``compression="auto"`` (:mod:`gds_persist.compression`).
+filesystem and backend per process, for ``compression="auto"`` (:mod:`gds_persist.saving.compression`).
 
 It writes ``PROBE_BYTES`` of incompressible bytes in ``block_bytes`` requests from the I/O
 threads with the save's own backend, fsyncs, and removes the file; the best of ``PROBE_RUNS``

@@ -18,7 +18,7 @@ Importing this module imports ``torch.distributed.checkpoint``; ``import gds_per
 
 from __future__ import annotations
 
-from .balancing import balance, rank_bytes
+from ..parallel.balancing import balance, rank_bytes
 from .reader import GdsPersistReader
 from .writer import GdsPersistWriter
 

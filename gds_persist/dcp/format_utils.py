@@ -17,7 +17,7 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..interop import export_checkpoint
+from ..convert.interop import export_checkpoint
 from ..transfer.commit import check_replaceable
 from .writer import GdsPersistWriter
 

@@ -52,7 +52,8 @@ from ..format import (
     dump_manifest,
 )
 from ..format import tree as _tree
-from ..layout import layout_file
+from ..format.layout import layout_file
+from ..parallel import balancing as _balance
 from ..progress import ByteCounter, ProgressCallback
 from ..transfer.commit import (
     Temporary,
@@ -65,7 +66,6 @@ from ..transfer.commit import (
 from ..transfer.pipeline import byte_view
 from ..transfer.staging import io_session
 from ..transfer.writer import FileWriter
-from . import balancing as _balance
 from ._codec import encode_metadata
 
 WRITER_TAG = "gds_persist.dcp"
@@ -131,7 +131,7 @@ class GdsPersistWriter(StorageWriter, BlockingAsyncStager):
 
     ``backend``: ``auto`` (default), ``direct``, ``buffered`` or ``kvikio`` (per rank, as in
     :func:`gds_persist.save`). ``balance=True`` splits replicated items of at least
-    ``split_min_bytes`` across the ranks holding them (see :mod:`gds_persist.dcp.balancing`);
+    ``split_min_bytes`` across the ranks holding them (see :mod:`gds_persist.parallel.balancing`);
     ``False`` keeps DCP's whole-item assignment. ``progress(done, total)`` reports this rank's
     bytes. After a save, :attr:`rank_bytes` (coordinator) holds the bytes each rank was given.
 

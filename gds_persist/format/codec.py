@@ -11,7 +11,7 @@ a ~2.3 GB/s drive on one core (2.5-3.4 GB/s; decode 4-5 GB/s) at ratios 1.13-1.3
 tensors (5.7x on never-updated embedding rows). ZSTD variants compress 4-11% smaller but 2-5x
 slower. A reader needs only the chunk header to decode, so other filters/codecs decode the same.
 
-Storages are cut into units of at most :data:`UNIT_BYTES` (:mod:`gds_persist.incremental`) and each
+Storages are cut into units of at most :data:`UNIT_BYTES` (:mod:`gds_persist.saving.incremental`) and each
 unit is one extent, encoded on its own. Units shorter than :data:`COMPRESS_MIN`, and those the
 codec would not shrink by a whole ``ALIGNMENT`` block, are stored raw (``"codec": "none"``).
 

@@ -180,7 +180,7 @@ def shift_tensors(tree: Any, by: int) -> Any:
 
 def decode(tree: Any, tensors: Sequence[Any], path: KeyPath = ()) -> Any:
     """The state dict a tree describes, with tensor node ``i`` replaced by ``tensors[i]``
-    (the inverse of :func:`gds_persist.flatten.flatten`'s encoding); ``path``: where ``tree``
+    (the inverse of :func:`gds_persist.state.flatten.flatten`'s encoding); ``path``: where ``tree``
     is, for errors. Extra leaves need real tensors (:func:`.leaves.decode`)."""
     k = kind(tree)
     if k is None:

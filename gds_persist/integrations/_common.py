@@ -13,9 +13,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 from ..errors import CheckpointError, SnapshotTooLarge
-from ..flatten import Flattened
 from ..format import MANIFEST_NAME
 from ..results import SaveInfo
+from ..state.flatten import Flattened
 from ..training.snapshot import SnapshotArena, snapshot_nbytes, take_snapshot
 from ..transfer.commit import fsync_path
 

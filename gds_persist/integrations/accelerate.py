@@ -44,8 +44,8 @@ import numpy as np
 import torch
 
 from ..errors import CheckpointError, NotCommittedError
-from ..load import load
-from ..save import save
+from ..loading.load import load
+from ..saving.save import save
 from ._common import is_checkpoint_dir, remove_checkpoint
 
 __all__ = ["load_state", "save_state"]

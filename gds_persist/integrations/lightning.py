@@ -53,10 +53,10 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CheckpointTimeout
-from ..flatten import Flattened, flatten
-from ..load import load
+from ..loading.load import load
 from ..results import SaveInfo
-from ..save import save
+from ..saving.save import save
+from ..state.flatten import Flattened, flatten
 from ..transfer.commit import fsync_path
 from ._common import BackgroundWriter, remove_checkpoint
 

@@ -74,8 +74,6 @@ from typing import Any
 import torch
 
 from .. import settings
-from ..compression import check_mode as check_compression
-from ..distributed import make_comm
 from ..errors import (
     CheckpointError,
     CheckpointReplacedError,
@@ -83,19 +81,18 @@ from ..errors import (
     SnapshotTooLarge,
     WorkerDied,
 )
-from ..flatten import Flattened, flatten
 from ..format import MANIFEST_NAME
-from ..load import load as core_load
+from ..loading.load import load as core_load
+from ..parallel.distributed import make_comm
+from ..parallel.topology import node_name
 from ..results import SaveInfo, WarmupReport
-from ..save import save as core_save
-from ..topology import node_name
-from ..warmup import BackgroundWarmup
+from ..saving.compression import check_mode as check_compression
+from ..saving.save import save as core_save
+from ..state.flatten import Flattened, flatten
+from ..transfer.warmup import BackgroundWarmup
 from . import steps as _steps
 from .helper import HelperProcess
-from .memory_tier import MemoryTier, job_name, lacks_room, step_bytes
 from .mode import ModeChoice, choose_mode, host_memory
-from .recovery import Restored, restore
-from .replicate import holders, transfer
 from .snapshot import (
     Reservation,
     SnapshotArena,
@@ -103,6 +100,9 @@ from .snapshot import (
     snapshot_nbytes,
     take_snapshot,
 )
+from .tier.memory import MemoryTier, job_name, lacks_room, step_bytes
+from .tier.recovery import Restored, restore
+from .tier.replicate import holders, transfer
 
 log = logging.getLogger("gds_persist")
 

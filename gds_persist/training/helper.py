@@ -156,7 +156,7 @@ def main(conn: Connection, parent: int) -> None:
     _die_with(parent)
     import torch
 
-    from ..save import save
+    from ..saving.save import save
     from .snapshot import map_shared, over_copies
 
     torch.set_num_threads(1)  # its copies must not take the training's cores

@@ -2,7 +2,7 @@
 
 A snapshot copies every distinct storage of a flattened state dict into one
 :class:`SnapshotArena` (a single page-aligned host buffer, pinned where CUDA exists, of a fixed
-capacity) and is the same :class:`~gds_persist.flatten.Flattened` over the copies: same tree and
+capacity) and is the same :class:`~gds_persist.state.flatten.Flattened` over the copies: same tree and
 tensor records (views, tied weights), and the same storage records, so each storage keeps the
 device it was saved from and the checkpoint written from the snapshot is the one
 ``gds_persist.save`` would have written from the live tensors.
@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, SnapshotTooLarge
-from ..flatten import Flattened
 from ..format import StorageRecord, TensorRecord, align_up
+from ..state.flatten import Flattened
 from ..transfer.pipeline import byte_view
 from ..transfer.staging import AlignedBuffer
 

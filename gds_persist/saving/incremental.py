@@ -1,0 +1,348 @@
+"""Writing fewer bytes (format version 4): units, references to a base checkpoint, and the
+version-4 write of a save's files. Pure planning plus one call into the unit writer.
+
+**Units.** Every storage (or, in a data-parallel save, every piece of one that a rank writes) is
+cut into units of at most :data:`~gds_persist.format.codec.UNIT_BYTES`, starting at the piece's
+first byte. The cut depends only on the storage sizes (and the data-parallel plan, itself a pure
+function of sizes and ranks), so the same key path is cut the same way in every checkpoint of a
+run, whatever was written or referred before. Each unit is one extent: hashed (BLAKE3-128),
+checksummed, maybe compressed, and placed at the next aligned offset as it is written
+(:mod:`gds_persist.transfer.unit_writer`).
+
+**References.** ``save(..., base=B)``: a unit whose key path (the path of its storage's first
+tensor), byte range and BLAKE3-128 equal those of an extent of ``B`` is not written; the new
+manifest lists that extent (same offset, length, codec and checksums) in a file record that names
+the checkpoint physically holding the bytes - ``B`` itself, or, if ``B`` refers to it, ``B``'s own
+base: chains are flattened, a reference always names where the bytes are. Each such checkpoint is
+recorded with the SHA-256 of its manifest, checked when the save opens it and again before the
+commit, and by every load. A base must be a sibling directory (same parent) and never the path
+being saved; extents in external data directories (``data_dirs``) are not referred to.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..backends.base import Backend
+from ..errors import CheckpointError, ReferencedCheckpointError, UnhashedBaseWarning
+from ..format import (
+    DTYPES,
+    MANIFEST_NAME,
+    BaseRef,
+    DataFile,
+    Extent,
+    codec,
+    manifest_storage_keys,
+)
+from ..format.records import TensorRecord
+from ..settings import Settings
+from ..transfer.opened import OpenCheckpoint, open_checkpoint
+from ..transfer.pipeline import byte_view
+from ..transfer.staging import io_session
+from ..transfer.unit_writer import Unit, UnitResults, UnitWriter, codec_threads
+
+Piece = tuple[int, int, int]  # (storage, start, length)
+Key = tuple[str, int, int]  # (key path, start, length)
+
+
+def cut_units(pieces: Sequence[Piece], typesizes: Sequence[int],
+              unit_bytes: int | None = None) -> list[Unit]:
+    """Each ``(storage, start, length)`` piece cut into units of at most ``unit_bytes``
+    (default :data:`~gds_persist.format.codec.UNIT_BYTES`)."""
+    unit_bytes = unit_bytes or codec.UNIT_BYTES
+    units = []
+    for storage, start, length in pieces:
+        for lo in range(start, start + length, unit_bytes):
+            units.append(Unit(storage, lo, min(unit_bytes, start + length - lo),
+                              typesizes[storage]))
+    return units
+
+
+def typesizes(tensors: Sequence[TensorRecord], n_storages: int) -> list[int]:
+    """The element size of each storage's first tensor (1 where no tensor uses it)."""
+    out = [0] * n_storages
+    for t in tensors:
+        if not out[t.storage]:
+            out[t.storage] = DTYPES[t.dtype].itemsize
+    return [s or 1 for s in out]
+
+
+def spread(units: Sequence[Unit], files: int,
+           first: Callable[[int], bool] | None = None) -> list[list[int]]:
+    """Unit indices over ``files`` files of about equal bytes: each unit, in order, to the file
+    with the fewest bytes so far (so the units of one storage, and those that change from one
+    checkpoint to the next, spread over every file and are written in parallel). Within each
+    file the units ``first`` selects come first (they are written first)."""
+    out: list[list[int]] = [[] for _ in range(max(1, files))]
+    load = [0] * len(out)
+    for k, u in enumerate(units):
+        i = min(range(len(out)), key=load.__getitem__)
+        out[i].append(k)
+        load[i] += u.length
+    if first is not None:
+        out = [sorted(f, key=lambda k: not first(k)) for f in out]
+    return out
+
+
+# --- the base --------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Holder:
+    """The checkpoint that physically holds referred bytes: its name and manifest SHA-256."""
+
+    name: str
+    manifest_sha256: str
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """An extent of the base (by key path and range) that a unit may refer to."""
+
+    blake3: str
+    extent: Extent
+    holder: Holder
+    file_name: str
+    file_size: int
+
+
+@dataclass
+class BaseIndex:
+    """A base checkpoint held open, and the extents a new checkpoint may refer to."""
+
+    path: str
+    ck: OpenCheckpoint
+    candidates: dict[Key, Candidate]
+    holders: dict[str, Holder]
+    note: str = ""  # what could not be referred to, and why
+
+    def close(self) -> None:
+        self.ck.close()
+
+    def match(self, key: str, unit: Unit, blake3: str) -> Candidate | None:
+        c = self.candidates.get((key, unit.start, unit.length))
+        return c if c is not None and blake3 and c.blake3 == blake3 else None
+
+    def check_unchanged(self) -> None:
+        """Before the commit: every checkpoint referred to is still the one identified."""
+        for h in self.holders.values():
+            _check_holder(os.path.dirname(os.path.abspath(self.path)), h)
+
+
+def check_base_path(path: str, base: str) -> str:
+    """``base`` as an absolute path; ValueError unless it is a sibling of ``path`` (the same
+    parent directory) and not ``path`` itself."""
+    path, base = os.path.abspath(path), os.path.abspath(os.fspath(base))
+    if base == path:
+        raise ValueError(f"base={base!r} is the checkpoint being saved: the new checkpoint would "
+                         "refer to bytes its own commit replaces; pass an earlier checkpoint")
+    if (os.path.dirname(base) != os.path.dirname(path)
+            or os.path.dirname(os.path.realpath(base)) != os.path.realpath(os.path.dirname(path))):
+        raise ValueError(
+            f"base={base!r} is not a sibling of {path!r}: an incremental checkpoint refers only "
+            "to checkpoints in its own parent directory (references outside the checkpoint's "
+            "root are refused when loading); save next to the base, or without base=")
+    return base
+
+
+def open_base(path: str, base: str) -> BaseIndex:
+    """Open ``base`` (a committed sibling of ``path``) and index what may be referred to."""
+    base = check_base_path(path, base)
+    ck = open_checkpoint(base)
+    try:
+        m = ck.manifest
+        parent = os.path.dirname(base)
+        keys = manifest_storage_keys(m)
+        own = Holder(os.path.basename(base), ck.digest)
+        holders: dict[str, Holder] = {own.name: own}
+        refused: dict[str, str] = {}
+        for ref in m.bases:
+            h = Holder(ref.name, ref.manifest_sha256)
+            try:
+                _check_holder(parent, h)
+                holders[h.name] = h
+            except ReferencedCheckpointError as why:
+                refused[h.name] = str(why)
+        candidates: dict[Key, Candidate] = {}
+        unhashed = 0
+        for e in m.extents:
+            f = m.files[e.file]
+            if f.dir or e.storage not in keys:
+                continue
+            holder = own if not f.base else holders.get(m.bases[f.base - 1].name)
+            if holder is None:
+                continue
+            if not e.blake3:
+                unhashed += 1
+                continue
+            candidates[(keys[e.storage], e.start, e.length)] = Candidate(
+                e.blake3, e, holder, f.name, f.size)
+        notes = []
+        if unhashed:
+            notes.append(unhashed_note(own.name, unhashed, len(m.extents)))
+            warnings.warn(UnhashedBaseWarning(notes[-1]), stacklevel=4)  # the caller of save
+        notes += [f"not referring to {n}: {why}" for n, why in refused.items()]
+        return BaseIndex(base, ck, candidates, holders, "; ".join(notes))
+    except BaseException:
+        ck.close()
+        raise
+
+
+def unhashed_note(name: str, unhashed: int, extents: int) -> str:
+    """Why a save refers to nothing of a base saved without content hashes, and the fix."""
+    nothing = "nothing could be referred to" if unhashed == extents else "those are written again"
+    return (f"base {name}: {unhashed} of its {extents} extents have no content hash, so "
+            f"{nothing}; save the base with content_hash=True (Checkpointer(incremental=True) "
+            "does) so that later saves can refer to it")
+
+
+def _check_holder(parent: str, h: Holder) -> None:
+    full = os.path.join(parent, h.name)
+    try:
+        with open(os.path.join(full, MANIFEST_NAME), "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()
+    except OSError as e:
+        raise ReferencedCheckpointError(
+            f"the checkpoint {full} that holds referred bytes cannot be read ({e}); it was "
+            "deleted or moved") from None
+    if digest != h.manifest_sha256:
+        raise ReferencedCheckpointError(
+            f"the checkpoint {full} that holds referred bytes was replaced (its manifest changed)")
+
+
+@dataclass
+class References:
+    """Referred units of a save, turned into file records, bases and extents."""
+
+    base: BaseIndex | None
+    keys: dict[int, str]  # storage (as the writer numbers it) -> key path
+    units: Sequence[Unit]
+    matched: dict[int, Candidate] = field(default_factory=dict)
+
+    def decide(self, k: int, blake3: str) -> bool:
+        """The unit writer's ``decide``: refer to unit ``k`` if the base holds its bytes."""
+        if self.base is None:
+            return False
+        u = self.units[k]
+        key = self.keys.get(u.storage)
+        c = self.base.match(key, u, blake3) if key is not None else None
+        if c is None:
+            return False
+        self.matched[k] = c  # dict writes are atomic under the GIL
+        return True
+
+    def likely_changed(self, k: int) -> bool:
+        """Whether unit ``k`` probably changed since the base: no base extent for its key and
+        range, or the base wrote that extent itself (it changed at the base's save). Such units
+        are written first, so the drive starts while the other units are still being hashed."""
+        if self.base is None:
+            return True
+        u = self.units[k]
+        key = self.keys.get(u.storage)
+        c = self.base.candidates.get((key, u.start, u.length)) if key is not None else None
+        return c is None or c.holder.name == os.path.basename(self.base.path)
+
+    def referred_bytes(self) -> int:
+        return sum(self.units[k].length for k in self.matched)
+
+
+def assemble_references(referred: Sequence[tuple[int, Candidate]], first_file: int,
+                        storage_of: Callable[[int], int] | None = None,
+                        ) -> tuple[list[DataFile], list[BaseRef], list[Extent]]:
+    """File records (numbered from ``first_file``), bases and extents for referred units:
+    ``referred`` lists ``(storage, candidate)``; one file record per (holder, file)."""
+    bases: dict[str, int] = {}
+    base_list: list[BaseRef] = []
+    files: dict[tuple[str, str], int] = {}
+    file_list: list[DataFile] = []
+    extents = []
+    for storage, c in referred:
+        if c.holder.name not in bases:
+            base_list.append(BaseRef(c.holder.name, c.holder.manifest_sha256))
+            bases[c.holder.name] = len(base_list)
+        fkey = (c.holder.name, c.file_name)
+        if fkey not in files:
+            file_list.append(DataFile(c.file_name, c.file_size, 0, bases[c.holder.name]))
+            files[fkey] = first_file + len(file_list) - 1
+        e = c.extent
+        extents.append(Extent(storage, e.start, e.length, files[fkey], e.offset, e.crc32c,
+                              e.codec, e.stored, e.stored_crc32c, e.blake3))
+    return file_list, base_list, extents
+
+
+# --- writing ---------------------------------------------------------------------------------
+
+@dataclass
+class Written:
+    """What :func:`write_units` wrote into ``directory``."""
+
+    sizes: list[int]  # per file
+    extents: list[Extent]  # written ones (``file``: the index in the call's file list)
+    referred: list[tuple[int, Candidate]]  # (storage, candidate) of units not written
+    hashes: int  # units hashed
+
+
+def write_units(backend: Backend, directory: str, names: Sequence[str],
+                files: Sequence[Sequence[int]], units: Sequence[Unit],
+                storages: Sequence[torch.UntypedStorage], cfg: Settings, *, compress: bool,
+                hashes: bool, refs: References | None,
+                progress: Callable[[int], None] | None = None) -> Written:
+    """Write ``units`` (by ``files``: unit indices per file ``names[i]``) of ``storages`` into
+    ``directory`` through the unit writer; units ``refs`` finds in the base are not written."""
+    sources = [byte_view(s) for s in storages]
+    block = max(cfg.block_bytes, codec.UNIT_BYTES)
+    count = max(2, cfg.staging_bytes // block)
+    with io_session(count, block, cfg.io_timeout_s, cfg.io_threads) as (ring, pool):
+        writer = UnitWriter(backend, ring, pool, cfg.io_timeout_s, progress, compress=compress,
+                            hashes=hashes, decide=refs.decide if refs is not None else None,
+                            codec_threads=codec_threads())
+        results: UnitResults = writer.write_files(
+            [os.path.join(directory, n) for n in names], files, units, sources)
+    written = [results.extents[k] for k in sorted(results.extents)]
+    referred = ([(units[k].storage, refs.matched[k]) for k in sorted(results.referred)]
+                if refs is not None else [])
+    return Written(results.sizes, written, referred, len(results.hashes))
+
+
+def check_written(units: Sequence[Unit], w: Written) -> None:
+    """Every unit was written or referred to (a bug otherwise: never commit a gap)."""
+    if len(w.extents) + len(w.referred) != len(units):
+        raise CheckpointError(
+            f"internal error: {len(units)} units but {len(w.extents)} written and "
+            f"{len(w.referred)} referred; nothing was committed")
+
+
+def manifest_files(names: Sequence[str], sizes: Sequence[int], extents: list[Extent],
+                   referred: Sequence[tuple[int, Candidate]], directory: str,
+                   dir_index: Sequence[int] | None = None,
+                   ) -> tuple[list[DataFile], list[BaseRef], list[Extent], list[str]]:
+    """The data files, bases and extents of a version-4 manifest: own files that hold bytes
+    (empty ones are removed from ``directory``: every unit was referred to), then the base
+    files. Returns also the names of the own files kept."""
+    keep = [i for i, size in enumerate(sizes) if size]
+    for i, size in enumerate(sizes):
+        if not size:
+            try:
+                os.unlink(os.path.join(directory, names[i]))
+            except FileNotFoundError:
+                pass
+    renumber = {old: new for new, old in enumerate(keep)}
+    files = [DataFile(names[i], sizes[i], dir_index[i] if dir_index else 0) for i in keep]
+    own = [Extent(e.storage, e.start, e.length, renumber[e.file], e.offset, e.crc32c, e.codec,
+                  e.stored, e.stored_crc32c, e.blake3) for e in extents]
+    ref_files, bases, ref_extents = assemble_references(referred, len(files))
+    return files + ref_files, bases, own + ref_extents, [names[i] for i in keep]
+
+
+def describe_references(refs: References | None) -> dict[str, Any]:
+    """The manifest's ``writer["incremental"]``: for humans."""
+    if refs is None or refs.base is None:
+        return {}
+    return {"base": os.path.basename(refs.base.path), "referred_bytes": refs.referred_bytes(),
+            "note": refs.base.note}

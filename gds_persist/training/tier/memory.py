@@ -1,0 +1,119 @@
+"""The node-memory tier of a :class:`~gds_persist.Checkpointer`: layout, room, commit, retention.
+
+::
+
+    memory_root/<job>/
+      rank-00003/step-00000042/     rank 3's own state at step 42: a committed gds_persist.save
+      replica-00001/step-00000042/  rank 1's files of step 42, copied here from another node
+      replica-00001/.step-00000043.tmp-<id>/   a copy in progress (never loaded)
+
+``memory_root`` is a tmpfs on the node (``/dev/shm/...``), so a step survives the training
+process's death and is read back at memory speed by the restarted one; ``<job>`` is
+``$GDS_PERSIST_JOB`` or derived from the drive root, so the restarted job finds it. Each rank
+writes its own whole state (what it needs to resume, replicated or sharded alike), with the same
+atomic commit and CRC32C of every extent as the drive. Every directory keeps its latest complete
+step; the next one is written beside it and the older is removed only once every rank has
+committed the new step and its replicas (:meth:`MemoryTier.retain`), so a failure at any instant
+leaves one complete step on every rank.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from ...results import SaveInfo
+from ...saving.save import save as core_save
+from ...state.flatten import Flattened
+from .. import steps as _steps
+
+JOB_ENV = "GDS_PERSIST_JOB"
+ROOM_SLACK = 1 << 20  # manifest, alignment padding, lock files: per step, generously
+
+
+def job_name(drive_root: str) -> str:
+    """``$GDS_PERSIST_JOB``, else the drive root's name and a hash of its path: stable across
+    restarts of one job, distinct for two jobs sharing a tmpfs."""
+    env = os.environ.get(JOB_ENV)
+    if env:
+        return env
+    digest = hashlib.sha1(os.path.abspath(drive_root).encode()).hexdigest()[:10]
+    return f"{os.path.basename(drive_root.rstrip(os.sep)) or 'root'}-{digest}"
+
+
+def step_bytes(flat: Flattened) -> int:
+    """What one step of ``flat`` takes on the tmpfs, at most (payload, block padding, manifest)."""
+    return sum(s.nbytes for s in flat.storages) + 4096 * len(flat.storages) + ROOM_SLACK
+
+
+def lacks_room(needs: list[int], frees: list[int], nodes: list[str],
+               holders: list[list[int]]) -> str | None:
+    """Why the tier cannot take the next step (None when it can): every rank's free bytes must
+    hold its own step plus the replicas it keeps of other ranks'. Ranks on one node share its
+    tmpfs, so they are counted together there."""
+    want: dict[str, int] = {}
+    for r, need in enumerate(needs):
+        for holder in [r, *holders[r]]:
+            want[nodes[holder]] = want.get(nodes[holder], 0) + need
+    for r, node in enumerate(nodes):
+        if frees[r] < want[node]:
+            return (f"the memory tier of node {node!r} (rank {r}) has {frees[r] / 2**20:.0f} MiB "
+                    f"free but the step and its replicas need {want[node] / 2**20:.0f} MiB there: "
+                    "make the tmpfs larger (mount -o remount,size=...) or lower replicas=")
+    return None
+
+
+@dataclass(frozen=True)
+class MemoryTier:
+    """One rank's view of its node's memory directory ``root`` (``memory_root/<job>``)."""
+
+    root: str
+    rank: int
+
+    def rank_dir(self, rank: int) -> str:
+        return os.path.join(self.root, f"rank-{rank:05d}")
+
+    def replica_dir(self, rank: int) -> str:
+        return os.path.join(self.root, f"replica-{rank:05d}")
+
+    @property
+    def own_dir(self) -> str:
+        return self.rank_dir(self.rank)
+
+    def own_step(self, step: int) -> str:
+        return _steps.step_path(self.own_dir, step)
+
+    def replica_step(self, rank: int, step: int) -> str:
+        return _steps.step_path(self.replica_dir(rank), step)
+
+    def free_bytes(self) -> int:
+        os.makedirs(self.own_dir, exist_ok=True)
+        st = os.statvfs(self.own_dir)
+        return st.f_bavail * st.f_frsize
+
+    def save(self, flat: Flattened, step: int, kwargs: dict[str, Any]) -> SaveInfo:
+        """Commit this rank's state of ``step`` (one writer; the older step stays)."""
+        return core_save(flat, self.own_step(step), **kwargs)
+
+    def inventory(self) -> dict[str, Any]:
+        """The committed steps here: this rank's own, and the replicas held by rank."""
+        replicas: dict[str, list[int]] = {}
+        try:
+            names = os.listdir(self.root)
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            if name.startswith("replica-") and name[8:].isdigit():
+                replicas[str(int(name[8:]))] = _steps.committed_steps(os.path.join(self.root,
+                                                                                   name))
+        return {"own": _steps.committed_steps(self.own_dir), "replicas": replicas}
+
+    def retain(self, step: int, replicas_of: list[int]) -> None:
+        """Every rank committed ``step`` and its replicas: drop the older steps (and anything
+        newer, left by an abandoned timeline) of this rank's directory and of the replicas of
+        ``replicas_of`` it holds."""
+        for directory in [self.own_dir, *(self.replica_dir(r) for r in replicas_of)]:
+            if os.path.isdir(directory):
+                _steps.apply_retention(directory, step, 1)
