@@ -39,7 +39,8 @@ from .errors import (
     UnhashedBaseWarning,
     WorkerDied,
 )
-from .loading.load import load, read_manifest, verify
+from .loading.load import load, read_manifest
+from .loading.verify import verify
 from .results import LoadInfo, SaveInfo, WarmupReport
 from .saving.save import save
 from .training.checkpointer import Checkpointer, SaveHandle

@@ -69,7 +69,8 @@ from ..errors import CheckpointError
 from ..format import DTYPES, Extent, Manifest, TensorRecord, full_tree, leaves
 from ..format.tree import decode, path_str, tensor_key_paths, validate, walk
 from ..loading.destinations import contiguous, tensor_leaves
-from ..loading.load import load, read_extents, read_manifest
+from ..loading.extents import read_extents
+from ..loading.load import load, read_manifest
 from ..progress import ByteCounter, ProgressCallback
 from ..results import ExportInfo, SaveInfo
 from ..saving.save import save

@@ -47,7 +47,7 @@ from .. import settings
 from ..errors import CheckpointError, CheckpointReplacedError, ManifestError
 from ..format import DTYPES, MANIFEST_NAME, Extent, Manifest
 from ..format.tree import decode
-from ..loading.load import read_extents
+from ..loading.extents import read_extents
 from ..progress import ByteCounter, ProgressCallback
 from ..transfer.opened import OpenCheckpoint, open_checkpoint
 from ..transfer.pipeline import byte_view
