@@ -15,7 +15,8 @@ from __future__ import annotations
 from . import settings
 from ._lazy import lazy_submodules
 from ._version import __version__
-from .convert.interop import export_checkpoint, import_checkpoint
+from .convert.export import export_checkpoint
+from .convert.importing import import_checkpoint
 from .convert.materialize import materialize
 from .errors import (
     BackendError,
