@@ -15,7 +15,8 @@ from __future__ import annotations
 from . import settings
 from ._lazy import lazy_submodules
 from ._version import __version__
-from .convert.interop import export_checkpoint, import_checkpoint
+from .convert.export import export_checkpoint
+from .convert.importing import import_checkpoint
 from .convert.materialize import materialize
 from .errors import (
     BackendError,
@@ -39,7 +40,8 @@ from .errors import (
     UnhashedBaseWarning,
     WorkerDied,
 )
-from .loading.load import load, read_manifest, verify
+from .loading.load import load, read_manifest
+from .loading.verify import verify
 from .results import LoadInfo, SaveInfo, WarmupReport
 from .saving.save import save
 from .training.checkpointer import Checkpointer, SaveHandle

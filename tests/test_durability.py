@@ -355,7 +355,7 @@ def test_read_error_mid_load_is_raised_and_cleaned_up(tmp_path: Path,
     faulty = _FailingDirect("pread", fail_at)
     with gds_persist.settings.set(block_bytes=4096, staging_bytes=3 * 4096, io_timeout_s=20):
         gds_persist.load(path)  # warm: lazy imports, the ring
-        _inject(monkeypatch, "gds_persist.loading.load", faulty)
+        _inject(monkeypatch, "gds_persist.loading.extents", faulty)
         before = open_fds()
         with pytest.raises(OSError, match=r"Input/output error \(injected\)"):
             gds_persist.load(path)

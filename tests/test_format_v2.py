@@ -143,7 +143,7 @@ def test_cli_inspect_and_verify_version_2(tmp_path: Path,
 
 
 def test_export_of_a_version_2_checkpoint(tmp_path: Path) -> None:
-    """Export (gds_persist.convert.interop) reads files from data directories and rank-local sections."""
+    """Export (gds_persist.convert) reads files from data directories and rank-local sections."""
     from safetensors.torch import load_file
 
     gds_persist.save(_state(), tmp_path / "c", rank_local="optim", data_dirs=[tmp_path / "d"])

@@ -145,7 +145,7 @@ def test_kvikio_host_buffers_and_bounce_io_round_trip(tmp_path):
     kb = _kvikio_or_skip()
     import kvikio.defaults as kd
 
-    from gds_persist.transfer.staging import AlignedBuffer
+    from gds_persist.backends.buffers import AlignedBuffer
 
     before = {"num_threads": kd.get("num_threads"), "task_size": kd.get("task_size")}
     with kd.set(before):
@@ -381,7 +381,7 @@ def test_gpu_side_stream_copies_do_not_block_the_current_stream():
     src = torch.zeros(1 << 24, dtype=torch.uint8, device="cuda")
     src.add_(7)  # queued on the current stream
     c = StreamCopier()
-    from gds_persist.transfer.staging import AlignedBuffer
+    from gds_persist.backends.buffers import AlignedBuffer
 
     with AlignedBuffer(1 << 24) as host:
         c.copy(host.tensor, src)

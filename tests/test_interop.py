@@ -1,4 +1,4 @@
-"""torch.save / safetensors export and import (gds_persist.convert.interop and the CLI commands)."""
+"""torch.save / safetensors export and import (gds_persist.convert and the CLI commands)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ import torch
 import gds_persist
 from gds_persist import CheckpointError, ChecksumError, export_checkpoint, import_checkpoint
 from gds_persist.cli import main
-from gds_persist.convert.interop import ST_DTYPES, detect_format
+from gds_persist.convert.importing import detect_format
+from gds_persist.convert.safetensors import ST_DTYPES
 
 
 def state() -> dict:

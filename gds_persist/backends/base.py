@@ -19,8 +19,9 @@ Load::
     backend.pread(h, buf, offset)                # any number, from several threads at once
     backend.close(h)
 
-``offset`` and ``len(buf)`` are multiples of ``alignment``; host buffers come from
-:mod:`gds_persist.transfer.staging` and are page-aligned. Backends that accept device memory
+``offset`` and ``len(buf)`` are multiples of ``alignment``; host buffers are page-aligned
+(:mod:`gds_persist.backends.buffers`, handed out by the staging ring of
+:mod:`gds_persist.transfer.staging`). Backends that accept device memory
 (``accepts_device``) also take CUDA tensors for ``buf``.
 """
 

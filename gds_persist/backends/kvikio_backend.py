@@ -48,9 +48,9 @@ from typing import Any
 
 from ..errors import BackendError
 from ..format import ALIGNMENT, align_up
-from ..transfer.staging import AlignedBuffer
 from .auto import KvikioFacts
 from .base import Backend
+from .buffers import AlignedBuffer
 from .posix import _O_DIRECT, open_fd, pread_all, pwrite_all, supports_o_direct
 
 log = logging.getLogger("gds_persist")

@@ -14,8 +14,8 @@ import uuid
 from typing import Any
 
 from ..errors import BackendError, DiskFullError
-from ..transfer.staging import AlignedBuffer
 from .base import Backend
+from .buffers import AlignedBuffer
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 

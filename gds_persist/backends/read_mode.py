@@ -23,7 +23,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from ..transfer.staging import AlignedBuffer
+from .buffers import AlignedBuffer
 from .posix import _O_DIRECT, filesystem_type, pread_all
 
 ROUNDS = ("direct", "buffered", "buffered", "direct")  # ABBA: drift weighs on both modes alike

@@ -1,5 +1,6 @@
 """How fast the drive under a directory takes durable writes: a short measurement, once per
-filesystem and backend per process, for ``compression="auto"`` (:mod:`gds_persist.saving.compression`).
+filesystem and backend per process, for ``compression="auto"``
+(:mod:`gds_persist.saving.compression`).
 
 It writes ``PROBE_BYTES`` of incompressible bytes in ``block_bytes`` requests from the I/O
 threads with the save's own backend, fsyncs, and removes the file; the best of ``PROBE_RUNS``
@@ -17,8 +18,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from ..transfer.staging import AlignedBuffer
 from .base import Backend
+from .buffers import AlignedBuffer
 
 PROBE_BYTES = 64 << 20
 PROBE_RUNS = 2

@@ -3,8 +3,8 @@
 The counterparts of ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save`` and
 ``torch_save_to_dcp`` (which are fixed to ``FileSystemReader``/``FileSystemWriter``), with the
 same positional arguments. Differences, and why (docs/INTEGRATIONS.md): the ``torch.save`` file
-appears atomically and every CRC32C is checked on the way (``export_checkpoint``), and
-``torch_save_to_dcp`` unpickles its source with ``weights_only=True`` unless told otherwise.
+appears atomically and every CRC32C is checked on the way (as ``export_checkpoint`` writes it),
+and ``torch_save_to_dcp`` unpickles its source with ``weights_only=True`` unless told otherwise.
 The DCP directory must be new, empty or a checkpoint: it is replaced whole, so the directory
 that holds the source file is refused.
 """
@@ -17,15 +17,22 @@ import warnings
 import torch
 import torch.distributed.checkpoint as dcp
 
-from ..convert.interop import export_checkpoint
+from ..loading.load import load, read_manifest
+from ..progress import ByteCounter
+from ..saving.torch_file import save_torch_file
 from ..transfer.commit import check_replaceable
+from .consolidate import consolidate, is_dcp
 from .writer import GdsPersistWriter
 
 
 def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike[str],
                       torch_save_path: str | os.PathLike[str]) -> None:
-    """Consolidate the DCP checkpoint into one ``torch.save`` file (all in host memory)."""
-    export_checkpoint(dcp_checkpoint_dir, torch_save_path, to="torch")
+    """Consolidate the DCP checkpoint into one ``torch.save`` file (all in host memory). A
+    checkpoint written by ``gds_persist.save`` is loaded whole instead, as
+    ``export_checkpoint`` does."""
+    path = os.fspath(dcp_checkpoint_dir)
+    state = consolidate(path) if is_dcp(read_manifest(path)) else load(path, map_location="cpu")
+    save_torch_file(state, os.fspath(torch_save_path), ByteCounter(None, 0))
 
 
 def torch_save_to_dcp(torch_save_path: str | os.PathLike[str],

@@ -47,12 +47,13 @@ from .. import settings
 from ..errors import CheckpointError, CheckpointReplacedError, ManifestError
 from ..format import DTYPES, MANIFEST_NAME, Extent, Manifest
 from ..format.tree import decode
-from ..loading.load import read_extents
+from ..loading.extents import read_extents
 from ..progress import ByteCounter, ProgressCallback
 from ..transfer.opened import OpenCheckpoint, open_checkpoint
 from ..transfer.pipeline import byte_view
 from ._codec import decode_metadata
 from .boxes import copy_run
+from .checkpoint_path import CheckpointPath
 from .writer import WRITER_TAG
 
 
@@ -126,7 +127,7 @@ def dcp_records(m: Manifest, where: str) -> dict[MetadataIndex, ItemRecord]:
     return out
 
 
-class GdsPersistReader(StorageReader):
+class GdsPersistReader(CheckpointPath, StorageReader):
     """Read checkpoints written by :class:`GdsPersistWriter`, verifying every CRC32C.
 
     ``dcp.load(state_dict, storage_reader=GdsPersistReader(path))`` works unchanged, with any
@@ -155,7 +156,7 @@ class GdsPersistReader(StorageReader):
         progress: ProgressCallback | None = None,
     ):
         super().__init__()
-        self.path = os.fspath(path)
+        self._set_path(path)
         self.backend = backend
         self.verify = verify
         self.weights_only = weights_only
@@ -165,8 +166,7 @@ class GdsPersistReader(StorageReader):
         self._ck: OpenCheckpoint | None = None  # held from read_metadata to read_data's end
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+        self._reset_path(checkpoint_id)
         self.storage_data = {}
         self._release()
 
@@ -175,16 +175,9 @@ class GdsPersistReader(StorageReader):
             ck, self._ck = self._ck, None
             ck.close()
 
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
     @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            return os.path.isfile(os.path.join(os.fspath(checkpoint_id), MANIFEST_NAME))
-        except TypeError:
-            return False
+    def _accepts(cls, path: str) -> bool:
+        return os.path.isfile(os.path.join(path, MANIFEST_NAME))  # a committed checkpoint
 
     # No **kwargs on purpose: DCP then does not retry with a "rank-local metadata" fallback
     # (which this format does not have) and reports our error as it is.

@@ -67,6 +67,7 @@ from ..transfer.pipeline import byte_view
 from ..transfer.staging import io_session
 from ..transfer.writer import FileWriter
 from ._codec import encode_metadata
+from .checkpoint_path import CheckpointPath
 
 WRITER_TAG = "gds_persist.dcp"
 
@@ -122,7 +123,7 @@ def _tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     return byte_view(t.untyped_storage())[start : start + t.numel() * t.element_size()]
 
 
-class GdsPersistWriter(StorageWriter, BlockingAsyncStager):
+class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
     """Write DCP checkpoints with gds_persist's aligned backends, CRC32C and atomic commit.
 
     ``dcp.save(state_dict, storage_writer=GdsPersistWriter(path))`` and ``dcp.async_save(...)``
@@ -174,7 +175,7 @@ class GdsPersistWriter(StorageWriter, BlockingAsyncStager):
                 "name the same thing (the I/O threads of each rank); pass one of them"
             )
         self.overwrite = overwrite
-        self.path = os.fspath(path)
+        self._set_path(path)
         self.backend = backend
         self.balance = balance
         self.split_min_bytes = split_min_bytes
@@ -190,25 +191,12 @@ class GdsPersistWriter(StorageWriter, BlockingAsyncStager):
 
     # -- DCP interface ------------------------------------------------------------------------
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
-        if checkpoint_id:
-            self.path = os.fspath(checkpoint_id)
+        self._reset_path(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         if self._tmp is not None:  # a save that failed before finish(): give it up
             abort(self._tmp)
         self._tmp = None
         self.rank_bytes = []
-
-    @property
-    def checkpoint_id(self) -> str:
-        return self.path
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        try:
-            os.fspath(checkpoint_id)
-        except TypeError:
-            return False
-        return True
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=self.path, save_id=self.save_id)

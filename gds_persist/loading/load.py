@@ -1,20 +1,18 @@
-"""``load`` and ``verify``: manifest -> read plan -> read extents -> verify -> rebuild -> decode.
+"""``load``: manifest -> read plan -> read extents -> verify -> rebuild -> decode.
 
 One load orchestrator, which runs alone or with a process group (like DCP's ``no_dist``): any
 number of processes loads a checkpoint saved by any number. Alone (or with
 ``load_strategy="read_all"``) a process reads every byte it returns itself. With a process group
-and ``"allgather"`` / ``"broadcast"``, the replicated data is read **once in total**: the extents
-are laid end to end in file order and cut into one contiguous, aligned byte range per rank
-(:func:`gds_persist.parallel.schedule.plan_reads`); each rank reads its range, checksumming as it goes,
-and the bytes then travel over the process group (:mod:`gds_persist.parallel.exchange`). A range may cut
-an extent, so ranks exchange the CRC32C of their pieces and every rank checks each whole extent
-(:func:`gds_persist.format.checksum.crc32c_combine`): a corrupted extent raises the same
+and ``"allgather"`` / ``"broadcast"``, the replicated data is read **once in total**, each rank
+its aligned piece, and every rank checks each whole extent's CRC32C
+(:mod:`gds_persist.parallel.shared_reads`): a corrupted extent raises the same
 :class:`ChecksumError` on every rank. Rank-local state (``docs/DISTRIBUTED.md``) is read by the
 rank it belongs to only.
 
-:func:`read_extents` is the one read loop of every reader of checkpoints (load, verify, export,
-the DCP reader). Nothing is unpickled: the manifest is JSON, validated before use; tensor bytes
-are raw.
+The bytes are read by the one read loop, :func:`gds_persist.loading.extents.read_extents`, into
+the destinations of :mod:`gds_persist.loading.destinations`. Nothing is unpickled: the manifest
+is JSON, validated before use; tensor bytes are raw. :func:`gds_persist.loading.verify.verify`
+checks a checkpoint without keeping its data.
 
 Other processes may replace or remove the checkpoint during a load: every reader holds it open
 first - directory, manifest, and every data file it reads, before reading any byte of them
@@ -24,13 +22,12 @@ process group agree on one) the newer one. It never reports a healthy checkpoint
 truncated; :class:`CheckpointReplacedError` only if the path was replaced ``OPEN_ATTEMPTS`` times
 in a row while being opened, or removed.
 """
-
 from __future__ import annotations
 
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -38,29 +35,14 @@ from typing import Any
 import torch
 
 from .. import settings
-from ..backends import Backend, choose_backend
-from ..backends.posix import DirectBackend
-from ..errors import (
-    BackendError,
-    CheckpointReplacedError,
-    ChecksumError,
-    ManifestError,
-    NotCommittedError,
-)
-from ..format import (
-    Extent,
-    Manifest,
-    align_up,
-    crc32c_combine,
-    sections_tree,
-    storage_descriptions,
-)
+from ..errors import CheckpointReplacedError, ManifestError, NotCommittedError
+from ..format import Extent, Manifest, align_up, sections_tree, storage_descriptions
 from ..format.tree import decode, tensor_indices
 from ..parallel.distributed import Comm, make_comm
 from ..parallel.exchange import exchange
-from ..parallel.schedule import plan_reads
+from ..parallel.shared_reads import check_joined, shared_pieces
 from ..progress import ByteCounter, ProgressCallback
-from ..results import LoadInfo, VerifyReport
+from ..results import LoadInfo
 from ..stages import stage
 from ..transfer.opened import (
     OPEN_ATTEMPTS,
@@ -70,17 +52,9 @@ from ..transfer.opened import (
     pause,
     replaced_message,
 )
-from ..transfer.reader import (
-    Describe,
-    Dests,
-    FileReader,
-    OnBytes,
-    OnChecksum,
-    OnError,
-    checksum_mismatch,
-)
-from ..transfer.staging import io_session
+from ..transfer.reader import Describe, checksum_mismatch
 from .destinations import Destinations, Matched, match, plan_destinations
+from .extents import read_extents
 
 log = logging.getLogger("gds_persist")
 MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
@@ -89,63 +63,6 @@ MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """The validated manifest of the committed checkpoint at ``path``."""
     return opened(path, lambda ck: ck.manifest)
-
-
-def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | None,
-                 cfg: settings.Settings, *, verify: bool = True,
-                 describe: Describe | None = None, on_checksum: OnChecksum | None = None,
-                 on_bytes: OnBytes | None = None, on_error: OnError | None = None,
-                 progress: Callable[[int], None] | None = None) -> list[tuple[str, str]]:
-    """Read ``extents`` of the open checkpoint ``ck`` into ``dests`` (flat uint8 tensors by
-    storage; None: only the hooks see the bytes), the files of each directory concurrently, with
-    the backend ``cfg`` chooses for that directory. Every file needed is opened (and its size
-    checked) before any byte is read; a caller that must agree on them first opens them itself
-    (:meth:`OpenCheckpoint.open_files`). The checksum and byte hooks are those of
-    :class:`~gds_persist.transfer.reader.FileReader`; ``describe`` defaults to the key paths of
-    each storage's tensors. Returns the backend and the reason for its choice of every
-    directory read."""
-    by_file: dict[int, list[Extent]] = {}
-    for e in extents:
-        by_file.setdefault(e.file, []).append(e)
-    if not by_file:
-        return []
-    ck.open_files(by_file)
-    describe = describe or storage_descriptions(ck.manifest)
-    wants_device = any(d is not None and d.is_cuda for d in dests or ())
-    by_dir: dict[str, list[int]] = {}
-    for index in sorted(by_file):
-        by_dir.setdefault(os.path.dirname(ck.file_path(index)), []).append(index)
-    chosen = []
-    with io_session(
-        cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
-    ) as (ring, pool):
-        for directory, indices in by_dir.items():
-            largest = max(indices, key=lambda i: ck.manifest.files[i].size)
-            with stage("choose backend"):
-                backend, reason = _read_backend(
-                    cfg, directory, wants_device,
-                    (ck.source(largest), ck.manifest.files[largest].size,
-                     ck.manifest.files[largest].name))
-            chosen.append((backend.name, reason))
-            reader = FileReader(backend, ring, pool, cfg.io_timeout_s, verify=verify,
-                                describe=describe, on_checksum=on_checksum, on_bytes=on_bytes,
-                                on_error=on_error, progress=progress)
-            reader.read_files([(ck.file_path(i), by_file[i], ck.source(i)) for i in indices],
-                              dests)
-    return chosen
-
-
-def _read_backend(cfg: settings.Settings, directory: str, wants_device: bool,
-                  sample: tuple[str, int, str]) -> tuple[Backend, str]:
-    try:
-        return choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
-                              cfg.block_bytes, read_sample=sample)
-    except BackendError:
-        # The O_DIRECT probe needs the directory; the files are held open even when another
-        # process removed it (the checkpoint was replaced meanwhile): read them as asked.
-        if cfg.backend == "direct" and not os.path.isdir(directory):
-            return DirectBackend(), "requested explicitly (the directory is gone; files held)"
-        raise
 
 
 def _target_device(saved: str, map_location: MapLocation, distributed: bool) -> torch.device:
@@ -215,12 +132,12 @@ def load(
     ``into``: restore in place. A state shaped as ``save`` takes it (e.g. ``{"model":
     model.state_dict(), "optim": optimizer.state_dict()}``) whose tensors are filled with the
     checkpoint's bytes, read straight into them (host or CUDA memory; extra memory bounded by
-    ``staging_bytes``, see :mod:`gds_persist.loading.destinations`). Returns the checkpoint's state with those
-    same tensor objects in place; its other leaves come from the checkpoint, and checkpoint
-    tensors with no destination are loaded fresh. Key paths, shapes and dtypes are checked
-    before any byte is read, :class:`StateMismatchError` listing every mismatch; ``strict``
-    (default) also refuses missing and unexpected keys, ``strict=False`` fills what matches,
-    logs the rest and reports it in ``LoadInfo.missing_keys`` / ``unexpected_keys``.
+    ``staging_bytes``, see :mod:`gds_persist.loading.destinations`). Returns the checkpoint's
+    state with those same tensor objects in place; its other leaves come from the checkpoint,
+    and checkpoint tensors with no destination are loaded fresh. Key paths, shapes and dtypes
+    are checked before any byte is read, :class:`StateMismatchError` listing every mismatch;
+    ``strict`` (default) also refuses missing and unexpected keys, ``strict=False`` fills what
+    matches, logs the rest and reports it in ``LoadInfo.missing_keys`` / ``unexpected_keys``.
     ``map_location`` applies only to tensors loaded fresh. A restore that fails part-way raises
     saying which tensors of ``into`` may hold partial data (``partial_keys`` of the error).
     """
@@ -279,7 +196,7 @@ def _plan_load(m: Manifest, path: str, rank_local: Any, comm: Comm, cfg: setting
     needed = sorted({m.tensors[i].storage for i in wanted})
     replicated = sorted({m.tensors[i].storage for i in tensor_indices(m.tree)})
     share = bool(distributed and comm.size > 1 and cfg.load_strategy != "read_all" and replicated)
-    shared, by_rank = _my_pieces(m, set(replicated), comm) if share else ([], [])
+    shared, by_rank = shared_pieces(m, set(replicated), comm.size) if share else ([], [])
     mine = [] if share else [e for e in m.extents if e.storage in set(needed)]
     reads = mine + (by_rank[comm.rank] + _own_reads(m, needed, replicated) if share else [])
     return _LoadPlan(tree, wanted, needed, replicated, share, shared, by_rank, mine,
@@ -389,7 +306,7 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
         dest: Destinations = held["dest"]
         if lp.share:
             if verify:
-                _check_combined(ck, lp.shared, crcs, describe_storage)
+                check_joined(ck, lp.shared, crcs, describe_storage)
             pieces = [[(p.storage, p.start, p.length) for p in dest.pieces(sub, True)[0]]
                       for sub in lp.by_rank]
             exchange(comm, cfg.load_strategy, pieces, dest.buffers, cfg.staging_bytes)
@@ -467,7 +384,7 @@ class _PieceReader:
             describe=self.describe, on_checksum=on_checksum if self.verify else None,
             progress=progress))
         if self.verify and cut and not shared:
-            _check_combined(self.ck, [e for e in extents if (e.file, e.offset) in cut], [crcs],
+            check_joined(self.ck, [e for e in extents if (e.file, e.offset) in cut], [crcs],
                             self.describe_storage)
         return crcs
 
@@ -487,88 +404,3 @@ def _partial(e: Exception, found: Matched) -> Exception:
         new = e
     new.partial_keys = names  # type: ignore[attr-defined]
     return new
-
-
-def _my_pieces(m: Manifest, replicated: set[int],
-               comm: Comm) -> tuple[list[Extent], list[list[Extent]]]:
-    """The replicated extents in file order, and each rank's aligned pieces of them."""
-    shared = sorted((e for e in m.extents if e.storage in replicated and not e.encoded),
-                    key=lambda e: (e.file, e.offset))
-    parts = plan_reads([e.length for e in shared], comm.size)
-    by_rank = []
-    for part in parts:
-        sub = []
-        for k, start, length in part:
-            e = shared[k]
-            sub.append(Extent(e.storage, e.start + start, length, e.file, e.offset + start, 0))
-        by_rank.append(sub)
-    return shared, by_rank
-
-
-def _check_combined(ck: OpenCheckpoint, shared: list[Extent], crcs: list[list[list[int]]],
-                    describe: Describe) -> None:
-    """Every rank: join the CRCs of the pieces all ranks read into each whole extent's CRC and
-    compare it with the recorded one."""
-    pieces: dict[int, list[tuple[int, int, int]]] = {}
-    for rank_crcs in crcs:
-        for file, offset, length, crc in rank_crcs:
-            pieces.setdefault(file, []).append((offset, length, crc))
-    for lst in pieces.values():
-        lst.sort()
-    cursor: dict[int, int] = {f: 0 for f in pieces}
-    for e in shared:
-        lst = pieces.get(e.file, [])
-        k = cursor.get(e.file, 0)
-        crc, end = 0, e.offset
-        while k < len(lst) and lst[k][0] < e.offset + e.length:
-            offset, length, piece_crc = lst[k]
-            if offset != end:
-                break
-            crc = crc32c_combine(crc, piece_crc, length) if end > e.offset else piece_crc
-            end += length
-            k += 1
-        cursor[e.file] = k
-        if end != e.offset + e.length or crc != e.crc32c:
-            raise checksum_mismatch(describe(e.storage), ck.file_path(e.file), e, crc)
-
-
-def verify(
-    path: str | os.PathLike[str],
-    *,
-    backend: str | None = None,
-    progress: ProgressCallback | None = None,
-    data_dirs: Any = None,
-) -> VerifyReport:
-    """Re-read every extent and check its CRC32C without keeping the data; reports all mismatches.
-
-    Extents of an incremental checkpoint that live in its base checkpoints are checked like its
-    own (the bases are identified first); encoded extents are checked twice: the stored bytes
-    against ``stored_crc32c``, then the decoded bytes against ``crc32c``.
-
-    Raises for problems that stop the check (bad manifest, missing or truncated file).
-    ``data_dirs`` as for :func:`load`.
-    """
-    path = os.fspath(path)
-    cfg = settings.current(backend=backend)
-
-    def check(ck: OpenCheckpoint) -> VerifyReport:
-        m = ck.manifest
-        ck.open_files(range(len(m.files)))  # every file, also one that holds no extent
-        describe = storage_descriptions(m)
-        errors: list[ChecksumError] = []
-
-        def collect(file: str, e: Extent, actual: int) -> None:
-            if actual != e.crc32c:
-                errors.append(checksum_mismatch(describe(e.storage), file, e, actual))
-
-        counter = ByteCounter(progress, sum(align_up(e.stored_length) for e in m.extents))
-        read_extents(ck, m.extents, None, cfg, describe=describe, on_checksum=collect,
-                     on_error=errors.append, progress=counter.hook)
-        counter.finish()
-        return VerifyReport(
-            path, len(m.files), len(m.extents), sum(e.length for e in m.extents), errors,
-            referenced_bytes=m.referenced_bytes,
-            encoded_extents=sum(1 for e in m.extents if e.encoded),
-        )
-
-    return opened(path, check, data_dirs)

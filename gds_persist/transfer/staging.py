@@ -1,77 +1,20 @@
 """Page-aligned host staging memory, bounded: the only host memory a save or load adds.
 
-Buffers are anonymous ``mmap`` regions (page-aligned, as O_DIRECT requires). Where CUDA is
-usable they are also registered with ``cudaHostRegister`` so device<->host copies are DMA at full
-PCIe speed (pinned memory). A :class:`StagingRing` holds a fixed number of them; a writer blocks
-(with a timeout) until one is free, so staging memory never grows with the checkpoint.
+A :class:`StagingRing` holds a fixed number of page-aligned (pinned where CUDA is usable)
+buffers (:class:`~gds_persist.backends.buffers.AlignedBuffer`); a writer blocks (with a timeout)
+until one is free, so staging memory never grows with the checkpoint.
 """
 
 from __future__ import annotations
 
-import mmap
 import queue
 import threading
-import warnings
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 
-import torch
-
+from ..backends.buffers import AlignedBuffer
 from ..errors import CheckpointError
-
-
-def _cuda_usable() -> bool:
-    return torch.cuda.is_available()
-
-
-class AlignedBuffer:
-    """``nbytes`` of page-aligned host memory, exposed as a memoryview and a uint8 tensor:
-    anonymous memory, or (``fd``) a shared mapping of that file (the caller keeps the fd).
-
-    SAFETY: ``view`` and ``tensor`` alias the mapping; do not use them after :meth:`close`.
-    """
-
-    def __init__(self, nbytes: int, pin: bool | None = None, *, fd: int = -1):
-        self.nbytes = nbytes
-        flags = mmap.MAP_SHARED if fd >= 0 else mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
-        self._mmap = mmap.mmap(fd, nbytes, flags=flags)
-        self.view = memoryview(self._mmap)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")  # frombuffer warns about writability we do have
-            self.tensor = torch.frombuffer(self._mmap, dtype=torch.uint8)
-        self.array = self.tensor.numpy()  # numpy copies release the GIL and use one core
-        self.pinned = False
-        if pin if pin is not None else _cuda_usable():
-            self._pin()
-
-    def _pin(self) -> None:
-        """Register with CUDA; unpinned memory still works, only slower, so never fail here."""
-        try:
-            cudart = torch.cuda.cudart()
-            rc = cudart.cudaHostRegister(self.tensor.data_ptr(), self.nbytes, 0)
-        except RuntimeError:  # e.g. CUDA cannot be initialised in a forked child
-            return
-        self.pinned = int(rc) == 0
-
-    def close(self) -> None:
-        if self.pinned:
-            torch.cuda.cudart().cudaHostUnregister(self.tensor.data_ptr())
-            self.pinned = False
-        del self.tensor, self.array
-        try:
-            self.view.release()
-            self._mmap.close()
-        except BufferError:
-            # A slice of this buffer is still referenced, typically by the traceback of a failed
-            # I/O call; the mapping is freed with that last reference instead of now.
-            pass
-
-    def __enter__(self) -> AlignedBuffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
 
 class StagingRing:

@@ -25,7 +25,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...convert.interop import export_checkpoint
+    from ...convert.export import export_checkpoint
 
     bar = cli_progress(f"export {args.to}")
     try:

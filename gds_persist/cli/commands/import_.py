@@ -26,7 +26,7 @@ def arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...convert.interop import import_checkpoint
+    from ...convert.importing import import_checkpoint
 
     bar = cli_progress("import")
     try:

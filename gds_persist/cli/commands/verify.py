@@ -6,7 +6,7 @@ import argparse
 import sys
 import time
 
-from ...loading.load import verify
+from ...loading.verify import verify
 from ...progress import cli_progress
 
 HELP = "re-read and checksum every extent; exit 1 on any mismatch"

@@ -1,0 +1,251 @@
+"""The safetensors format, written and read here (no dependency on the ``safetensors`` package).
+
+A safetensors file is an 8-byte little-endian header length, a JSON header (``name -> dtype,
+shape, data_offsets``, plus ``__metadata__`` strings) padded to 8 bytes, then the data buffer.
+:func:`plan_safetensors` and :func:`st_header` build the header of an export from the manifest
+alone (so the data can stream); :func:`map_safetensors` maps a file (``mmap``) and parses it into
+tensors backed by the mapping.
+
+What safetensors cannot hold, and what happens
+----------------------------------------------
+safetensors holds a flat mapping ``name -> contiguous tensor`` plus string metadata.
+
+* nested containers (dicts, lists, tuples): keys are joined with ``sep`` (default ``"."``, so
+  ``{"model": {"fc.weight": t}}`` becomes ``"model.fc.weight"`` as Hugging Face tools expect;
+  list/tuple positions become their index). Two paths that join to the same name are refused
+  (``ValueError``; choose another ``sep``). The exact structure is kept in the metadata entry
+  ``"gds_persist"`` so :func:`gds_persist.import_checkpoint` restores it.
+* non-tensor leaves (ints, floats incl. inf/nan, bools, strings, None): not tensors, so
+  ``safetensors.torch.load_file`` does not return them; they are kept in that metadata entry
+  and restored by :func:`gds_persist.import_checkpoint`.
+* tensors sharing a storage (tied weights): safetensors cannot alias, so each tensor is written
+  with its own copy of its bytes. Tensors that are identical views of one storage (the common
+  case: tied embedding / LM-head weights) are recorded and come back as one shared tensor on
+  import; partially overlapping views come back as independent copies.
+* non-contiguous views: written as their contiguous copy (values equal, strides not kept).
+* ``nn.Parameter`` / ``requires_grad``: kept in the metadata, restored on import.
+* dtypes safetensors has no code for (e.g. complex128, float8 variants other than e4m3fn/e5m2
+  and their fnuz forms, bit/quantized types) and a state dict that is a bare tensor: refused with
+  a ``TypeError`` naming the key; use ``to="torch"``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import os
+import struct
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import CheckpointError
+from ..format import DTYPES, TensorRecord
+from ..format.tree import decode, path_str, tensor_key_paths, validate
+
+META_KEY = "gds_persist"
+_META_VERSION = 1
+MAX_HEADER = 100 << 20  # what safetensors itself accepts
+
+# safetensors dtype codes this exporter writes. The uint16/32/64, complex64 and fnuz float8 codes
+# are known to recent safetensors releases only (tested with 0.8).
+ST_DTYPES: dict[torch.dtype, str] = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.complex64: "C64",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
+    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
+    torch.uint16: "U16",
+    torch.uint32: "U32",
+    torch.uint64: "U64",
+}
+ST_CODES = {v: k for k, v in ST_DTYPES.items()}
+
+
+@dataclass
+class StEntry:
+    index: int  # tensor index in the manifest / flattened state
+    name: str
+    record: TensorRecord
+    nbytes: int
+    begin: int = 0  # data offset in the safetensors buffer
+
+
+def plan_safetensors(
+    tree: Any, tensors: list[TensorRecord], sep: str
+) -> tuple[list[StEntry], dict[str, str]]:
+    """Names, order and offsets of the tensors, and the metadata that restores the rest."""
+    paths = tensor_key_paths(tree)
+    entries: list[StEntry] = []
+    seen: dict[str, tuple[Any, ...]] = {}
+    for i, rec in enumerate(tensors):
+        p = paths[i]
+        if not p:
+            raise TypeError(
+                "cannot export a bare tensor to safetensors: wrap it in a dict "
+                "({'weight': t}) or use to='torch'"
+            )
+        name = sep.join(str(k) for k in p)
+        if name in seen:
+            raise ValueError(
+                f"keys {path_str(seen[name])} and {path_str(p)} both become {name!r} when joined "
+                f"with sep={sep!r}; choose another separator (e.g. sep='/')"
+            )
+        seen[name] = p
+        dtype = DTYPES[rec.dtype]
+        if dtype not in ST_DTYPES:
+            raise TypeError(
+                f"cannot export {path_str(p)} to safetensors: it has no code for dtype {dtype}; "
+                "use to='torch' (torch.save holds every dtype)"
+            )
+        entries.append(StEntry(i, name, rec, math.prod(rec.shape) * dtype.itemsize))
+    # data in storage order, so a streaming export reads each storage once, front to back
+    entries.sort(key=lambda e: (e.record.storage, e.record.storage_offset, e.index))
+    pos = 0
+    for e in entries:
+        e.begin = pos
+        pos += e.nbytes
+    tied: dict[tuple[Any, ...], list[str]] = {}
+    for e in entries:
+        r = e.record
+        if e.nbytes:
+            tied.setdefault((r.storage, r.storage_offset, r.shape, r.stride, r.dtype), []).append(
+                e.name
+            )
+    by_index = sorted(entries, key=lambda e: e.index)
+    meta = {
+        "version": _META_VERSION,
+        "sep": sep,
+        "tree": tree,
+        "names": [e.name for e in by_index],
+        "parameter": [e.record.parameter for e in by_index],
+        "requires_grad": [e.record.requires_grad for e in by_index],
+        "tied": [names for names in tied.values() if len(names) > 1],
+    }
+    return entries, {"format": "pt", META_KEY: json.dumps(meta, separators=(",", ":"))}
+
+
+def st_header(entries: list[StEntry], metadata: dict[str, str]) -> bytes:
+    """The header of a file holding ``entries``: length, JSON, padding to 8 bytes."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    for e in entries:
+        header[e.name] = {
+            "dtype": ST_DTYPES[DTYPES[e.record.dtype]],
+            "shape": list(e.record.shape),
+            "data_offsets": [e.begin, e.begin + e.nbytes],
+        }
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # the data buffer starts 8-byte aligned
+    if len(raw) > MAX_HEADER:
+        raise ValueError(
+            f"the safetensors header would be {len(raw)} bytes, above the "
+            f"{MAX_HEADER}-byte limit of the format"
+        )
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def map_safetensors(file: str) -> Any:
+    """The contents of the safetensors ``file``, its tensors backed by a read-only mapping of
+    it: the state dict :func:`gds_persist.export_checkpoint` wrote, or a flat ``{name: tensor}``
+    dict for a file without its metadata."""
+    with open(file, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+    if mm is None or size < 8:
+        raise CheckpointError(f"{file} is too short to be a safetensors file")
+    (n,) = struct.unpack("<Q", mm[:8])
+    if n > MAX_HEADER or 8 + n > size:
+        raise CheckpointError(
+            f"{file}: safetensors header length {n} is impossible for a {size}-byte file"
+        )
+    try:
+        header = json.loads(mm[8 : 8 + n])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"{file}: the safetensors header is not valid JSON ({e})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
+    meta = header.pop("__metadata__", None) or {}
+    buffer_len = size - 8 - n
+    tensors: dict[str, torch.Tensor] = {}
+    for name, info in header.items():
+        try:
+            dtype = ST_CODES[info["dtype"]]
+            shape = [int(d) for d in info["shape"]]
+            begin, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has an unsupported dtype or malformed entry {info!r}"
+            ) from None
+        nbytes = math.prod(shape) * dtype.itemsize
+        if (
+            any(d < 0 for d in shape)
+            or not 0 <= begin <= end <= buffer_len
+            or end - begin != nbytes
+        ):
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has data_offsets {[begin, end]} that do "
+                f"not fit its shape {shape} and {dtype} or the file"
+            )
+        if nbytes == 0:
+            tensors[name] = torch.empty(shape, dtype=dtype)
+            continue
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the mapping is read-only; we never write to it
+            raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=8 + n + begin)
+        tensors[name] = raw.view(dtype).reshape(shape)
+    ours = meta.get(META_KEY) if isinstance(meta, dict) else None
+    if ours is None:
+        return tensors
+    return _restore(file, tensors, ours)
+
+
+def _restore(file: str, tensors: dict[str, torch.Tensor], raw_meta: str) -> Any:
+    """Rebuild the exported state dict from the metadata
+    :func:`gds_persist.export_checkpoint` wrote."""
+    try:
+        meta = json.loads(raw_meta)
+        names = meta["names"]
+        tree = meta["tree"]
+        params, grads, tied = meta["parameter"], meta["requires_grad"], meta["tied"]
+        assert meta["version"] == _META_VERSION and len(names) == len(params) == len(grads)
+        validate(tree, len(names))
+    except (ValueError, KeyError, TypeError, AssertionError) as e:
+        raise CheckpointError(f"{file}: its gds_persist metadata is malformed ({e})") from None
+    if set(names) != set(tensors):
+        raise CheckpointError(
+            f"{file}: its gds_persist metadata names other tensors than the file holds"
+        )
+    canonical = {}
+    for group in tied:
+        for other in group[1:]:
+            canonical[other] = group[0]
+    out = []
+    for name, is_param, needs_grad in zip(names, params, grads, strict=False):
+        t = tensors[canonical.get(name, name)]
+        if is_param:
+            t = torch.nn.Parameter(t, requires_grad=needs_grad)
+        elif needs_grad:
+            t = t.requires_grad_(True)
+        out.append(t)
+    # identical tied views must be the very same object, so they share one storage again
+    first: dict[str, torch.Tensor] = {}
+    for i, name in enumerate(names):
+        key = canonical.get(name, name)
+        if key in first:
+            out[i] = first[key]
+        else:
+            first[key] = out[i]
+    return decode(tree, out)
