@@ -27,8 +27,9 @@ _STOP = object()
 
 
 class Workers:
-    """The threads of the stages added with :meth:`add`. ``prepare(stage)`` runs before each job
-    is taken on (outside the job: a thread that dies there loses no save)."""
+    """The threads of the stages added with :meth:`add`. ``prepare(stage)`` runs for each job
+    taken from the queue before it becomes the thread's current job (the writer waits there for
+    the warm-up); it must not raise."""
 
     def __init__(self, prepare: Callable[[str], None]):
         self._prepare = prepare
