@@ -57,8 +57,9 @@ from ..loading.load import load
 from ..results import SaveInfo
 from ..saving.save import save
 from ..state.flatten import Flattened, flatten
+from ..training.background_writer import BackgroundWriter
 from ..transfer.commit import fsync_path
-from ._common import BackgroundWriter, remove_checkpoint
+from ._common import remove_checkpoint
 
 try:  # the `lightning` package; `pytorch_lightning` alone ships `lightning_fabric`
     from lightning.fabric.plugins import CheckpointIO as _CheckpointIO

@@ -1,5 +1,21 @@
-"""Checkpointing that overlaps training: the :class:`~gds_persist.Checkpointer`
-(:mod:`.checkpointer`), its bounded host snapshots (:mod:`.snapshot`), its helper process
-(:mod:`.helper`), the layout of its root (:mod:`.steps`), and how often to checkpoint
-(:mod:`.interval`: Young/Daly; :mod:`.levels`: per level, ``memory_every`` and ``drive_every``;
-:mod:`.wear`: the drive's endurance; :mod:`.units`: durations and sizes)."""
+"""Checkpointing that overlaps training: the :class:`~gds_persist.Checkpointer` (docs/TRAINING.md)
+and the node-memory tier (docs/RECOVERY.md).
+
+* :mod:`.checkpointer`: the ``Checkpointer`` itself, its public API and what joins the parts;
+* :mod:`.handles`: ``SaveHandle``, the counters (``CheckpointerStats``), the saves in flight and
+  every bounded wait on them;
+* :mod:`.workers`: the worker threads (one per stage), a dead one's save failed and the thread
+  replaced;
+* :mod:`.streams`: the CUDA events recorded at ``save`` and the side streams the copies run on;
+* :mod:`.tiers`: where each step goes (memory, drive) and how: incremental bases, publishing;
+* :mod:`.snapshot`: bounded host snapshots in one (pinned, or shared) arena, and its owner;
+* :mod:`.background_writer`: the snapshot writer the trainer integrations use;
+* :mod:`.helper` (with :mod:`._helper_main`): ``writer="process"``'s helper process;
+* :mod:`.mode`: ``mode="auto"``'s rule (a pure function);
+* :mod:`.steps`: the layout of a root: step directories, ``latest``, retention;
+* :mod:`.optimizer_state`: ``init_optimizer_state``, for a restore fully in place;
+* :mod:`.tier`: the memory tier: its layout and room, the replicas, the restore.
+
+:mod:`.levels` and :mod:`.wear` only re-export :mod:`gds_persist.advice.levels` and
+:mod:`gds_persist.advice.wear` (how often to checkpoint), which lived here before.
+"""

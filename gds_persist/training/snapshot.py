@@ -2,14 +2,19 @@
 
 A snapshot copies every distinct storage of a flattened state dict into one
 :class:`SnapshotArena` (a single page-aligned host buffer, pinned where CUDA exists, of a fixed
-capacity) and is the same :class:`~gds_persist.state.flatten.Flattened` over the copies: same tree and
-tensor records (views, tied weights), and the same storage records, so each storage keeps the
-device it was saved from and the checkpoint written from the snapshot is the one
+capacity) and is the same :class:`~gds_persist.state.flatten.Flattened` over the copies: same
+tree and tensor records (views, tied weights), and the same storage records, so each storage
+keeps the device it was saved from and the checkpoint written from the snapshot is the one
 ``gds_persist.save`` would have written from the live tensors.
 
 The arena never grows: a snapshot that does not fit yet waits (bounded) until earlier ones are
 written and freed; one that can never fit is refused with :class:`SnapshotTooLarge`, and the
 Checkpointer writes that checkpoint straight from the live tensors instead ("fence" mode).
+
+:class:`ArenaOwner` is the one sequence both background writers run (the Checkpointer's snapshot
+stage and :class:`~gds_persist.training.background_writer.BackgroundWriter`): the arena created at
+the first snapshot by the writer's sizing rule, replaced by a larger one where the writer lets it
+grow, a reservation (``None``, logged, for a snapshot that can never fit), the copy, the free.
 
 SAFETY: the storages of a snapshot alias the arena. They must be dropped before their
 :class:`Reservation` is freed and before the arena is closed.
@@ -25,6 +30,7 @@ import threading
 import time
 import warnings
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -202,6 +208,78 @@ def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Flat
     views = [arena.view(r, off - r.offset, s.nbytes)
              for off, s in zip(offsets, flat.storages, strict=True)]
     return over_copies(flat.tree, flat.tensors, flat.storages, views)
+
+
+class ArenaOwner:
+    """The snapshot arena of one background writer, from its first snapshot to its close.
+
+    ``size_for(need)``: the arena's bytes, decided when the first snapshot (``need`` bytes)
+    creates it. ``drain``: with it, the arena grows: a snapshot larger than the arena first calls
+    ``drain()`` (which must wait until no snapshot of the old arena is in use), then replaces the
+    arena by one sized for it; without it the arena keeps its size and such a snapshot is refused.
+    ``shared``: an arena the helper process maps (:class:`SharedBuffer`).
+    """
+
+    def __init__(self, size_for: Callable[[int], int], timeout_s: float, *,
+                 drain: Callable[[], None] | None = None, shared: bool = False):
+        self._size_for = size_for
+        self._drain = drain
+        self.timeout_s = timeout_s
+        self._shared = shared
+        self._arena: SnapshotArena | None = None
+        self._newest: SnapshotArena | None = None  # kept after close, for its figures
+
+    @property
+    def capacity(self) -> int:
+        """The arena's bytes (0 before the first snapshot; after close, the last arena's)."""
+        return 0 if self._newest is None else self._newest.capacity
+
+    @property
+    def peak_bytes(self) -> int:
+        """The most bytes the arena ever had reserved at once."""
+        return 0 if self._newest is None else self._newest.peak_bytes
+
+    @property
+    def shared(self) -> tuple[int, int, int] | None:
+        """(pid, fd, size) through which the helper process maps the arena (see SnapshotArena)."""
+        return None if self._arena is None else self._arena.shared
+
+    def reserve(self, flat: Flattened, instead: str) -> Reservation | None:
+        """Room in the arena for a snapshot of ``flat``, waiting (bounded) for older snapshots'
+        memory. None when it can never fit: logged as ``"<why>; <instead>"``, ``instead`` saying
+        what the caller does then (writes from the live tensors)."""
+        need = snapshot_nbytes(flat)
+        if self._arena is not None and self._drain is not None and need > self._arena.capacity:
+            self._drain()  # grow: after the snapshots that use the old arena
+            self.close()
+        if self._arena is None:
+            self._arena = self._newest = SnapshotArena(self._size_for(need), self.timeout_s,
+                                                       shared=self._shared)
+        try:
+            return self._arena.reserve(need)
+        except SnapshotTooLarge as e:
+            log.warning("%s; %s", e, instead)
+            return None
+
+    def take(self, flat: Flattened, r: Reservation) -> Flattened:
+        """:func:`take_snapshot` into the arena: ``flat`` over host copies."""
+        assert self._arena is not None
+        return take_snapshot(flat, self._arena, r)
+
+    def copy(self, flat: Flattened, r: Reservation) -> list[int]:
+        """:func:`copy_storages` into the arena (for the helper process): the storages' offsets."""
+        assert self._arena is not None
+        return copy_storages(flat, self._arena, r)
+
+    def free(self, r: Reservation) -> None:
+        if self._arena is not None:
+            self._arena.free(r)
+
+    def close(self) -> None:
+        """Free the arena's memory; a later snapshot creates a new arena."""
+        if self._arena is not None:
+            self._arena.close()
+            self._arena = None
 
 
 class SharedBuffer(AlignedBuffer):

@@ -1,0 +1,222 @@
+"""Where a Checkpointer's step goes and how it gets there: :class:`Tiers` (``docs/RECOVERY.md``).
+
+Without a memory tier every step goes to the drive (``root``). With one (``memory_root=``) a
+step goes to each tier whose interval divides it: ``memory_every``, this node's tmpfs with the
+rank's copies on its replica holders (:mod:`.tier`), and ``drive_every``, the drive; a step in
+neither is not written. A memory step for which some node's tmpfs lacks room goes to the drive
+instead. On the drive one process writes, or every rank 1/N with a process group;
+``incremental=True`` refers each save to the last committed step. A drive step counts once rank
+0 has published it as ``latest`` and applied retention, and every rank has learnt the outcome.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import threading
+import time
+from typing import Any
+
+from ..errors import CheckpointError, CheckpointTimeout
+from ..format import MANIFEST_NAME
+from ..parallel.distributed import Comm
+from ..parallel.topology import node_name
+from ..results import SaveInfo
+from ..saving.save import save as core_save
+from . import steps as _steps
+from .handles import CheckpointerStats, Job, SaveHandle
+from .helper import HelperProcess
+from .tier.memory import MemoryTier, lacks_room, step_bytes
+from .tier.replicate import holders, transfer
+
+log = logging.getLogger("gds_persist")
+
+
+def check_tiers(memory_root: Any, memory_every: int, drive_every: int, replicas: int | None,
+                writer: str) -> None:
+    """The Checkpointer's tier arguments, checked (ValueError naming the fix)."""
+    for name, value in (("memory_every", memory_every), ("drive_every", drive_every)):
+        if operator.index(value) < 1:
+            raise ValueError(f"{name}={value} must be at least 1 (a step is written to a tier "
+                             "when the tier's interval divides it)")
+    if replicas is not None and replicas < 0:
+        raise ValueError(f"replicas={replicas} must be 0 or more")
+    if memory_root is None:
+        if memory_every != 1 or drive_every != 1 or replicas:
+            raise ValueError("memory_every, drive_every and replicas are the memory tier's: "
+                             "pass memory_root=DIR (a tmpfs such as /dev/shm/ckpt) as well")
+        return
+    if writer == "process":
+        raise ValueError("writer='process' writes only to the drive; the memory tier "
+                         "(memory_root=) needs writer='thread'")
+
+
+class Tiers:
+    """The write side of one Checkpointer: which tiers a step goes to, writing it there, and
+    publishing a drive step. Runs in the writer thread (but for :meth:`of`, :meth:`path` and
+    :meth:`skipped`); counts into ``stats`` under ``lock`` (the Checkpointer's).
+
+    ``save_kwargs`` / ``io_kwargs``: the keywords of the drive's saves / of the memory tier's
+    (plain, whole, alone). ``helper``: ``writer="process"``'s helper, which writes the snapshots
+    described in ``job.remote``. ``base_step``: the committed step the next incremental save
+    refers to (the Checkpointer sets it on a load).
+    """
+
+    def __init__(self, root: str, comm: Comm, memory: MemoryTier | None, *, memory_every: int,
+                 drive_every: int, replicas: int | None, keep_last: int | None,
+                 save_kwargs: dict[str, Any], io_kwargs: dict[str, Any], process_group: Any,
+                 incremental: bool, helper: HelperProcess | None, timeout_s: float,
+                 stats: CheckpointerStats, lock: threading.RLock, base_step: int | None):
+        self.root = root
+        self.memory = memory
+        self.memory_every, self.drive_every, self._replicas = memory_every, drive_every, replicas
+        self.keep_last = keep_last
+        self.incremental = incremental
+        self.base_step = base_step
+        self.helper_job_extra: dict[str, Any] = {}  # test seam: e.g. {"test_sleep_s": 5}
+        self._comm = comm
+        self._publisher = comm.rank == 0  # moves `latest` and removes old steps
+        self._holders: list[list[int]] | None = None  # by rank: who keeps its replicas
+        self._save_kwargs, self._io_kwargs = save_kwargs, io_kwargs
+        self._process_group = process_group
+        self._helper = helper
+        self._timeout_s = timeout_s
+        self._stats, self._lock = stats, lock
+
+    # ---------------------------------------------------------------- where a step goes
+
+    def of(self, step: int) -> tuple[str, ...]:
+        """The tiers ``step`` goes to: "memory" and/or "drive" (none: it is not written)."""
+        if self.memory is None:
+            return ("drive",)
+        return tuple(t for t, every in (("memory", self.memory_every),
+                                        ("drive", self.drive_every)) if step % every == 0)
+
+    def path(self, step: int, tiers: tuple[str, ...]) -> str:
+        """Where the step's checkpoint lands: its step directory on the drive, or in this
+        rank's memory when it goes to the memory tier only."""
+        if "drive" in tiers or self.memory is None:
+            return _steps.step_path(self.root, step)
+        return self.memory.own_step(step)
+
+    def skipped(self, step: int) -> SaveInfo:
+        """The SaveInfo of a step in neither tier: nothing written, and why."""
+        return SaveInfo(
+            path="", backend="none", bytes_written=0, payload_bytes=0, seconds=0.0,
+            tensors=0, storages=0, reason=f"step {step} is in neither tier (memory_every="
+            f"{self.memory_every}, drive_every={self.drive_every}): not written")
+
+    # ---------------------------------------------------------------- writing it there
+
+    def write(self, job: Job) -> SaveInfo:
+        """Write the job's step to its tiers (the memory tier first); the SaveInfo of the last.
+        A memory step without room adds "drive" to ``job.tiers`` and goes there."""
+        info = self._write_memory(job) if "memory" in job.tiers else None
+        if info is None or "drive" in job.tiers:
+            info = self._write_drive(job)
+        return info
+
+    def publish(self, h: SaveHandle) -> None:
+        """After every rank's drive save of ``h`` has returned: rank 0 publishes it, and every
+        rank learns the outcome, so no rank's handle is done before ``latest`` names the step."""
+        self._comm.agree("publish", lambda: self._publish(h),
+                         f"publishing step {h.step} under {self.root}")
+
+    def committed(self, step: int, info: SaveInfo) -> None:
+        """Count a published drive step; the next incremental save refers to it."""
+        with self._lock:
+            self._stats.committed += 1
+            self._stats.write_s += info.seconds
+            self._stats.bytes_written += info.bytes_written
+            self._stats.bytes_referenced += info.referenced_bytes
+            self.base_step = step
+
+    def _write_memory(self, job: Job) -> SaveInfo | None:
+        """Commit the step to every rank's node memory and its replicas to their holders; None
+        (and the step goes to the drive instead) when some node's tmpfs lacks room."""
+        assert self.memory is not None and job.flat is not None
+        tier, flat, step, comm = self.memory, job.flat, job.handle.step, self._comm
+        facts = comm.all_gather_json({"node": node_name(), "need": step_bytes(flat),
+                                      "free": tier.free_bytes()}, "memory tier room")
+        nodes = [f["node"] for f in facts]
+        if self._holders is None:
+            count = self._replicas
+            if count is None:  # default: one copy elsewhere, where there is an elsewhere
+                count = min(1, len(set(nodes)) - 1)
+            self._holders = holders(nodes, count)
+        why = lacks_room([f["need"] for f in facts], [f["free"] for f in facts], nodes,
+                         self._holders)
+        if why is not None:
+            log.warning("gds_persist.Checkpointer(%s): step %d goes to the drive: %s",
+                        self.root, step, why)
+            with self._lock:
+                self._stats.memory_fallbacks += 1
+                self._stats.memory_fallback_reason = why
+            job.tiers = (*job.tiers, "drive") if "drive" not in job.tiers else job.tiers
+            job.handle.path = _steps.step_path(self.root, step)
+            return None
+        t0 = time.perf_counter()
+        saved: list[SaveInfo] = []
+        comm.agree("memory save", lambda: saved.append(tier.save(flat, step, self._io_kwargs)),
+                   f"memory-tier save of step {step} under {tier.root}")
+        t1 = time.perf_counter()
+        mine = self._holders[comm.rank]
+        held = [r for r, hs in enumerate(self._holders) if comm.rank in hs]
+        transfer(comm, {h: tier.own_step(step) for h in mine},
+                 {r: tier.replica_step(r, step) for r in held}, f"replicas of step {step}")
+        comm.agree("memory retention", lambda: tier.retain(step, held),
+                   f"memory-tier retention after step {step} under {tier.root}")
+        with self._lock:
+            s = self._stats
+            s.memory_committed += 1
+            s.memory_write_s += t1 - t0
+            s.replicate_s += time.perf_counter() - t1
+            s.replica_holders = list(mine)
+        return saved[0]
+
+    def _write_drive(self, job: Job) -> SaveInfo:
+        """The step to ``root`` (the drive): one writer, or every rank 1/N with a group."""
+        h = job.handle
+        kwargs = dict(self._save_kwargs)
+        if self._process_group is not None:
+            kwargs["process_group"] = self._process_group
+        base = self._base_for(h)
+        if base is not None:
+            kwargs["base"] = base
+        if job.remote is not None:
+            assert self._helper is not None
+            try:
+                info = self._helper.write(
+                    {**job.remote, **self.helper_job_extra, "path": h.path,
+                     "kwargs": kwargs}, self._timeout_s, f"writing step {h.step}")
+            except TimeoutError as e:
+                raise CheckpointTimeout(f"{e} (under {self.root}); raise "
+                                        "Checkpointer(timeout_s=...) if the drive is slow"
+                                        ) from None
+        else:
+            assert job.flat is not None
+            info = core_save(job.flat, h.path, **kwargs)  # flattened once, at save()
+        return info
+
+    def _base_for(self, h: SaveHandle) -> str | None:
+        """incremental=True: the committed step this save refers to (the last one this
+        Checkpointer committed, or loaded, or found at start), if it is still there."""
+        if not self.incremental or self.base_step is None:
+            return None
+        path = _steps.step_path(self.root, self.base_step)
+        if path == h.path or not os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            return None
+        return path
+
+    def _publish(self, h: SaveHandle) -> None:
+        if not self._publisher:
+            return
+        try:
+            _steps.write_latest(self.root, h.step)
+            _steps.apply_retention(self.root, h.step, self.keep_last)
+        except OSError as e:
+            raise CheckpointError(
+                f"step {h.step} was committed at {h.path}, but publishing it failed "
+                f"(updating {self.root}/latest or removing old steps): {e}"
+            ) from e
