@@ -170,7 +170,6 @@ class Checkpointer:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         check_tiers(memory_root, memory_every, drive_every, replicas, writer)
         self.root = os.path.abspath(os.fspath(root))
-        self.keep_last = keep_last
         self.requested_mode = mode
         self.mode = mode  # the mode in force: "auto" only until the first save decides
         self.mode_reason: str | None = None
@@ -180,8 +179,6 @@ class Checkpointer:
         self.max_pending = max_pending or 2
         self.process_group = process_group
         self.allow_pickle = allow_pickle
-        self.incremental = incremental
-        self.memory_every, self.drive_every = memory_every, drive_every
         self.loaded_step: int | None = None
         self.restored_from: str | None = None  # "memory", "replica" or "drive": the last load's
         save_kwargs: dict[str, Any] = {"backend": backend, "block_bytes": block_bytes,
@@ -227,6 +224,13 @@ class Checkpointer:
         if mode != "auto":
             self._use_mode(ModeChoice(mode, snapshot_bytes, "requested explicitly"))
         _live.add(self)
+
+    # the tier settings live in Tiers (one copy); set here, they apply from the next save
+    keep_last = property(lambda self: self._tiers.keep_last,
+                         lambda self, v: setattr(self._tiers, "keep_last", v))
+    incremental = property(lambda self: self._tiers.incremental)
+    memory_every = property(lambda self: self._tiers.memory_every)
+    drive_every = property(lambda self: self._tiers.drive_every)
 
     # ---------------------------------------------------------------- public API
 
