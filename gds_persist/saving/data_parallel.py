@@ -4,9 +4,11 @@ rank-local state); rank 0 writes the manifest and commits. See ``docs/DISTRIBUTE
 Phases, each closed by :meth:`Comm.agree`, so a failure on any rank is known to every rank, which
 all raise an error naming it; no rank waits longer than ``collective_timeout_s``:
 
-1. ``prepare``: split off rank-local parts, flatten, describe the replicated structure, probe the
-   node and GPU affinity; rank 0 creates the temporary checkpoint directory.
-2. ``check``: only when the replicated structure differs between ranks - find and report where.
+1. ``prepare``: split off rank-local parts (:mod:`gds_persist.state.rank_local`), flatten,
+   describe the replicated structure, probe the node and GPU affinity; rank 0 creates the
+   temporary checkpoint directory.
+2. ``check``: only when the replicated structure differs between ranks - find and report where
+   (:mod:`gds_persist.parallel.replicas`).
 3. ``write``: plan (deterministically, identically on every rank), then write and fsync this rank's
    files into the temporary directory or its data directory; report extents and checksums.
 4. ``commit``: rank 0 assembles, validates and writes the manifest, then commits atomically (the
@@ -30,14 +32,12 @@ stays intact on any failure.
 from __future__ import annotations
 
 import hashlib
-import json
 import os
 import re
 import socket
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass, replace
 from typing import Any
 
@@ -46,7 +46,7 @@ import torch
 from .. import settings
 from .._version import __version__
 from ..backends import choose_backend
-from ..errors import DistributedError, ReplicationError
+from ..errors import DistributedError
 from ..format import (
     STRIPE_MARK,
     DataDir,
@@ -64,11 +64,14 @@ from ..format import (
 )
 from ..format import tree as _tree
 from ..parallel.distributed import Comm, make_comm
+from ..parallel.replicas import CHECK_REPLICAS, description_of
+from ..parallel.replicas import check_replicas as check_replication
 from ..parallel.schedule import DistributedPlan, RankInfo, plan_save
 from ..parallel.topology import gpu_affinity, node_name
 from ..progress import ByteCounter, ProgressCallback
 from ..results import DistributedSaveInfo
 from ..state.flatten import Flattened, flatten
+from ..state.rank_local import KeyPath, normalize_paths, split_rank_local
 from ..transfer.commit import (
     Temporary,
     abort,
@@ -78,7 +81,6 @@ from ..transfer.commit import (
     remove_tree,
     write_manifest,
 )
-from ..transfer.crc import device_crc32c
 from ..transfer.locks import STALE_UNLOCKED_S, FileLock, acquire, try_acquire, untouched_for
 from ..transfer.pipeline import byte_view
 from ..transfer.unit_writer import Unit
@@ -97,117 +99,7 @@ from .incremental import (
     write_units,
 )
 
-KeyPath = _tree.KeyPath
 STRIPE_LOCK = ".lock"  # in each data directory: held (shared) by the ranks writing into it
-CHECK_REPLICAS = ("structure", "checksums", "off")
-
-
-# --- rank-local parts -------------------------------------------------------------------------
-
-def normalize_paths(rank_local: str | KeyPath | Iterable[str | KeyPath] | None) -> list[KeyPath]:
-    """``"optimizer"`` or ``("optimizer", "state")`` or a list of them -> list of key tuples."""
-    if rank_local is None:
-        return []
-    if isinstance(rank_local, (str, tuple)):
-        rank_local = [rank_local]
-    paths = [(p,) if isinstance(p, (str, int)) else tuple(p) for p in rank_local]
-    for a in paths:
-        for b in paths:
-            if a is not b and a == b[: len(a)]:
-                raise ValueError(f"rank_local paths {a!r} and {b!r} overlap; mark only the "
-                                 "outer one")
-    return paths
-
-
-def _replace_at(obj: Any, path: KeyPath, value: Any, full: KeyPath) -> tuple[Any, Any]:
-    """A copy of ``obj`` with the subtree at ``path`` replaced (only the spine is copied)."""
-    key, rest = path[0], path[1:]
-    if isinstance(obj, dict):
-        if key not in obj:
-            raise KeyError(f"rank_local path {full!r}: key {key!r} is not in the state dict")
-        new_child, old = (value, obj[key]) if not rest else _replace_at(obj[key], rest, value, full)
-        copy = OrderedDict(obj) if isinstance(obj, OrderedDict) else dict(obj)
-        if isinstance(copy, OrderedDict) and hasattr(obj, "_metadata"):  # a dict cannot carry it
-            copy._metadata = obj._metadata  # type: ignore[attr-defined]
-        copy[key] = new_child
-        return copy, old
-    if isinstance(obj, (list, tuple)) and type(key) is int and 0 <= key < len(obj):
-        items = list(obj)
-        items[key], old = ((value, items[key]) if not rest
-                           else _replace_at(items[key], rest, value, full))
-        return (items if isinstance(obj, list) else tuple(items)), old
-    raise KeyError(f"rank_local path {full!r}: {key!r} does not index a {type(obj).__name__}")
-
-
-def split_rank_local(state: Any, paths: Sequence[KeyPath]) -> tuple[Flattened, Flattened]:
-    """Flatten ``state`` into its replicated part (with ``{"t": "local", "i": j}`` placeholders,
-    numbered in tree order) and its rank-local part (a list tree, one subtree per placeholder)."""
-    token = uuid.uuid4().hex
-    marks = {f"\x00gds_persist-rank-local:{token}:{j}": j for j in range(len(paths))}
-    by_mark = {j: m for m, j in marks.items()}
-    subtrees: list[Any] = [None] * len(paths)
-    for j, p in enumerate(paths):
-        if p == ():
-            if len(paths) > 1:
-                raise ValueError("rank_local=() marks the whole state; give no other path")
-            state, subtrees[j] = by_mark[j], state
-        else:
-            state, subtrees[j] = _replace_at(state, p, by_mark[j], p)
-    replicated = flatten(state)
-    order: list[int] = []
-
-    def placeholder(node: Any) -> Any:
-        if isinstance(node, str) and node in marks:
-            order.append(marks[node])
-            return _tree.local(len(order) - 1)
-        return node
-
-    replicated.tree = _tree.transform(replicated.tree, placeholder)
-    local = flatten([subtrees[j] for j in order]) if paths else flatten([])
-    return replicated, local
-
-
-# --- replication check ------------------------------------------------------------------------
-
-def describe(flat: Flattened, crcs: list[int] | None) -> dict[str, Any]:
-    """What must be identical on every rank that claims to hold the same replicated state."""
-    return {
-        "tree": flat.tree,
-        "tensors": [list(astuple(t)) for t in flat.tensors],
-        "storages": [[s.nbytes, s.device.split(":")[0]] for s in flat.storages],
-        "crc32c": crcs,
-    }
-
-
-def digest(description: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
-
-
-def first_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str:
-    """Where this rank's replicated state first differs from rank 0's, in words ('' if nowhere)."""
-    t = _tree.difference(mine["tree"], ref["tree"])
-    if t:
-        return t
-    names = _tree.tensor_paths(mine["tree"])
-    fields = list(TensorRecord.__dataclass_fields__)
-    for i, (a, b) in enumerate(zip(mine["tensors"], ref["tensors"], strict=True)):
-        for name, x, y in zip(fields, a, b, strict=True):
-            if x != y:
-                return f"tensor {names.get(i, i)}: {name} {x} (rank 0: {y})"
-    by_storage: dict[int, str] = {}
-    for i, rec in enumerate(mine["tensors"]):
-        by_storage.setdefault(rec[0], names.get(i, f"#{i}"))
-    if len(mine["storages"]) != len(ref["storages"]):
-        return f"{len(mine['storages'])} storages (rank 0: {len(ref['storages'])})"
-    for s, (a, b) in enumerate(zip(mine["storages"], ref["storages"], strict=True)):
-        if a != b:
-            return (f"tensor {by_storage.get(s, s)}: storage of {a[0]} bytes on {a[1]} "
-                    f"(rank 0: {b[0]} bytes on {b[1]})")
-    for s, (a, b) in enumerate(zip(mine["crc32c"] or [], ref["crc32c"] or [], strict=True)):
-        if a != b:
-            return (f"tensor {by_storage.get(s, s)}: same shape and dtype, different values "
-                    f"(crc32c {a:08x}, rank 0: {b:08x})")
-    return ""
 
 
 # --- the save ---------------------------------------------------------------------------------
@@ -227,11 +119,7 @@ def _prepare(state_dict: Any, paths: Sequence[KeyPath], check: str) -> _Prepared
         replicated, local = state_dict, flatten([])
     else:
         replicated, local = split_rank_local(state_dict, paths)
-    crcs = None
-    if check == "checksums":
-        crcs = [device_crc32c(byte_view(s)) for s in replicated.storage_objects]
-    description = json.loads(json.dumps(describe(replicated, crcs)))  # as the others see it
-    return _Prepared(replicated, local, description, digest(description) if check != "off" else "")
+    return _Prepared(replicated, local, *description_of(replicated, check))
 
 
 def _stripe_prefix(path: str) -> str:
@@ -304,17 +192,7 @@ def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_grou
         tmp, save_id = infos[0]["tmp"], infos[0]["save_id"]
 
         # 2. check replication ------------------------------------------------------------------
-        if check_replicas != "off" and any(i["digest"] != infos[0]["digest"] for i in infos):
-            ref = comm.broadcast_json(prep.description if comm.rank == 0 else None, 0, "check")
-            diffs = comm.agree("check", lambda: first_difference(prep.description, ref), what,
-                               intact)
-            bad = {r: d or "differs from rank 0" for r, d in enumerate(diffs)
-                   if infos[r]["digest"] != infos[0]["digest"]}
-            raise ReplicationError(
-                f"{what}: the state promised to be replicated (everything not marked rank_local) "
-                "differs between ranks: " + "; ".join(f"rank {r}: {d}" for r, d in bad.items())
-                + "; mark per-rank state with rank_local=..., or fix the replicas" + intact,
-                failed_ranks=bad, phase="check")
+        check_replication(comm, prep.description, [i["digest"] for i in infos], what, intact)
         t = clock("check", t)
 
         # 3. plan and write ---------------------------------------------------------------------
