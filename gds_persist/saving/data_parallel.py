@@ -92,12 +92,9 @@ from .incremental import (
     References,
     assemble_references,
     check_base_path,
-    check_written,
-    cut_units,
     open_base,
-    typesizes,
-    write_units,
 )
+from .units import check_written, cut_units, typesizes, write_units
 
 STRIPE_LOCK = ".lock"  # in each data directory: held (shared) by the ranks writing into it
 

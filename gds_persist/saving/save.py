@@ -35,18 +35,8 @@ from ..transfer.pipeline import byte_view
 from ..transfer.writer import write_plan
 from .compression import choose as choose_compression
 from .data_parallel import save_parallel
-from .incremental import (
-    References,
-    check_base_path,
-    check_written,
-    cut_units,
-    describe_references,
-    manifest_files,
-    open_base,
-    spread,
-    typesizes,
-    write_units,
-)
+from .incremental import References, check_base_path, describe_references, open_base
+from .units import check_written, cut_units, manifest_files, spread, typesizes, write_units
 
 
 def save(
