@@ -79,7 +79,7 @@ class RankFiles:
             except OSError:
                 pass
         while self.locks:
-            self.locks.pop().release(remove=True)  # the last holder of the directory deletes it
+            self.locks.pop().release(remove=True)  # the last holder deletes the lock file
         for d in self.dirs:
             try:
                 os.rmdir(d)  # succeeds for whichever rank of the directory cleans up last
