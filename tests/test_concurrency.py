@@ -371,13 +371,13 @@ def test_dcp_reader_holds_the_checkpoint(other: Contender, tmp_path: Path,
 
 def test_stale_stripe_removal_respects_live_owners(other: Contender, tmp_path: Path,
                                                    small_blocks: None) -> None:
-    from gds_persist.saving.data_parallel import _stripe_prefix
+    from gds_persist.saving.stripes import stripe_prefix
 
     path, roots = tmp_path / "ck", [tmp_path / "nvme0", tmp_path / "nvme1"]
     for r in roots:
         r.mkdir()
     gds_persist.save(state(1, 100_000), path, data_dirs=roots)
-    live = roots[0] / f"{_stripe_prefix(str(path))}.gds-0123456789ab"
+    live = roots[0] / f"{stripe_prefix(str(path))}.gds-0123456789ab"
     held = other("hold_stripe", dir=str(live))  # a rank of another save, writing
     gds_persist.save(state(2, 100_000), path, data_dirs=roots)  # commits, cleans up
     used = {os.path.join(d.root, d.name) for d in gds_persist.read_manifest(path).dirs}

@@ -199,12 +199,12 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
         import os, signal, warnings
         warnings.simplefilter("ignore")
         import torch, torch.distributed.checkpoint as dcp
-        import gds_persist.dcp.writer as w
+        import gds_persist.transfer.commit as c
         from gds_persist.dcp import GdsPersistWriter
         dcp.save({{"x": torch.ones(1000)}}, storage_writer=GdsPersistWriter({path!r}), no_dist=True)
         def killed(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
-        w.commit = killed
+        c.commit = killed
         dcp.save({{"x": torch.zeros(1000)}}, storage_writer=GdsPersistWriter({path!r}),
                  no_dist=True)
     """)

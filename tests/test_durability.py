@@ -333,7 +333,7 @@ def test_write_error_mid_save_loses_nothing(tmp_path: Path, monkeypatch: pytest.
     gds_persist.save(old, path)
     new = {"w": torch.randn(40_000), "v": torch.randn(3)}  # 40 blocks of 4 KiB
     faulty = _FailingDirect("pwrite", fail_at)
-    _inject(monkeypatch, "gds_persist.saving.save", faulty)
+    _inject(monkeypatch, "gds_persist.saving.units", faulty)
     before = open_fds()
     with pytest.raises(OSError, match=r"Input/output error \(injected\)"):
         gds_persist.save(new, path, block_bytes=4096, staging_bytes=3 * 4096, io_threads=2)
@@ -416,7 +416,7 @@ def test_hung_storage_fails_within_the_timeout(tmp_path: Path,
     old = {"w": torch.full((100,), 1.0)}
     gds_persist.save(old, path)
     hung = _HangingDirect()
-    _inject(monkeypatch, "gds_persist.saving.save", hung)
+    _inject(monkeypatch, "gds_persist.saving.units", hung)
     t0 = time.monotonic()
     try:
         with pytest.raises(gds_persist.CheckpointError, match="within 1 s"):

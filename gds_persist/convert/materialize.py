@@ -26,13 +26,12 @@ from ..format import (
     align_up,
     crc32c,
     data_file_name,
-    dump_manifest,
     storage_descriptions,
 )
 from ..progress import ByteCounter, ProgressCallback
 from ..results import ExportInfo
 from ..stages import stage
-from ..transfer.commit import abort, check_replaceable, commit, make_temporary, write_manifest
+from ..transfer.commit import aborted_on_error, begin, seal
 from ..transfer.opened import OpenCheckpoint, opened
 
 COPY_CHUNK = 16 << 20
@@ -54,9 +53,8 @@ def materialize(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
         ck.open_files(range(len(m.files)))
         describe = storage_descriptions(m)
         counter = ByteCounter(progress, sum(align_up(e.stored_length) for e in m.extents))
-        check_replaceable(out)
-        tmp = make_temporary(out, cfg.io_timeout_s)
-        try:
+        tmp = begin(out, cfg.io_timeout_s)
+        with aborted_on_error(tmp):
             name = data_file_name(0)
             fd = os.open(os.path.join(tmp.dir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
                          0o644)
@@ -77,11 +75,7 @@ def materialize(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
             writer["materialized_from"] = os.path.abspath(path)
             manifest = Manifest([DataFile(name, offset)], m.storages, m.tensors, extents, m.tree,
                                 writer, sections=m.sections)
-            write_manifest(tmp.dir, dump_manifest(manifest))
-            commit(tmp, cfg.io_timeout_s)
-        except BaseException:
-            abort(tmp)
-            raise
+            seal(tmp, manifest, cfg.io_timeout_s)
         counter.finish()
         notes = [f"{m.referenced_bytes} bytes copied from base checkpoints "
                  f"({', '.join(b.name for b in m.bases)})"] if m.bases else []

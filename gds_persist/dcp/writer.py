@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import io
 import os
-import socket
 import time
 import uuid
 from dataclasses import dataclass, field, replace
@@ -39,7 +38,6 @@ from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 from torch.futures import Future
 
 from .. import settings
-from .._version import __version__
 from ..backends import choose_backend
 from ..errors import CheckpointError
 from ..format import (
@@ -49,20 +47,12 @@ from ..format import (
     StorageRecord,
     TensorRecord,
     dtype_name,
-    dump_manifest,
 )
 from ..format import tree as _tree
 from ..format.layout import layout_file
 from ..parallel import balancing as _balance
 from ..progress import ByteCounter, ProgressCallback
-from ..transfer.commit import (
-    Temporary,
-    abort,
-    check_replaceable,
-    commit,
-    make_temporary,
-    write_manifest,
-)
+from ..transfer.commit import Temporary, abort, aborted_on_error, begin, seal, writer_record
 from ..transfer.pipeline import byte_view
 from ..transfer.staging import io_session
 from ..transfer.writer import FileWriter
@@ -235,8 +225,7 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
         return {**self.__dict__, "state_dict_cache": None}
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        check_replaceable(self.path, self.overwrite)
-        tmp = self._tmp = make_temporary(self.path)
+        tmp = self._tmp = begin(self.path, replace=self.overwrite)
         try:
             assignment = self._assign(plans)
         except BaseException:
@@ -419,13 +408,9 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
         if self._tmp is None:
             raise CheckpointError("GdsPersistWriter.finish called without prepare_global_plan")
         tmp, self._tmp = self._tmp, None
-        try:
-            manifest = build_manifest(metadata, results, self)
-            write_manifest(tmp.dir, dump_manifest(manifest))
-            commit(tmp, settings.current(backend=self.backend).io_timeout_s, self.overwrite)
-        except BaseException:
-            abort(tmp)
-            raise
+        with aborted_on_error(tmp):
+            seal(tmp, build_manifest(metadata, results, self),
+                 settings.current(backend=self.backend).io_timeout_s, self.overwrite)
 
 
 def _refuse_unsupported(sync_files: bool, single_file_per_rank: bool) -> None:
@@ -509,19 +494,16 @@ def build_manifest(
             )
         )
     tree = _tree.mapping(["dcp_items"], [_tree.sequence(nodes)])
-    info = {
-        "writer": WRITER_TAG,
-        "backend": ", ".join(sorted({b.split(" ")[0] for _, b in backends})),
-        "reason": "; ".join(f"rank {r}: {b}" for r, b in backends),
-        "gds_persist": __version__,
-        "torch": torch.__version__,
-        "host": socket.gethostname(),
-        "world_size": len(results),
-        "rank_bytes": list(writer.rank_bytes),
-        "balanced": writer.balance,
-        "seconds": round(time.perf_counter() - writer._t0, 6) if writer._t0 else None,
-        "dcp": encode_metadata(metadata),
-    }
+    info = writer_record(
+        ", ".join(sorted({b.split(" ")[0] for _, b in backends})),
+        "; ".join(f"rank {r}: {b}" for r, b in backends),
+        len(results),
+        writer=WRITER_TAG,
+        rank_bytes=list(writer.rank_bytes),
+        balanced=writer.balance,
+        seconds=round(time.perf_counter() - writer._t0, 6) if writer._t0 else None,
+        dcp=encode_metadata(metadata),
+    )
     return Manifest(
         [DataFile(n, files[n]) for n in file_names], storages, tensors, extents, tree, info
     )

@@ -11,8 +11,8 @@ a ~2.3 GB/s drive on one core (2.5-3.4 GB/s; decode 4-5 GB/s) at ratios 1.13-1.3
 tensors (5.7x on never-updated embedding rows). ZSTD variants compress 4-11% smaller but 2-5x
 slower. A reader needs only the chunk header to decode, so other filters/codecs decode the same.
 
-Storages are cut into units of at most :data:`UNIT_BYTES` (:mod:`gds_persist.saving.incremental`) and each
-unit is one extent, encoded on its own. Units shorter than :data:`COMPRESS_MIN`, and those the
+Storages are cut into units of at most :data:`UNIT_BYTES` (:mod:`gds_persist.saving.units`) and
+each unit is one extent, encoded on its own. Units shorter than :data:`COMPRESS_MIN`, and those the
 codec would not shrink by a whole ``ALIGNMENT`` block, are stored raw (``"codec": "none"``).
 
 python-blosc2 holds the GIL while it compresses unless told otherwise: gds_persist calls its

@@ -4,51 +4,38 @@ rank-local state); rank 0 writes the manifest and commits. See ``docs/DISTRIBUTE
 Phases, each closed by :meth:`Comm.agree`, so a failure on any rank is known to every rank, which
 all raise an error naming it; no rank waits longer than ``collective_timeout_s``:
 
-1. ``prepare``: split off rank-local parts, flatten, describe the replicated structure, probe the
-   node and GPU affinity; rank 0 creates the temporary checkpoint directory.
-2. ``check``: only when the replicated structure differs between ranks - find and report where.
+1. ``prepare``: split off rank-local parts (:mod:`gds_persist.state.rank_local`), flatten,
+   describe the replicated structure, probe the node and GPU affinity; rank 0 creates the
+   temporary checkpoint directory.
+2. ``check``: only when the replicated structure differs between ranks - find and report where
+   (:mod:`gds_persist.parallel.replicas`).
 3. ``write``: plan (deterministically, identically on every rank), then write and fsync this rank's
-   files into the temporary directory or its data directory; report extents and checksums.
+   files into the temporary directory or its data directory (:mod:`.stripes`); report extents and
+   checksums.
 4. ``commit``: rank 0 assembles, validates and writes the manifest, then commits atomically (the
    core's :mod:`gds_persist.transfer.commit`); every rank returns only once that is durable.
 5. ``cleanup``: while rank 0 still holds the path's commit lock, one rank per node removes this
    path's data directories of saves whose owners are gone (replaced or interrupted saves), and
    every rank releases its own directory's lock.
 
-Several saves of one path may run at once (the last to commit wins). Each rank holds a shared
-``flock`` on its data directory's ``.lock`` file (created right after the directory) until the
-save ended, so no other save's cleanup removes a live save's data directory (one without a lock
-file yet is new: a directory without one is removed only once untouched for an hour). The
-cleanup runs under the commit lock, so a directory whose lock is free belongs to a save that
-committed before this one (replaced now) or never will; the committed checkpoint's own
-directory is never removed.
-
-Nothing is committed unless every rank's files are durable; the previous checkpoint at the path
-stays intact on any failure.
+Several saves of one path may run at once (the last to commit wins); :mod:`.stripes` says how
+their data directories stay apart. Nothing is committed unless every rank's files are durable;
+the previous checkpoint at the path stays intact on any failure.
 """
 
 from __future__ import annotations
 
-import hashlib
-import json
 import os
-import re
 import socket
 import time
 import uuid
-from collections import OrderedDict
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import astuple, dataclass, replace
 from typing import Any
 
-import torch
-
 from .. import settings
-from .._version import __version__
-from ..backends import choose_backend
-from ..errors import DistributedError, ReplicationError
+from ..errors import DistributedError
 from ..format import (
-    STRIPE_MARK,
     DataDir,
     DataFile,
     Extent,
@@ -56,161 +43,29 @@ from ..format import (
     Section,
     StorageRecord,
     TensorRecord,
-    dump_manifest,
     local_prefix,
-    parse_manifest,
     storage_keys,
     stripe_dir_name,
 )
 from ..format import tree as _tree
 from ..parallel.distributed import Comm, make_comm
+from ..parallel.replicas import check_replicas, description_of
 from ..parallel.schedule import DistributedPlan, RankInfo, plan_save
 from ..parallel.topology import gpu_affinity, node_name
-from ..progress import ByteCounter, ProgressCallback
+from ..progress import ByteCounter
 from ..results import DistributedSaveInfo
 from ..state.flatten import Flattened, flatten
-from ..transfer.commit import (
-    Temporary,
-    abort,
-    check_replaceable,
-    fsync_path,
-    make_temporary,
-    remove_tree,
-    write_manifest,
-)
-from ..transfer.crc import device_crc32c
-from ..transfer.locks import STALE_UNLOCKED_S, FileLock, acquire, try_acquire, untouched_for
-from ..transfer.pipeline import byte_view
+from ..state.rank_local import KeyPath, split_rank_local
+from ..transfer.commit import Temporary, abort, begin, seal, writer_record
 from ..transfer.unit_writer import Unit
 from ..transfer.writer import write_plan
-from .compression import choose as choose_compression
-from .incremental import (
-    Candidate,
-    Holder,
-    References,
-    assemble_references,
-    check_base_path,
-    check_written,
-    cut_units,
-    open_base,
-    typesizes,
-    write_units,
-)
+from .incremental import Candidate, Holder, assemble_references, open_base
+from .options import SaveOptions
+from .stripes import RankFiles, remove_stale_stripes, stripe_prefix
+from .units import backend_for, choose, cut_units, typesizes, write_directory
 
-KeyPath = _tree.KeyPath
-STRIPE_LOCK = ".lock"  # in each data directory: held (shared) by the ranks writing into it
-CHECK_REPLICAS = ("structure", "checksums", "off")
+Report = dict[str, Any]  # what one rank tells the others after a phase (JSON)
 
-
-# --- rank-local parts -------------------------------------------------------------------------
-
-def normalize_paths(rank_local: str | KeyPath | Iterable[str | KeyPath] | None) -> list[KeyPath]:
-    """``"optimizer"`` or ``("optimizer", "state")`` or a list of them -> list of key tuples."""
-    if rank_local is None:
-        return []
-    if isinstance(rank_local, (str, tuple)):
-        rank_local = [rank_local]
-    paths = [(p,) if isinstance(p, (str, int)) else tuple(p) for p in rank_local]
-    for a in paths:
-        for b in paths:
-            if a is not b and a == b[: len(a)]:
-                raise ValueError(f"rank_local paths {a!r} and {b!r} overlap; mark only the "
-                                 "outer one")
-    return paths
-
-
-def _replace_at(obj: Any, path: KeyPath, value: Any, full: KeyPath) -> tuple[Any, Any]:
-    """A copy of ``obj`` with the subtree at ``path`` replaced (only the spine is copied)."""
-    key, rest = path[0], path[1:]
-    if isinstance(obj, dict):
-        if key not in obj:
-            raise KeyError(f"rank_local path {full!r}: key {key!r} is not in the state dict")
-        new_child, old = (value, obj[key]) if not rest else _replace_at(obj[key], rest, value, full)
-        copy = OrderedDict(obj) if isinstance(obj, OrderedDict) else dict(obj)
-        if isinstance(copy, OrderedDict) and hasattr(obj, "_metadata"):  # a dict cannot carry it
-            copy._metadata = obj._metadata  # type: ignore[attr-defined]
-        copy[key] = new_child
-        return copy, old
-    if isinstance(obj, (list, tuple)) and type(key) is int and 0 <= key < len(obj):
-        items = list(obj)
-        items[key], old = ((value, items[key]) if not rest
-                           else _replace_at(items[key], rest, value, full))
-        return (items if isinstance(obj, list) else tuple(items)), old
-    raise KeyError(f"rank_local path {full!r}: {key!r} does not index a {type(obj).__name__}")
-
-
-def split_rank_local(state: Any, paths: Sequence[KeyPath]) -> tuple[Flattened, Flattened]:
-    """Flatten ``state`` into its replicated part (with ``{"t": "local", "i": j}`` placeholders,
-    numbered in tree order) and its rank-local part (a list tree, one subtree per placeholder)."""
-    token = uuid.uuid4().hex
-    marks = {f"\x00gds_persist-rank-local:{token}:{j}": j for j in range(len(paths))}
-    by_mark = {j: m for m, j in marks.items()}
-    subtrees: list[Any] = [None] * len(paths)
-    for j, p in enumerate(paths):
-        if p == ():
-            if len(paths) > 1:
-                raise ValueError("rank_local=() marks the whole state; give no other path")
-            state, subtrees[j] = by_mark[j], state
-        else:
-            state, subtrees[j] = _replace_at(state, p, by_mark[j], p)
-    replicated = flatten(state)
-    order: list[int] = []
-
-    def placeholder(node: Any) -> Any:
-        if isinstance(node, str) and node in marks:
-            order.append(marks[node])
-            return _tree.local(len(order) - 1)
-        return node
-
-    replicated.tree = _tree.transform(replicated.tree, placeholder)
-    local = flatten([subtrees[j] for j in order]) if paths else flatten([])
-    return replicated, local
-
-
-# --- replication check ------------------------------------------------------------------------
-
-def describe(flat: Flattened, crcs: list[int] | None) -> dict[str, Any]:
-    """What must be identical on every rank that claims to hold the same replicated state."""
-    return {
-        "tree": flat.tree,
-        "tensors": [list(astuple(t)) for t in flat.tensors],
-        "storages": [[s.nbytes, s.device.split(":")[0]] for s in flat.storages],
-        "crc32c": crcs,
-    }
-
-
-def digest(description: dict[str, Any]) -> str:
-    return hashlib.sha256(json.dumps(description, sort_keys=True).encode()).hexdigest()
-
-
-def first_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str:
-    """Where this rank's replicated state first differs from rank 0's, in words ('' if nowhere)."""
-    t = _tree.difference(mine["tree"], ref["tree"])
-    if t:
-        return t
-    names = _tree.tensor_paths(mine["tree"])
-    fields = list(TensorRecord.__dataclass_fields__)
-    for i, (a, b) in enumerate(zip(mine["tensors"], ref["tensors"], strict=True)):
-        for name, x, y in zip(fields, a, b, strict=True):
-            if x != y:
-                return f"tensor {names.get(i, i)}: {name} {x} (rank 0: {y})"
-    by_storage: dict[int, str] = {}
-    for i, rec in enumerate(mine["tensors"]):
-        by_storage.setdefault(rec[0], names.get(i, f"#{i}"))
-    if len(mine["storages"]) != len(ref["storages"]):
-        return f"{len(mine['storages'])} storages (rank 0: {len(ref['storages'])})"
-    for s, (a, b) in enumerate(zip(mine["storages"], ref["storages"], strict=True)):
-        if a != b:
-            return (f"tensor {by_storage.get(s, s)}: storage of {a[0]} bytes on {a[1]} "
-                    f"(rank 0: {b[0]} bytes on {b[1]})")
-    for s, (a, b) in enumerate(zip(mine["crc32c"] or [], ref["crc32c"] or [], strict=True)):
-        if a != b:
-            return (f"tensor {by_storage.get(s, s)}: same shape and dtype, different values "
-                    f"(crc32c {a:08x}, rank 0: {b:08x})")
-    return ""
-
-
-# --- the save ---------------------------------------------------------------------------------
 
 @dataclass
 class _Prepared:
@@ -227,159 +82,372 @@ def _prepare(state_dict: Any, paths: Sequence[KeyPath], check: str) -> _Prepared
         replicated, local = state_dict, flatten([])
     else:
         replicated, local = split_rank_local(state_dict, paths)
-    crcs = None
-    if check == "checksums":
-        crcs = [device_crc32c(byte_view(s)) for s in replicated.storage_objects]
-    description = json.loads(json.dumps(describe(replicated, crcs)))  # as the others see it
-    return _Prepared(replicated, local, description, digest(description) if check != "off" else "")
+    return _Prepared(replicated, local, *description_of(replicated, check))
 
 
-def _stripe_prefix(path: str) -> str:
-    base = re.sub(r"[^A-Za-z0-9._-]", "_", os.path.basename(path))[:100].lstrip(".-") or "ckpt"
-    return f"{base}-{hashlib.sha256(path.encode()).hexdigest()[:8]}"
+def save_parallel(state_dict: Any, path: str | os.PathLike[str],
+                  options: SaveOptions) -> DistributedSaveInfo:
+    """See :func:`gds_persist.save` (the data-parallel arguments). With ``base`` each rank
+    refers to the base's bytes for the units of its own share; ``compression`` is decided by each
+    rank for its own files."""
+    return _Save(os.path.abspath(os.fspath(path)), options).run(state_dict)
 
+
+class _Save:
+    """This rank's part in one data-parallel save of ``path``, phase by phase, and what it holds
+    until the save ends: rank 0's temporary directory, this rank's files and data directories."""
+
+    def __init__(self, path: str, options: SaveOptions):
+        self.t0 = time.perf_counter()
+        self.path, self.options, self.cfg = path, options, options.cfg
+        self.base = options.base_of(path)
+        self.comm = make_comm(options.process_group, self.cfg.collective_timeout_s)
+        self.what = f"gds_persist save of {path} (rank {self.comm.rank} of {self.comm.size})"
+        self.intact = f"; nothing was committed and any previous checkpoint at {path} is intact"
+        self.files = RankFiles(options.roots(), self.cfg.io_timeout_s)
+        self.tmp: Temporary | None = None  # rank 0's temporary checkpoint directory
+        self.committing = False  # from then on a failure may come after the rename
+        self.phases: dict[str, float] = {}
+        self._clock = self.t0
+
+    def run(self, state_dict: Any) -> DistributedSaveInfo:
+        committed = False
+        try:
+            prep, infos = self.prepare(state_dict)
+            self.tick("prepare")
+            check_replicas(self.comm, prep.description, [i["digest"] for i in infos], self.what,
+                           self.intact)  # 2. check (only where the digests differ)
+            self.tick("check")
+            plan, stripe, results = self.write(prep, infos)
+            self.tick("write")
+            self.commit(plan, prep, results, infos, stripe)
+            committed = True
+            self.tick("commit")
+            if self.files.roots:
+                self.cleanup(plan, stripe)
+        except BaseException:
+            if not committed:
+                self.abandon()
+            raise
+        finally:
+            self.release(committed)
+        return _save_info(self.path, self.t0, self.comm, plan, prep, results, infos, self.phases,
+                          self.base)
+
+    def tick(self, phase: str) -> None:
+        now = time.perf_counter()
+        self.phases[phase], self._clock = now - self._clock, now
+
+    # 1. prepare ---------------------------------------------------------------------------------
+    def prepare(self, state_dict: Any) -> tuple[_Prepared, list[Report]]:
+        prepared: list[_Prepared] = []
+
+        def step() -> Report:
+            prep = _prepare(state_dict, self.options.rank_local_paths(),
+                            self.options.check_replicas)
+            prepared.append(prep)
+            affinity, why = gpu_affinity()
+            info: Report = {
+                "digest": prep.digest, "node": node_name(), "affinity": affinity,
+                "affinity_why": why, "host": socket.gethostname(),
+                "local_sizes": [s.nbytes for s in prep.local.storages],
+            }
+            if self.comm.rank == 0:
+                self.tmp = begin(self.path, self.cfg.io_timeout_s)
+                info.update(tmp=self.tmp.dir, save_id=uuid.uuid4().hex[:12])
+            return info
+
+        infos = self.comm.agree("prepare", step, self.what, self.intact)
+        return prepared[0], infos
+
+    # 3. plan and write --------------------------------------------------------------------------
+    def write(self, prep: _Prepared,
+              infos: list[Report]) -> tuple[DistributedPlan, str, list[Report]]:
+        ranks = [RankInfo(r, i["node"], i["affinity"], tuple(i["local_sizes"]))
+                 for r, i in enumerate(infos)]
+        plan = plan_save([s.nbytes for s in prep.replicated.storages], ranks,
+                         writers_per_node=self.options.writers_per_node,
+                         data_dirs=len(self.files.roots))
+        tmp = infos[0]["tmp"]
+        stripe = stripe_dir_name(stripe_prefix(self.path), infos[0]["save_id"])
+        share = _Share(plan, self.comm.rank, prep)
+        cfg, options = self.cfg, self.options
+
+        def step() -> Report:
+            counter = ByteCounter(options.progress, sum(plan.files[i].plan.size
+                                                        for i in plan.files_of(self.comm.rank)))
+            if options.plain:
+                report = _write_my_files(share, self.files, tmp, stripe, cfg, counter.hook)
+            else:
+                report = _write_my_units(share, self.files, tmp, stripe, cfg, self.path,
+                                         self.base, options.hashes, counter.hook)
+            counter.finish()
+            return report
+
+        results = self.comm.agree("write", step, self.what, self.intact)
+        if len({r["plan"] for r in results}) != 1:
+            raise DistributedError(f"{self.what}: ranks computed different plans (different "
+                                   f"gds_persist versions on different ranks?){self.intact}",
+                                   phase="write")
+        return plan, stripe, results
+
+    # 4. commit ----------------------------------------------------------------------------------
+    def commit(self, plan: DistributedPlan, prep: _Prepared, results: list[Report],
+               infos: list[Report], stripe: str) -> None:
+        self.committing = True
+
+        def step() -> bool:
+            if self.comm.rank == 0:
+                assert self.tmp is not None
+                manifest = _assemble(plan, prep, results, infos, self.files.roots, stripe,
+                                     infos[0]["save_id"], self.comm.size)
+                # the commit lock stays held until release(): cleanup() runs under it
+                seal(self.tmp, manifest, self.cfg.io_timeout_s, check=True, keep_lock=True)
+            return True
+
+        self.comm.agree("commit", step, self.what, f"; rank 0 could not commit, so any previous "
+                        f"checkpoint at {self.path} is intact")
+
+    # 5. cleanup ---------------------------------------------------------------------------------
+    def cleanup(self, plan: DistributedPlan, stripe: str) -> None:
+        leader = self.comm.rank in {members[0] for members in plan.nodes}
+
+        def step() -> None:
+            if leader:
+                remove_stale_stripes(self.files.roots, stripe_prefix(self.path), stripe)
+            self.files.release()  # before rank 0 releases the commit lock: so the next
+            # commit's cleanup finds this (now replaceable) directory unlocked
+
+        try:  # best effort: the checkpoint is committed whatever happens here
+            self.comm.agree("cleanup", step, self.what)
+        except DistributedError:
+            pass
+
+    # the end --------------------------------------------------------------------------------------
+    def release(self, committed: bool) -> None:
+        """At the end of a save, failed or not: every rank releases its data directory locks,
+        then rank 0 releases the commit lock and removes the replaced checkpoint."""
+        self.files.release()
+        if committed and self.tmp is not None:
+            self.tmp.finish()
+
+    def abandon(self) -> None:
+        """After a failed save: remove what this rank wrote (rank 0: the temporary directory).
+
+        Once the commit phase began, a failure may have come after the rename (or this rank
+        cannot know), so files in data directories are left alone; a later save removes them if
+        they are not part of the checkpoint.
+        """
+        if self.tmp is not None:
+            abort(self.tmp)  # never holds the new checkpoint once it was renamed into place
+        if not self.committing:
+            self.files.remove()
+
+
+# --- this rank's files ----------------------------------------------------------------------------
+
+class _Share:
+    """This rank's share of ``plan``: its files, by directory, and the storages they hold - the
+    replicated ones, then this rank's rank-local ones (in the plan those are numbered from
+    ``plan.local_storage_base[rank]``)."""
+
+    def __init__(self, plan: DistributedPlan, rank: int, prep: _Prepared):
+        self.plan, self.rank, self.prep = plan, rank, prep
+        self.objects = prep.replicated.storage_objects + prep.local.storage_objects
+        self.replicated = len(prep.replicated.storages)
+        self.local_base = plan.local_storage_base[rank]
+
+    def compact(self, g: int) -> int:
+        """The plan's (global) storage number -> the index into ``objects``."""
+        return g if g < self.replicated else self.replicated + g - self.local_base
+
+    def globalise(self, c: int) -> int:
+        return c if c < self.replicated else self.local_base + c - self.replicated
+
+    def by_directory(self) -> list[tuple[int, list[int]]]:
+        """This rank's file indices per plan directory (-1: the checkpoint directory)."""
+        out: dict[int, list[int]] = {}
+        for i in self.plan.files_of(self.rank):
+            out.setdefault(self.plan.files[i].dir, []).append(i)
+        return sorted(out.items())
+
+    def report(self, t0: float, backend: str, reason: str, **more: Any) -> Report:
+        """What every rank reports after writing its files, and ``more``."""
+        local = self.prep.local
+        return {
+            **more, "backend": backend, "reason": reason, "plan": self.plan.digest(),
+            "seconds": time.perf_counter() - t0,
+            "n_tensors": len(local.tensors),
+            "local": {"tree": local.tree, "tensors": [list(astuple(t)) for t in local.tensors],
+                      "storages": [[s.nbytes, s.device] for s in local.storages]},
+        }
+
+
+def _write_my_files(share: _Share, files: RankFiles, tmp: str, stripe: str,
+                    cfg: settings.Settings, hook: Callable[[int], None] | None = None) -> Report:
+    """Write this rank's planned files (raw bytes, as planned) into their directories."""
+    t0 = time.perf_counter()
+    sealed: list[Extent] = []
+    backend_name, reason = "none", "this rank had nothing to write"
+    for d, file_indices in share.by_directory():
+        directory = files.directory(d, tmp, stripe)
+        plans = [share.plan.files[i].plan for i in file_indices]
+        local_files = [
+            replace(f, extents=tuple(replace(e, storage=share.compact(e.storage))
+                                     for e in f.extents))
+            for f in plans]
+        be, reason = backend_for(cfg, directory, share.objects)
+        backend_name = be.name
+        files.writing(directory, [f.name for f in plans])
+        for e in write_plan(be, directory, local_files, share.objects, cfg, hook):
+            sealed.append(replace(e, storage=share.globalise(e.storage)))
+        files.make_durable(d, directory)
+    return share.report(t0, backend_name, reason, extents=[_extent_json(e) for e in sealed])
+
+
+def _write_my_units(share: _Share, files: RankFiles, tmp: str, stripe: str,
+                    cfg: settings.Settings, path: str, base: str | None, hashes: bool,
+                    hook: Callable[[int], None] | None = None) -> Report:
+    """:func:`_write_my_files` for a version-4 save: this rank's share cut into units, each
+    hashed and referred to (``base``) or written, maybe encoded, into its planned files."""
+    t0 = time.perf_counter()
+    prep, replicated = share.prep, share.replicated
+    records = list(prep.replicated.tensors) + [
+        replace(t, storage=t.storage + replicated) for t in prep.local.tensors]
+    sizes_of = typesizes(records, len(share.objects))
+    keys = storage_keys(prep.replicated.tree, prep.replicated.tensors)
+    keys.update({s + replicated: k for s, k in storage_keys(
+        prep.local.tree, prep.local.tensors, local_prefix(share.rank)).items()})
+    index = open_base(path, base) if base is not None else None
+    sealed: list[Extent] = []
+    referred: list[list[Any]] = []
+    sizes: dict[int, int] = {}
+    referred_bytes = 0
+    backend_name, reason = "none", "this rank had nothing to write"
+    compress, compression_reason = False, "this rank had nothing to write"
+    try:
+        for d, file_indices in share.by_directory():
+            directory = files.directory(d, tmp, stripe)
+            units, per_file = _cut(share, file_indices, sizes_of)
+            choice = choose(cfg, directory, units, share.objects)
+            backend_name, reason = choice.backend.name, choice.reason
+            compress, compression_reason = choice.compress, choice.compression_reason
+            names = [share.plan.files[i].plan.name for i in file_indices]
+            files.writing(directory, names)
+            # only what lives in the checkpoint directory may be referred to later
+            refs, w = write_directory(choice, directory, names, per_file, units, share.objects,
+                                      cfg, base=index if d < 0 else None, keys=keys,
+                                      hashes=hashes, progress=hook)
+            for local_file, size in enumerate(w.sizes):
+                sizes[file_indices[local_file]] = size
+            for e in w.extents:
+                sealed.append(replace(e, storage=share.globalise(e.storage),
+                                      file=file_indices[e.file]))
+            referred += [[share.globalise(s), _candidate_json(c)] for s, c in w.referred]
+            referred_bytes += refs.referred_bytes()
+            files.make_durable(d, directory)
+        if index is not None:
+            index.check_unchanged()
+    finally:
+        if index is not None:
+            index.close()
+    return share.report(
+        t0, backend_name, reason,
+        extents=[_extent_full(e) for e in sealed],
+        sizes={str(i): size for i, size in sizes.items()},
+        referred=referred, referred_bytes=referred_bytes,
+        base=os.path.basename(base) if base is not None else None,
+        compression="lossless" if compress else "none",
+        compression_mode=cfg.compression, compression_reason=compression_reason)
+
+
+def _cut(share: _Share, file_indices: Sequence[int],
+         sizes_of: Sequence[int]) -> tuple[list[Unit], list[list[int]]]:
+    """The units of the planned files ``file_indices`` and, per file, the indices of its own."""
+    units: list[Unit] = []
+    per_file: list[list[int]] = []
+    for i in file_indices:
+        first = len(units)
+        units += cut_units([(share.compact(e.storage), e.start, e.length)
+                            for e in share.plan.files[i].plan.extents], sizes_of)
+        per_file.append(list(range(first, len(units))))
+    return units, per_file
+
+
+# --- rank 0: the manifest out of every rank's report ---------------------------------------------
+
+def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[Report],
+              infos: list[Report], roots: Sequence[str], stripe: str, save_id: str,
+              world: int) -> Manifest:
+    used = sorted({f.dir for f in plan.files if f.dir >= 0})
+    dir_index = {d: k + 1 for k, d in enumerate(used)}
+    sizes = {int(i): size for r in results for i, size in (r.get("sizes") or {}).items()}
+    files = [DataFile(f.plan.name, sizes.get(i, f.plan.size), dir_index.get(f.dir, 0))
+             for i, f in enumerate(plan.files)]
+    dirs = [DataDir(roots[d], stripe) for d in used]
+    storages = list(prep.replicated.storages)
+    tensors = list(prep.replicated.tensors)
+    sections = []
+    has_local = _tree.has_locals(prep.replicated.tree)
+    for rank, result in enumerate(results):
+        local = result["local"]
+        assert len(storages) == plan.local_storage_base[rank]
+        t_base, s_base = len(tensors), len(storages)
+        storages += [StorageRecord(n, dev) for n, dev in local["storages"]]
+        for rec in local["tensors"]:
+            storage, dtype, shape, stride, offset, grad, param = rec
+            tensors.append(TensorRecord(storage + s_base, dtype, tuple(shape), tuple(stride),
+                                        offset, grad, param))
+        if has_local:
+            sections.append(Section(rank, _tree.shift_tensors(local["tree"], t_base)))
+    extents = sorted((Extent(*e) for r in results for e in r["extents"]),
+                     key=lambda e: (e.file, e.offset))
+    referred = [(storage, _candidate(c)) for r in results for storage, c in r.get("referred", [])]
+    ref_files, bases, ref_extents = assemble_references(referred, len(files))
+    files += ref_files
+    extents += ref_extents
+    return Manifest(files, storages, tensors, extents, prep.replicated.tree,
+                    _writer(plan, results, infos, save_id, world, bool(bases)),
+                    dirs=dirs, sections=sections, bases=bases)
+
+
+def _writer(plan: DistributedPlan, results: list[Report], infos: list[Report], save_id: str,
+            world: int, refers: bool) -> dict[str, Any]:
+    """The manifest's ``writer`` record of a data-parallel save."""
+    hosts = sorted({i["host"] for i in infos})
+    writer = writer_record(
+        ",".join(sorted({r["backend"] for r in results if r["backend"] != "none"})),
+        results[0]["reason"], world, host=hosts[0] if len(hosts) == 1 else f"{len(hosts)} hosts",
+        save_id=save_id, plan=plan.summary())
+    if "compression" in results[0]:
+        writer["compression"] = {"mode": results[0]["compression_mode"],
+                                 "applied": [r["compression"] for r in results],
+                                 "reason": results[0]["compression_reason"]}
+    if refers or any(r.get("base") for r in results):
+        writer["incremental"] = {"base": results[0].get("base"),
+                                 "referred_bytes": sum(r["referred_bytes"] for r in results)}
+    return writer
+
+
+# --- what travels between ranks (JSON) ---------------------------------------------------------
 
 def _extent_json(e: Extent) -> list[int]:
     return [e.storage, e.start, e.length, e.file, e.offset, e.crc32c]
 
 
-def save_parallel(state_dict: Any, path: str | os.PathLike[str], *, process_group: Any = None,
-                  rank_local: Any = None, writers_per_node: int | None = None,
-                  data_dirs: Sequence[str | os.PathLike[str]] | None = None,
-                  check_replicas: str = "structure", backend: str | None = None,
-                  block_bytes: int | None = None, staging_bytes: int | None = None,
-                  io_threads: int | None = None,
-                  progress: ProgressCallback | None = None,
-                  base: str | os.PathLike[str] | None = None, compression: str | None = None,
-                  content_hash: bool | None = None) -> DistributedSaveInfo:
-    """See :func:`gds_persist.save` (the data-parallel arguments). With ``base`` each rank
-    refers to the base's bytes for the units of its own share; ``compression`` is decided by each
-    rank for its own files."""
-    t0 = time.perf_counter()
-    path = os.path.abspath(os.fspath(path))
-    cfg = settings.current(backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
-                           io_threads=io_threads, compression=compression)
-    if base is not None:
-        base = check_base_path(path, os.fspath(base))
-    hashes = content_hash if content_hash is not None else base is not None
-    units_mode = base is not None or hashes or cfg.compression != "none"
-    if check_replicas not in CHECK_REPLICAS:
-        raise ValueError(f"check_replicas={check_replicas!r}; valid: {', '.join(CHECK_REPLICAS)}")
-    paths = normalize_paths(rank_local)
-    roots = [os.path.abspath(os.fspath(d)) for d in (data_dirs or [])]
-    if len(set(roots)) != len(roots):
-        raise ValueError(f"data_dirs lists a directory twice: {roots}")
-    comm = make_comm(process_group, cfg.collective_timeout_s)
-    what = f"gds_persist save of {path} (rank {comm.rank} of {comm.size})"
-    intact = f"; nothing was committed and any previous checkpoint at {path} is intact"
-    phases: dict[str, float] = {}
-    state: dict[str, Any] = {"tmp": None, "written": [], "dirs": [], "stripe_locks": []}
-    committed = False
+def _extent_full(e: Extent) -> list[Any]:
+    return [e.storage, e.start, e.length, e.file, e.offset, e.crc32c, e.codec, e.stored,
+            e.stored_crc32c, e.blake3]
 
-    def clock(name: str, since: float) -> float:
-        now = time.perf_counter()
-        phases[name] = now - since
-        return now
 
-    try:
-        # 1. prepare --------------------------------------------------------------------------
-        def prepare() -> dict[str, Any]:
-            state["prep"] = _prepare(state_dict, paths, check_replicas)
-            affinity, why = gpu_affinity()
-            info: dict[str, Any] = {
-                "digest": state["prep"].digest, "node": node_name(), "affinity": affinity,
-                "affinity_why": why, "host": socket.gethostname(),
-                "local_sizes": [s.nbytes for s in state["prep"].local.storages],
-            }
-            if comm.rank == 0:
-                check_replaceable(path)
-                state["tmp"] = make_temporary(path, cfg.io_timeout_s)
-                info.update(tmp=state["tmp"].dir, save_id=uuid.uuid4().hex[:12])
-            return info
+def _candidate_json(c: Candidate) -> dict[str, Any]:
+    return {"blake3": c.blake3, "extent": _extent_full(c.extent), "holder": c.holder.name,
+            "sha256": c.holder.manifest_sha256, "file": c.file_name, "size": c.file_size}
 
-        t = time.perf_counter()
-        infos = comm.agree("prepare", prepare, what, intact)
-        t = clock("prepare", t)
-        prep: _Prepared = state["prep"]
-        tmp, save_id = infos[0]["tmp"], infos[0]["save_id"]
 
-        # 2. check replication ------------------------------------------------------------------
-        if check_replicas != "off" and any(i["digest"] != infos[0]["digest"] for i in infos):
-            ref = comm.broadcast_json(prep.description if comm.rank == 0 else None, 0, "check")
-            diffs = comm.agree("check", lambda: first_difference(prep.description, ref), what,
-                               intact)
-            bad = {r: d or "differs from rank 0" for r, d in enumerate(diffs)
-                   if infos[r]["digest"] != infos[0]["digest"]}
-            raise ReplicationError(
-                f"{what}: the state promised to be replicated (everything not marked rank_local) "
-                "differs between ranks: " + "; ".join(f"rank {r}: {d}" for r, d in bad.items())
-                + "; mark per-rank state with rank_local=..., or fix the replicas" + intact,
-                failed_ranks=bad, phase="check")
-        t = clock("check", t)
-
-        # 3. plan and write ---------------------------------------------------------------------
-        ranks = [RankInfo(r, i["node"], i["affinity"], tuple(i["local_sizes"]))
-                 for r, i in enumerate(infos)]
-        plan = plan_save([s.nbytes for s in prep.replicated.storages], ranks,
-                         writers_per_node=writers_per_node, data_dirs=len(roots))
-        stripe = stripe_dir_name(_stripe_prefix(path), save_id)
-
-        def write() -> dict[str, Any]:
-            counter = ByteCounter(progress, sum(plan.files[i].plan.size
-                                                for i in plan.files_of(comm.rank)))
-            if units_mode:
-                result = _write_my_units(plan, comm.rank, prep, tmp, roots, stripe, cfg, state,
-                                         path, base, hashes, counter.hook)
-            else:
-                result = _write_my_files(plan, comm.rank, prep, tmp, roots, stripe, cfg, state,
-                                         counter.hook)
-            counter.finish()
-            return result
-
-        results = comm.agree("write", write, what, intact)
-        t = clock("write", t)
-        if len({r["plan"] for r in results}) != 1:
-            raise DistributedError(f"{what}: ranks computed different plans (different gds_persist "
-                                   f"versions on different ranks?){intact}", phase="write")
-
-        # 4. commit ------------------------------------------------------------------------------
-        state["committing"] = True  # from here a failure may come after the rename: keep files
-
-        def commit_step() -> bool:
-            if comm.rank != 0:
-                return True
-            manifest = _assemble(plan, prep, results, infos, roots, stripe, save_id, comm.size)
-            raw = dump_manifest(manifest)
-            parse_manifest(raw, f"the manifest being written for {path}")  # never commit garbage
-            write_manifest(tmp, raw)
-            state["tmp"].swap_in(cfg.io_timeout_s)  # holds the commit lock until finish()
-            return True
-
-        comm.agree("commit", commit_step, what,
-                   f"; rank 0 could not commit, so any previous checkpoint at {path} is intact")
-        committed = True
-        clock("commit", t)
-        if roots:
-            leader = comm.rank in {members[0] for members in plan.nodes}
-
-            def cleanup() -> None:
-                if leader:
-                    _remove_stale_stripes(roots, _stripe_prefix(path), stripe)
-                _release(state, False)  # before rank 0 releases the commit lock: so the next
-                # commit's cleanup finds this (now replaceable) directory unlocked
-
-            try:  # best effort: the checkpoint is committed whatever happens here
-                comm.agree("cleanup", cleanup, what)
-            except DistributedError:
-                pass
-    except BaseException:
-        if not committed:
-            _cleanup(state, comm.rank == 0)
-        raise
-    finally:
-        _release(state, committed)
-
-    return _save_info(path, t0, comm, plan, state["prep"], results, infos, phases, base)
+def _candidate(c: dict[str, Any]) -> Candidate:
+    return Candidate(c["blake3"], Extent(*c["extent"]), Holder(c["holder"], c["sha256"]),
+                     c["file"], c["size"])
 
 
 def _save_info(path: str, t0: float, comm: Comm, plan: DistributedPlan, prep: _Prepared,
@@ -411,278 +479,3 @@ def _save_info(path: str, t0: float, comm: Comm, plan: DistributedPlan, prep: _P
         compression_reason=results[comm.rank].get("compression_reason", ""),
         base=os.path.basename(base) if base is not None else None,
     )
-
-
-def _enter_directory(d: int, tmp: str, roots: Sequence[str], stripe: str,
-                     state: dict[str, Any], cfg: settings.Settings) -> str:
-    """Where this rank writes the files of plan directory ``d`` (-1: the temporary checkpoint
-    directory); a data directory is created once and held (shared lock) until the save ends."""
-    directory = tmp if d < 0 else os.path.join(roots[d], stripe)
-    if d >= 0 and directory not in state["dirs"]:
-        os.makedirs(directory, exist_ok=True)
-        state["dirs"].append(directory)
-        state["stripe_locks"].append(acquire(
-            os.path.join(directory, STRIPE_LOCK), shared=True, timeout_s=cfg.io_timeout_s,
-            what=f"saving into {directory}"))
-    return directory
-
-
-def _write_my_files(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
-                    roots: Sequence[str], stripe: str, cfg: settings.Settings,
-                    state: dict[str, Any],
-                    hook: Callable[[int], None] | None = None) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    replicated = len(prep.replicated.storages)
-    base = plan.local_storage_base[rank]
-    objects = prep.replicated.storage_objects + prep.local.storage_objects
-
-    def compact(g: int) -> int:  # global storage index -> index into ``objects``
-        return g if g < replicated else replicated + g - base
-
-    by_dir: dict[int, list] = {}
-    for i in plan.files_of(rank):
-        by_dir.setdefault(plan.files[i].dir, []).append(plan.files[i].plan)
-    sealed: list[Extent] = []
-    backend_name, reason = "none", "this rank had nothing to write"
-    wants_device = any(s.is_cuda for s in objects)
-    for d, files in sorted(by_dir.items()):
-        directory = _enter_directory(d, tmp, roots, stripe, state, cfg)
-        local_files = [
-            replace(f, extents=tuple(replace(e, storage=compact(e.storage)) for e in f.extents))
-            for f in files]
-        be, reason = choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
-                                    cfg.block_bytes)
-        backend_name = be.name
-        state["written"] += [os.path.join(directory, f.name) for f in files]
-        for e in write_plan(be, directory, local_files, objects, cfg, hook):
-            g = e.storage if e.storage < replicated else base + e.storage - replicated
-            sealed.append(replace(e, storage=g))
-        if d >= 0:  # new directory entries must be durable before the commit
-            for entry in (directory, roots[d], os.path.dirname(roots[d])):
-                fsync_path(entry)
-    local = prep.local
-    return {
-        "extents": [_extent_json(e) for e in sealed],
-        "backend": backend_name, "reason": reason, "plan": plan.digest(),
-        "seconds": time.perf_counter() - t0,
-        "n_tensors": len(local.tensors),
-        "local": {"tree": local.tree, "tensors": [list(astuple(t)) for t in local.tensors],
-                  "storages": [[s.nbytes, s.device] for s in local.storages]},
-    }
-
-
-def _assemble(plan: DistributedPlan, prep: _Prepared, results: list[dict[str, Any]],
-              infos: list[dict[str, Any]], roots: Sequence[str], stripe: str, save_id: str,
-              world: int) -> Manifest:
-    used = sorted({f.dir for f in plan.files if f.dir >= 0})
-    dir_index = {d: k + 1 for k, d in enumerate(used)}
-    sizes = {int(i): size for r in results for i, size in (r.get("sizes") or {}).items()}
-    files = [DataFile(f.plan.name, sizes.get(i, f.plan.size), dir_index.get(f.dir, 0))
-             for i, f in enumerate(plan.files)]
-    dirs = [DataDir(roots[d], stripe) for d in used]
-    storages = list(prep.replicated.storages)
-    tensors = list(prep.replicated.tensors)
-    sections = []
-    has_local = _tree.has_locals(prep.replicated.tree)
-    for rank, result in enumerate(results):
-        local = result["local"]
-        assert len(storages) == plan.local_storage_base[rank]
-        t_base, s_base = len(tensors), len(storages)
-        storages += [StorageRecord(n, dev) for n, dev in local["storages"]]
-        for rec in local["tensors"]:
-            storage, dtype, shape, stride, offset, grad, param = rec
-            tensors.append(TensorRecord(storage + s_base, dtype, tuple(shape), tuple(stride),
-                                        offset, grad, param))
-        if has_local:
-            sections.append(Section(rank, _tree.shift_tensors(local["tree"], t_base)))
-    extents = sorted((Extent(*e) for r in results for e in r["extents"]),
-                     key=lambda e: (e.file, e.offset))
-    referred = [(storage, _candidate(c)) for r in results for storage, c in r.get("referred", [])]
-    ref_files, bases, ref_extents = assemble_references(referred, len(files))
-    files += ref_files
-    extents += ref_extents
-    hosts = sorted({i["host"] for i in infos})
-    writer = {
-        "backend": ",".join(sorted({r["backend"] for r in results if r["backend"] != "none"})),
-        "reason": results[0]["reason"], "gds_persist": __version__, "torch": torch.__version__,
-        "host": hosts[0] if len(hosts) == 1 else f"{len(hosts)} hosts", "world_size": world,
-        "save_id": save_id, "plan": plan.summary(),
-    }
-    if "compression" in results[0]:
-        writer["compression"] = {"mode": results[0]["compression_mode"],
-                                 "applied": [r["compression"] for r in results],
-                                 "reason": results[0]["compression_reason"]}
-    if bases or any(r.get("base") for r in results):
-        writer["incremental"] = {"base": results[0].get("base"),
-                                 "referred_bytes": sum(r["referred_bytes"] for r in results)}
-    return Manifest(files, storages, tensors, extents, prep.replicated.tree, writer,
-                    dirs=dirs, sections=sections, bases=bases)
-
-
-def _candidate(c: dict[str, Any]) -> Candidate:
-    return Candidate(c["blake3"], Extent(*c["extent"]), Holder(c["holder"], c["sha256"]),
-                     c["file"], c["size"])
-
-
-def _extent_full(e: Extent) -> list[Any]:
-    return [e.storage, e.start, e.length, e.file, e.offset, e.crc32c, e.codec, e.stored,
-            e.stored_crc32c, e.blake3]
-
-
-def _write_my_units(plan: DistributedPlan, rank: int, prep: _Prepared, tmp: str,
-                    roots: Sequence[str], stripe: str, cfg: settings.Settings,
-                    state: dict[str, Any], path: str, base: str | None, hashes: bool,
-                    hook: Callable[[int], None] | None = None) -> dict[str, Any]:
-    """:func:`_write_my_files` for a version-4 save: this rank's share cut into units, each
-    hashed and referred to (``base``) or written, maybe encoded, into its planned files."""
-    t0 = time.perf_counter()
-    replicated = len(prep.replicated.storages)
-    base_index = plan.local_storage_base[rank]
-    objects = prep.replicated.storage_objects + prep.local.storage_objects
-    records = list(prep.replicated.tensors) + [
-        replace(t, storage=t.storage + replicated) for t in prep.local.tensors]
-    sizes_of = typesizes(records, len(objects))
-    keys = storage_keys(prep.replicated.tree, prep.replicated.tensors)
-    keys.update({s + replicated: k for s, k in storage_keys(
-        prep.local.tree, prep.local.tensors, local_prefix(rank)).items()})
-
-    def compact(g: int) -> int:  # global storage index -> index into ``objects``
-        return g if g < replicated else replicated + g - base_index
-
-    def globalise(c: int) -> int:
-        return c if c < replicated else base_index + c - replicated
-
-    by_dir: dict[int, list[int]] = {}
-    for i in plan.files_of(rank):
-        by_dir.setdefault(plan.files[i].dir, []).append(i)
-    index = open_base(path, base) if base is not None else None
-    sealed: list[Extent] = []
-    referred: list[list[Any]] = []
-    sizes: dict[int, int] = {}
-    referred_bytes = 0
-    backend_name, reason = "none", "this rank had nothing to write"
-    compress, compression_reason = False, "this rank had nothing to write"
-    wants_device = any(s.is_cuda for s in objects)
-    sources = [byte_view(s) for s in objects]
-    try:
-        for d, file_indices in sorted(by_dir.items()):
-            directory = _enter_directory(d, tmp, roots, stripe, state, cfg)
-            units: list[Unit] = []
-            files: list[list[int]] = []
-            for i in file_indices:
-                pieces = [(compact(e.storage), e.start, e.length)
-                          for e in plan.files[i].plan.extents]
-                first = len(units)
-                units += cut_units(pieces, sizes_of)
-                files.append(list(range(first, len(units))))
-            be, reason = choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
-                                        cfg.block_bytes)
-            backend_name = be.name
-            compress, compression_reason = choose_compression(cfg.compression, be, directory,
-                                                              units, sources, cfg)
-            names = [plan.files[i].plan.name for i in file_indices]
-            state["written"] += [os.path.join(directory, n) for n in names]
-            # only what lives in the checkpoint directory may be referred to later
-            refs = References(index if d < 0 else None, keys, units)
-            files = [sorted(f, key=lambda k: not refs.likely_changed(k)) for f in files]
-            w = write_units(be, directory, names, files, units, objects, cfg, compress=compress,
-                            hashes=hashes, refs=refs, progress=hook)
-            check_written(units, w)
-            for local_file, size in enumerate(w.sizes):
-                sizes[file_indices[local_file]] = size
-            for e in w.extents:
-                sealed.append(replace(e, storage=globalise(e.storage),
-                                      file=file_indices[e.file]))
-            for storage, c in w.referred:
-                referred.append([globalise(storage), {
-                    "blake3": c.blake3, "extent": _extent_full(c.extent), "holder": c.holder.name,
-                    "sha256": c.holder.manifest_sha256, "file": c.file_name,
-                    "size": c.file_size}])
-            referred_bytes += refs.referred_bytes()
-            if d >= 0:  # new directory entries must be durable before the commit
-                for entry in (directory, roots[d], os.path.dirname(roots[d])):
-                    fsync_path(entry)
-        if index is not None:
-            index.check_unchanged()
-    finally:
-        if index is not None:
-            index.close()
-    local = prep.local
-    return {
-        "extents": [_extent_full(e) for e in sealed],
-        "sizes": {str(i): size for i, size in sizes.items()},
-        "referred": referred, "referred_bytes": referred_bytes,
-        "base": os.path.basename(base) if base is not None else None,
-        "compression": "lossless" if compress else "none",
-        "compression_mode": cfg.compression, "compression_reason": compression_reason,
-        "backend": backend_name, "reason": reason, "plan": plan.digest(),
-        "seconds": time.perf_counter() - t0,
-        "n_tensors": len(local.tensors),
-        "local": {"tree": local.tree, "tensors": [list(astuple(t)) for t in local.tensors],
-                  "storages": [[s.nbytes, s.device] for s in local.storages]},
-    }
-
-
-def _release(state: dict[str, Any], committed: bool) -> None:
-    """At the end of a save, failed or not: every rank releases its data directory locks, then
-    rank 0 releases the commit lock and removes the replaced checkpoint."""
-    locks: list[FileLock] = state["stripe_locks"]
-    while locks:
-        locks.pop().release()
-    tmp: Temporary | None = state["tmp"]
-    if committed and tmp is not None:
-        tmp.finish()
-
-
-def _cleanup(state: dict[str, Any], is_root: bool) -> None:
-    """After a failed save: remove what this rank wrote (rank 0: the temporary directory).
-
-    Once the commit phase began, a failure may have come after the rename (or this rank cannot
-    know), so files in data directories are left alone; a later save removes them if they are
-    not part of the checkpoint.
-    """
-    if is_root and state["tmp"]:
-        abort(state["tmp"])  # never holds the new checkpoint once it was renamed into place
-    if state.get("committing"):
-        return
-    for f in state["written"]:
-        try:
-            os.unlink(f)
-        except OSError:
-            pass
-    locks: list[FileLock] = state["stripe_locks"]
-    while locks:
-        locks.pop().release(remove=True)  # the last holder of the directory deletes the lock
-    for d in state["dirs"]:
-        try:
-            os.rmdir(d)  # succeeds for whichever rank of the directory cleans up last
-        except OSError:
-            pass
-
-
-def _remove_stale_stripes(roots: Sequence[str], prefix: str, keep: str) -> list[str]:
-    """After a commit, under its commit lock: remove this path's data directories other than
-    ``keep`` whose lock is free (their save ended: replaced by this commit, or interrupted).
-    A directory without a lock file (an older gds_persist's) goes once untouched for
-    ``STALE_UNLOCKED_S``. Best effort; returns what was removed."""
-    removed = []
-    for root in roots:
-        try:
-            entries = os.listdir(root)
-        except OSError:
-            continue
-        for entry in entries:
-            full = os.path.join(root, entry)
-            if not entry.startswith(prefix + STRIPE_MARK) or entry == keep:
-                continue
-            lock = try_acquire(os.path.join(full, STRIPE_LOCK))
-            if lock is not None:  # its save ended; the lock file goes with the directory
-                try:
-                    if remove_tree(full):
-                        removed.append(entry)
-                finally:
-                    lock.release()
-            elif (not os.path.lexists(os.path.join(full, STRIPE_LOCK))
-                  and untouched_for(full, STALE_UNLOCKED_S) and remove_tree(full)):
-                removed.append(entry)
-    return removed

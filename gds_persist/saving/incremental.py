@@ -1,13 +1,5 @@
-"""Writing fewer bytes (format version 4): units, references to a base checkpoint, and the
-version-4 write of a save's files. Pure planning plus one call into the unit writer.
-
-**Units.** Every storage (or, in a data-parallel save, every piece of one that a rank writes) is
-cut into units of at most :data:`~gds_persist.format.codec.UNIT_BYTES`, starting at the piece's
-first byte. The cut depends only on the storage sizes (and the data-parallel plan, itself a pure
-function of sizes and ranks), so the same key path is cut the same way in every checkpoint of a
-run, whatever was written or referred before. Each unit is one extent: hashed (BLAKE3-128),
-checksummed, maybe compressed, and placed at the next aligned offset as it is written
-(:mod:`gds_persist.transfer.unit_writer`).
+"""Writing fewer bytes (format version 4): the base checkpoint and references to it. The units
+that are referred to or written are cut in :mod:`.units`.
 
 **References.** ``save(..., base=B)``: a unit whose key path (the path of its storage's first
 tensor), byte range and BLAKE3-128 equal those of an extent of ``B`` is not written; the new
@@ -28,67 +20,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
-from ..backends.base import Backend
-from ..errors import CheckpointError, ReferencedCheckpointError, UnhashedBaseWarning
-from ..format import (
-    DTYPES,
-    MANIFEST_NAME,
-    BaseRef,
-    DataFile,
-    Extent,
-    codec,
-    manifest_storage_keys,
-)
-from ..format.records import TensorRecord
-from ..settings import Settings
+from ..errors import ReferencedCheckpointError, UnhashedBaseWarning
+from ..format import MANIFEST_NAME, BaseRef, DataFile, Extent, manifest_storage_keys
 from ..transfer.opened import OpenCheckpoint, open_checkpoint
-from ..transfer.pipeline import byte_view
-from ..transfer.staging import io_session
-from ..transfer.unit_writer import Unit, UnitResults, UnitWriter, codec_threads
+from ..transfer.unit_writer import Unit
 
-Piece = tuple[int, int, int]  # (storage, start, length)
 Key = tuple[str, int, int]  # (key path, start, length)
-
-
-def cut_units(pieces: Sequence[Piece], typesizes: Sequence[int],
-              unit_bytes: int | None = None) -> list[Unit]:
-    """Each ``(storage, start, length)`` piece cut into units of at most ``unit_bytes``
-    (default :data:`~gds_persist.format.codec.UNIT_BYTES`)."""
-    unit_bytes = unit_bytes or codec.UNIT_BYTES
-    units = []
-    for storage, start, length in pieces:
-        for lo in range(start, start + length, unit_bytes):
-            units.append(Unit(storage, lo, min(unit_bytes, start + length - lo),
-                              typesizes[storage]))
-    return units
-
-
-def typesizes(tensors: Sequence[TensorRecord], n_storages: int) -> list[int]:
-    """The element size of each storage's first tensor (1 where no tensor uses it)."""
-    out = [0] * n_storages
-    for t in tensors:
-        if not out[t.storage]:
-            out[t.storage] = DTYPES[t.dtype].itemsize
-    return [s or 1 for s in out]
-
-
-def spread(units: Sequence[Unit], files: int,
-           first: Callable[[int], bool] | None = None) -> list[list[int]]:
-    """Unit indices over ``files`` files of about equal bytes: each unit, in order, to the file
-    with the fewest bytes so far (so the units of one storage, and those that change from one
-    checkpoint to the next, spread over every file and are written in parallel). Within each
-    file the units ``first`` selects come first (they are written first)."""
-    out: list[list[int]] = [[] for _ in range(max(1, files))]
-    load = [0] * len(out)
-    for k, u in enumerate(units):
-        i = min(range(len(out)), key=load.__getitem__)
-        out[i].append(k)
-        load[i] += u.length
-    if first is not None:
-        out = [sorted(f, key=lambda k: not first(k)) for f in out]
-    return out
 
 
 # --- the base --------------------------------------------------------------------------------
@@ -274,70 +211,6 @@ def assemble_references(referred: Sequence[tuple[int, Candidate]], first_file: i
         extents.append(Extent(storage, e.start, e.length, files[fkey], e.offset, e.crc32c,
                               e.codec, e.stored, e.stored_crc32c, e.blake3))
     return file_list, base_list, extents
-
-
-# --- writing ---------------------------------------------------------------------------------
-
-@dataclass
-class Written:
-    """What :func:`write_units` wrote into ``directory``."""
-
-    sizes: list[int]  # per file
-    extents: list[Extent]  # written ones (``file``: the index in the call's file list)
-    referred: list[tuple[int, Candidate]]  # (storage, candidate) of units not written
-    hashes: int  # units hashed
-
-
-def write_units(backend: Backend, directory: str, names: Sequence[str],
-                files: Sequence[Sequence[int]], units: Sequence[Unit],
-                storages: Sequence[torch.UntypedStorage], cfg: Settings, *, compress: bool,
-                hashes: bool, refs: References | None,
-                progress: Callable[[int], None] | None = None) -> Written:
-    """Write ``units`` (by ``files``: unit indices per file ``names[i]``) of ``storages`` into
-    ``directory`` through the unit writer; units ``refs`` finds in the base are not written."""
-    sources = [byte_view(s) for s in storages]
-    block = max(cfg.block_bytes, codec.UNIT_BYTES)
-    count = max(2, cfg.staging_bytes // block)
-    with io_session(count, block, cfg.io_timeout_s, cfg.io_threads) as (ring, pool):
-        writer = UnitWriter(backend, ring, pool, cfg.io_timeout_s, progress, compress=compress,
-                            hashes=hashes, decide=refs.decide if refs is not None else None,
-                            codec_threads=codec_threads())
-        results: UnitResults = writer.write_files(
-            [os.path.join(directory, n) for n in names], files, units, sources)
-    written = [results.extents[k] for k in sorted(results.extents)]
-    referred = ([(units[k].storage, refs.matched[k]) for k in sorted(results.referred)]
-                if refs is not None else [])
-    return Written(results.sizes, written, referred, len(results.hashes))
-
-
-def check_written(units: Sequence[Unit], w: Written) -> None:
-    """Every unit was written or referred to (a bug otherwise: never commit a gap)."""
-    if len(w.extents) + len(w.referred) != len(units):
-        raise CheckpointError(
-            f"internal error: {len(units)} units but {len(w.extents)} written and "
-            f"{len(w.referred)} referred; nothing was committed")
-
-
-def manifest_files(names: Sequence[str], sizes: Sequence[int], extents: list[Extent],
-                   referred: Sequence[tuple[int, Candidate]], directory: str,
-                   dir_index: Sequence[int] | None = None,
-                   ) -> tuple[list[DataFile], list[BaseRef], list[Extent], list[str]]:
-    """The data files, bases and extents of a version-4 manifest: own files that hold bytes
-    (empty ones are removed from ``directory``: every unit was referred to), then the base
-    files. Returns also the names of the own files kept."""
-    keep = [i for i, size in enumerate(sizes) if size]
-    for i, size in enumerate(sizes):
-        if not size:
-            try:
-                os.unlink(os.path.join(directory, names[i]))
-            except FileNotFoundError:
-                pass
-    renumber = {old: new for new, old in enumerate(keep)}
-    files = [DataFile(names[i], sizes[i], dir_index[i] if dir_index else 0) for i in keep]
-    own = [Extent(e.storage, e.start, e.length, renumber[e.file], e.offset, e.crc32c, e.codec,
-                  e.stored, e.stored_crc32c, e.blake3) for e in extents]
-    ref_files, bases, ref_extents = assemble_references(referred, len(files))
-    return files + ref_files, bases, own + ref_extents, [names[i] for i in keep]
 
 
 def describe_references(refs: References | None) -> dict[str, Any]:

@@ -1,51 +1,35 @@
 """``save``: flatten -> plan -> write -> seal -> commit, on one process; with a process group (or
-rank-local parts, or data directories) the data-parallel save of :mod:`.parallel_save`."""
+rank-local parts, or data directories) the data-parallel save of :mod:`.data_parallel`."""
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import os
-import socket
 import time
-from collections.abc import Iterator
 from typing import Any
 
-import torch
-
 from .. import settings
-from .._version import __version__
-from ..backends import choose_backend
-from ..errors import DiskFullError
-from ..format import Extent, Manifest, align_up, codec, data_file_name, dump_manifest, storage_keys
+from ..backends.base import Backend
+from ..format import Manifest, align_up, codec, data_file_name, storage_keys
 from ..format.layout import SavePlan, file_streams, plan_single_writer
 from ..progress import ByteCounter, ProgressCallback
 from ..results import SaveInfo
 from ..stages import stage
 from ..state.flatten import Flattened, flatten
-from ..transfer.commit import (
-    Temporary,
-    abort,
-    check_replaceable,
-    commit,
-    make_temporary,
-    write_manifest,
-)
-from ..transfer.pipeline import byte_view
+from ..transfer.commit import Temporary, aborted_on_error, begin, seal, writer_record
 from ..transfer.writer import write_plan
-from .compression import choose as choose_compression
 from .data_parallel import save_parallel
-from .incremental import (
-    References,
-    check_base_path,
-    check_written,
+from .incremental import BaseIndex, References, describe_references, open_base
+from .options import SaveOptions
+from .units import (
+    Written,
+    backend_for,
+    choose,
     cut_units,
-    describe_references,
     manifest_files,
-    open_base,
     spread,
     typesizes,
-    write_units,
+    with_fallback,
+    write_directory,
 )
 
 
@@ -128,194 +112,127 @@ def save(
     backend, :class:`CheckpointTimeout` when another process's commit of ``path`` hangs,
     :class:`DistributedError` (on every rank, naming the failed rank) when a rank fails.
     """
-    if process_group is not None or rank_local is not None or data_dirs is not None:
-        if allow_pickle:
-            raise ValueError("allow_pickle=True is for single-process saves; it cannot be "
-                             "combined with process_group, rank_local or data_dirs")
-        return save_parallel(
-            state_dict,
-            path,
-            process_group=process_group,
-            rank_local=rank_local,
-            writers_per_node=writers_per_node,
-            data_dirs=data_dirs,
-            check_replicas=check_replicas,
-            backend=backend,
-            block_bytes=block_bytes,
-            staging_bytes=staging_bytes,
-            io_threads=io_threads,
-            progress=progress,
-            base=base,
-            compression=compression,
-            content_hash=content_hash,
-        )
-    t0 = time.perf_counter()
-    cfg = settings.current(
+    options = SaveOptions(
         backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
-        io_threads=io_threads, compression=compression,
-    )
-    if base is not None:
-        check_base_path(os.fspath(path), os.fspath(base))
+        io_threads=io_threads, progress=progress, process_group=process_group,
+        rank_local=rank_local, writers_per_node=writers_per_node, data_dirs=data_dirs,
+        check_replicas=check_replicas, allow_pickle=allow_pickle, base=base,
+        compression=compression, content_hash=content_hash)
+    if options.data_parallel:
+        return save_parallel(state_dict, path, options)
+    t0 = time.perf_counter()
+    path = os.fspath(path)
+    base_path = options.base_of(path)
     with stage("flatten"):
         flat = (state_dict if isinstance(state_dict, Flattened)
-                else flatten(state_dict, allow_pickle))
-    hashes = content_hash if content_hash is not None else base is not None
-    if base is None and not hashes and cfg.compression == "none":
-        return _save_single(flat, os.fspath(path), cfg, progress, t0)
-    return _save_units(flat, os.fspath(path), cfg, progress, t0,
-                       os.fspath(base) if base is not None else None, hashes)
+                else flatten(state_dict, options.allow_pickle))
+    if options.plain:
+        return _save_plain(flat, path, options, t0)
+    return _save_units(flat, path, options, base_path, t0)
 
 
-def _save_single(
-    flat: Flattened,
-    path: str,
-    cfg: settings.Settings,
-    progress: ProgressCallback | None,
-    t0: float,
-) -> SaveInfo:
+def _save_plain(flat: Flattened, path: str, options: SaveOptions, t0: float) -> SaveInfo:
+    """A plain (version 1-3) save: raw bytes, no base, no hashes."""
     with stage("plan + temporary directory"):
-        sizes = [s.nbytes for s in flat.storages]
-        streams = file_streams(sum(sizes), cfg.io_threads, cfg.block_bytes, cfg.file_streams)
-        plan = plan_single_writer(sizes, streams)
-        check_replaceable(path)
-        tmp = make_temporary(path, cfg.io_timeout_s)
-    with _aborted_on_error(tmp, path, f"this checkpoint needs {plan.total_bytes} bytes of data; "):
-        with stage("choose backend"):
-            be, reason = choose_backend(
-                cfg.backend,
-                tmp.dir,
-                any(s.is_cuda for s in flat.storage_objects),
-                cfg.io_threads,
-                cfg.block_bytes,
-            )
-        return _write_plain(tmp, plan, flat, be, reason, cfg, progress, t0)
+        plan = plan_single_writer(*_sizes_and_streams(flat, options.cfg))
+        tmp = begin(path, options.cfg.io_timeout_s)
+    needs = f"this checkpoint needs {plan.total_bytes} bytes of data; "
+    with aborted_on_error(tmp, path, needs):
+        be, reason = backend_for(options.cfg, tmp.dir, flat.storage_objects)
+        return _write_plain(tmp, plan, flat, be, reason, options, t0)
 
 
-def _write_plain(tmp: Temporary, plan: SavePlan, flat: Flattened, be: Any, reason: str,
-                 cfg: settings.Settings, progress: ProgressCallback | None, t0: float,
+def _sizes_and_streams(flat: Flattened, cfg: settings.Settings) -> tuple[list[int], int]:
+    """The storages' sizes, and over how many data files one writer spreads them."""
+    sizes = [s.nbytes for s in flat.storages]
+    return sizes, file_streams(sum(sizes), cfg.io_threads, cfg.block_bytes, cfg.file_streams)
+
+
+def _write_plain(tmp: Temporary, plan: SavePlan, flat: Flattened, be: Backend, reason: str,
+                 options: SaveOptions, t0: float,
                  compression: dict[str, Any] | None = None) -> SaveInfo:
     """Write and commit a plain (version 1-3) checkpoint: raw bytes, no base, no hashes."""
-    counter = ByteCounter(progress, plan.total_bytes)
+    cfg = options.cfg
+    counter = ByteCounter(options.progress, plan.total_bytes)
     extents = write_plan(be, tmp.dir, plan.files, flat.storage_objects, cfg, counter.hook)
-    writer = _writer_info(be, _with_fallback(be, reason))
+    reason = with_fallback(be, reason)
+    writer = writer_record(be.name, reason)
     if compression is not None:
         writer["compression"] = compression
     with stage("commit (manifest, fsync, rename)"):
-        _commit_single(tmp, plan, flat, extents, writer, cfg.io_timeout_s)
+        seal(tmp, Manifest([f.data_file for f in plan.files], flat.storages, flat.tensors,
+                           extents, flat.tree, writer), cfg.io_timeout_s)
     counter.finish()
-    return SaveInfo(tmp.path, be.name, writer["reason"], plan.total_bytes,
+    return SaveInfo(tmp.path, be.name, reason, plan.total_bytes,
                     sum(s.nbytes for s in flat.storages), time.perf_counter() - t0,
                     len(flat.tensors), len(flat.storages), [f.name for f in plan.files],
                     compression_reason=compression["reason"] if compression else "")
 
 
-def _save_units(flat: Flattened, path: str, cfg: settings.Settings,
-                progress: ProgressCallback | None, t0: float, base: str | None,
-                hashes: bool) -> SaveInfo:
+def _save_units(flat: Flattened, path: str, options: SaveOptions, base: str | None,
+                t0: float) -> SaveInfo:
     """A version-4 save: units hashed, referred to or written (maybe encoded) as they come.
     Where ``compression="auto"`` chose raw bytes and there is neither a base nor hashes to
     record, the plain save instead (version 1-3, the same bytes as ``compression="none"``)."""
+    cfg = options.cfg
     with stage("plan + temporary directory"):
-        sizes = [s.nbytes for s in flat.storages]
+        sizes, streams = _sizes_and_streams(flat, cfg)
         units = cut_units([(i, 0, n) for i, n in enumerate(sizes) if n],
                           typesizes(flat.tensors, len(sizes)))
-        streams = file_streams(sum(sizes), cfg.io_threads, cfg.block_bytes, cfg.file_streams)
         names = [data_file_name(k) for k in range(streams)]
-        check_replaceable(path)
-        tmp = make_temporary(path, cfg.io_timeout_s)
+        tmp = begin(path, cfg.io_timeout_s)
     index = None
     try:
-        with _aborted_on_error(tmp, path, ""):
+        with aborted_on_error(tmp, path):
             if base is not None:
                 with stage("open the base"):
                     index = open_base(path, base)
-            with stage("choose backend"):
-                be, reason = choose_backend(cfg.backend, tmp.dir,
-                                            any(s.is_cuda for s in flat.storage_objects),
-                                            cfg.io_threads, cfg.block_bytes)
-            sources = [byte_view(s) for s in flat.storage_objects]
-            with stage("choose compression"):
-                compress, compression_reason = choose_compression(cfg.compression, be, tmp.dir,
-                                                                  units, sources, cfg)
-            compression_info = {"mode": cfg.compression, "applied": compress,
-                                "codec": codec.DESCRIPTION if compress else "none",
-                                "reason": compression_reason}
-            if not compress and not hashes and index is None:  # auto chose raw: a plain save
-                return _write_plain(tmp, plan_single_writer(sizes, streams), flat, be, reason,
-                                    cfg, progress, t0, compression_info)
-            refs = References(index, storage_keys(flat.tree, flat.tensors), units)
-            files = spread(units, streams, refs.likely_changed)
-            counter = ByteCounter(progress, sum(align_up(u.length) for u in units))
-            written = write_units(be, tmp.dir, names, files, units, flat.storage_objects, cfg,
-                                  compress=compress, hashes=hashes or index is not None,
-                                  refs=refs, progress=counter.hook)
-            check_written(units, written)
-            reason = _with_fallback(be, reason)
+            choice = choose(cfg, tmp.dir, units, flat.storage_objects)
+            compression = {"mode": cfg.compression, "applied": choice.compress,
+                           "codec": codec.DESCRIPTION if choice.compress else "none",
+                           "reason": choice.compression_reason}
+            if not choice.compress and not options.hashes and index is None:  # auto chose raw
+                return _write_plain(tmp, plan_single_writer(sizes, streams), flat,
+                                    choice.backend, choice.reason, options, t0, compression)
+            counter = ByteCounter(options.progress, sum(align_up(u.length) for u in units))
+            refs, written = write_directory(
+                choice, tmp.dir, names, spread(units, streams), units, flat.storage_objects, cfg,
+                base=index, keys=storage_keys(flat.tree, flat.tensors),
+                hashes=options.hashes or index is not None, progress=counter.hook)
+            reason = with_fallback(choice.backend, choice.reason)
             if index is not None and index.note:  # e.g. a base without content hashes
                 reason = f"{reason}; {index.note}"
-            data_files, bases, extents, kept = manifest_files(
-                names, written.sizes, written.extents, written.referred, tmp.dir)
-            writer = _writer_info(be, reason)
-            writer["compression"] = compression_info
-            incremental = describe_references(refs)
-            if incremental:
-                writer["incremental"] = incremental
-            with stage("commit (manifest, fsync, rename)"):
-                manifest = Manifest(data_files, flat.storages, flat.tensors, extents, flat.tree,
-                                    writer, bases=bases)
-                if index is not None:
-                    index.check_unchanged()
-                write_manifest(tmp.dir, dump_manifest(manifest))
-                commit(tmp, cfg.io_timeout_s)
+            kept = _seal_units(tmp, flat, names, written, refs, index,
+                               writer_record(choice.backend.name, reason, compression=compression),
+                               cfg.io_timeout_s)
             counter.finish()
     finally:
         if index is not None:
             index.close()
-    payload = sum(s.nbytes for s in flat.storages)
     return SaveInfo(
-        path, be.name, reason, sum(written.sizes), payload, time.perf_counter() - t0,
-        len(flat.tensors), len(flat.storages), kept,
+        path, choice.backend.name, reason, sum(written.sizes), sum(s.nbytes for s in flat.storages),
+        time.perf_counter() - t0, len(flat.tensors), len(flat.storages), kept,
         referenced_bytes=refs.referred_bytes(),
-        compression="lossless" if compress else "none",
-        compression_reason=compression_reason,
+        compression="lossless" if choice.compress else "none",
+        compression_reason=choice.compression_reason,
         base=os.path.basename(base) if base is not None else None,
     )
 
 
-@contextlib.contextmanager
-def _aborted_on_error(tmp: Temporary, path: str, needs: str) -> Iterator[None]:
-    """Remove the temporary directory if the body fails; a full disk becomes DiskFullError."""
-    try:
-        yield
-    except OSError as e:
-        abort(tmp)
-        if e.errno == errno.ENOSPC:
-            raise DiskFullError(
-                errno.ENOSPC,
-                f"no space left on the filesystem of {path}: {needs}free space or save "
-                "elsewhere (the partial save was removed and earlier checkpoints are untouched)",
-            ) from e
-        raise
-    except BaseException:
-        abort(tmp)
-        raise
-
-
-def _with_fallback(be: Any, reason: str) -> str:
-    if getattr(be, "fallback_reason", None):  # kvikio switched to POSIX I/O mid-save
-        return f"{reason}; {be.fallback_reason}"
-    return reason
-
-
-def _writer_info(be: Any, reason: str) -> dict[str, Any]:
-    return {"backend": be.name, "reason": reason, "gds_persist": __version__,
-            "torch": torch.__version__, "host": socket.gethostname(), "world_size": 1}
-
-
-def _commit_single(tmp: Temporary, plan: SavePlan, flat: Flattened, extents: list[Extent],
-                   writer: dict[str, Any], timeout_s: float) -> None:
-    """Seal the written files with the manifest and swap the temporary directory into place."""
-    files = [f.data_file for f in plan.files]
-    manifest = Manifest(files, flat.storages, flat.tensors, extents, flat.tree, writer)
-    write_manifest(tmp.dir, dump_manifest(manifest))
-    commit(tmp, timeout_s)
+def _seal_units(tmp: Temporary, flat: Flattened, names: list[str], written: Written,
+                refs: References, index: BaseIndex | None, writer: dict[str, Any],
+                timeout_s: float) -> list[str]:
+    """Commit a version-4 save's files (empty ones removed: every unit referred to) with the
+    references to its base; returns the names of the files kept."""
+    data_files, bases, extents, kept = manifest_files(
+        names, written.sizes, written.extents, written.referred, tmp.dir)
+    incremental = describe_references(refs)
+    if incremental:
+        writer["incremental"] = incremental
+    with stage("commit (manifest, fsync, rename)"):
+        manifest = Manifest(data_files, flat.storages, flat.tensors, extents, flat.tree, writer,
+                            bases=bases)
+        if index is not None:
+            index.check_unchanged()
+        seal(tmp, manifest, timeout_s)
+    return kept

@@ -1,10 +1,18 @@
 """Last stage of a save: make the checkpoint durable and visible atomically.
 
-A save writes everything into a temporary sibling directory ``.NAME.tmp-<id>``; :func:`commit`
-fsyncs it and swaps it into place. With an existing checkpoint at the path, the swap is one
-``renameat2(RENAME_EXCHANGE)``, so at every instant the path holds either the old or the new
-complete checkpoint. Killed anywhere before that, the old checkpoint is untouched and only a
-temporary directory is left, which :func:`load` refuses and a later save of that path removes.
+Every save (single-process, data-parallel, DCP, ``materialize``) runs one sequence::
+
+    tmp = begin(path)              # refuse what is not a checkpoint; temporary directory + lock
+    with aborted_on_error(tmp):    # any failure: the temporary directory goes, nothing else
+        ...write the data files into tmp.dir...
+        seal(tmp, manifest)        # manifest written and fsynced, then committed
+
+So a save writes everything into a temporary sibling directory ``.NAME.tmp-<id>``;
+:func:`commit` (the end of :func:`seal`) fsyncs it and swaps it into place. With an existing
+checkpoint at the path, the swap is one ``renameat2(RENAME_EXCHANGE)``, so at every instant the
+path holds either the old or the new complete checkpoint. Killed anywhere before that, the old
+checkpoint is untouched and only a temporary directory is left, which :func:`load` refuses and a
+later save of that path removes.
 
 Several processes, one path (``docs/FORMAT.md``, "Several processes, one path"):
 
@@ -30,14 +38,24 @@ import ctypes
 import errno
 import os
 import shutil
+import socket
 import time
 import uuid
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
-from ..errors import CheckpointError, CheckpointPermissionError, NotACheckpointDirectoryError
-from ..format import MANIFEST_NAME
+import torch
+
+from .._version import __version__
+from ..errors import (
+    CheckpointError,
+    CheckpointPermissionError,
+    DiskFullError,
+    NotACheckpointDirectoryError,
+)
+from ..format import MANIFEST_NAME, Manifest, dump_manifest, parse_manifest
 from .locks import (
     STALE_UNLOCKED_S,
     FileLock,
@@ -327,3 +345,65 @@ def commit(tmp: Temporary, timeout_s: float = DEFAULT_TIMEOUT_S, replace: bool =
 def abort(tmp: Temporary) -> None:
     """Give up a save: remove its temporary directory and release its lock."""
     tmp.finish()
+
+
+# --- the commit sequence, as every save runs it -------------------------------------------------
+
+def begin(path: str, timeout_s: float = DEFAULT_TIMEOUT_S, replace: bool = True) -> Temporary:
+    """Start a save of ``path``: refuse to replace what is not a checkpoint (``replace=False``:
+    any checkpoint too), then make this save's temporary directory."""
+    check_replaceable(path, replace)
+    return make_temporary(path, timeout_s)
+
+
+def seal(tmp: Temporary, manifest: Manifest, timeout_s: float = DEFAULT_TIMEOUT_S,
+         replace: bool = True, *, check: bool = False, keep_lock: bool = False) -> None:
+    """Seal the data files written into ``tmp`` with ``manifest`` (written and fsynced last) and
+    commit them at its path; on failure ``tmp`` is given up and the previous checkpoint is intact.
+
+    ``check``: parse the dumped manifest back first (never commit garbage; a data-parallel save
+    assembles it from every rank's report). ``keep_lock``: hold the commit lock until
+    ``tmp.finish()`` (a data-parallel save removes stale data directories under it)."""
+    try:
+        raw = dump_manifest(manifest)
+        if check:
+            parse_manifest(raw, f"the manifest being written for {tmp.path}")
+        write_manifest(tmp.dir, raw)
+        if keep_lock:
+            tmp.swap_in(timeout_s, replace)
+            return
+    except BaseException:
+        abort(tmp)
+        raise
+    commit(tmp, timeout_s, replace)  # gives ``tmp`` up itself on failure
+
+
+@contextlib.contextmanager
+def aborted_on_error(tmp: Temporary, full_disk: str | None = None,
+                     needs: str = "") -> Iterator[None]:
+    """Give ``tmp`` up if the body raises. ``full_disk`` (the path as the caller named it): a
+    full filesystem (ENOSPC) becomes :class:`DiskFullError` saying so, with what the save
+    ``needs``."""
+    try:
+        yield
+    except OSError as e:
+        abort(tmp)
+        if full_disk is not None and e.errno == errno.ENOSPC:
+            raise DiskFullError(
+                errno.ENOSPC,
+                f"no space left on the filesystem of {full_disk}: {needs}free space or save "
+                "elsewhere (the partial save was removed and earlier checkpoints are untouched)",
+            ) from e
+        raise
+    except BaseException:
+        abort(tmp)
+        raise
+
+
+def writer_record(backend: str, reason: str, world_size: int = 1, host: str | None = None,
+                  **more: Any) -> dict[str, Any]:
+    """The manifest's ``writer`` record (for humans and bug reports): the backend and why, the
+    versions, the host (default: this one) and the world size, then ``more``."""
+    return {"backend": backend, "reason": reason, "gds_persist": __version__,
+            "torch": torch.__version__, "host": host if host is not None else socket.gethostname(),
+            "world_size": world_size, **more}

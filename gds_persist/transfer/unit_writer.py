@@ -1,7 +1,7 @@
 """Writing units (format version 4): extents whose place in a file is known only once written.
 
 A version-4 save cuts every storage into *units* (canonical byte ranges, one extent each;
-:mod:`gds_persist.saving.incremental`) and hands each data file a list of them. Every unit is one job on
+:mod:`gds_persist.saving.units`) and hands each data file a list of them. Every unit is one job on
 the I/O threads, doing its whole share of the work in one pass over the bytes while they are in
 cache:
 

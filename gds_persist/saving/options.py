@@ -1,0 +1,85 @@
+"""What one :func:`gds_persist.save` was asked for: its keyword arguments as one checked, frozen
+record, built once by ``save`` and passed down to the single-process or the data-parallel save.
+Users never see it: ``save``'s keywords are the interface (documented there)."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+from .. import settings
+from ..format.tree import KeyPath
+from ..parallel.replicas import CHECK_REPLICAS
+from ..progress import ProgressCallback
+from ..state.rank_local import normalize_paths
+from .incremental import check_base_path
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """``save``'s keyword arguments (see :func:`gds_persist.save`), checked when built;
+    ``cfg``: the settings in force for this save (arguments over ``settings.set`` over the
+    environment), taken once."""
+
+    backend: str | None = None
+    block_bytes: int | None = None
+    staging_bytes: int | None = None
+    io_threads: int | None = None
+    progress: ProgressCallback | None = None
+    process_group: Any = None
+    rank_local: Any = None
+    writers_per_node: int | None = None
+    data_dirs: Any = None
+    check_replicas: str = "structure"
+    allow_pickle: bool = False
+    base: str | os.PathLike[str] | None = None
+    compression: str | None = None
+    content_hash: bool | None = None
+    cfg: settings.Settings = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if self.data_parallel and self.allow_pickle:
+            raise ValueError("allow_pickle=True is for single-process saves; it cannot be "
+                             "combined with process_group, rank_local or data_dirs")
+        object.__setattr__(self, "cfg", settings.current(  # frozen: set once, here
+            backend=self.backend, block_bytes=self.block_bytes, staging_bytes=self.staging_bytes,
+            io_threads=self.io_threads, compression=self.compression))
+        if not self.data_parallel:  # the rest is read by data-parallel saves only
+            return
+        if self.check_replicas not in CHECK_REPLICAS:
+            raise ValueError(f"check_replicas={self.check_replicas!r}; valid: "
+                             f"{', '.join(CHECK_REPLICAS)}")
+        self.rank_local_paths()  # ValueError for overlapping paths
+        roots = self.roots()
+        if len(set(roots)) != len(roots):
+            raise ValueError(f"data_dirs lists a directory twice: {roots}")
+
+    @property
+    def data_parallel(self) -> bool:
+        """A process group, rank-local parts or data directories: the data-parallel save."""
+        return (self.process_group is not None or self.rank_local is not None
+                or self.data_dirs is not None)
+
+    @property
+    def hashes(self) -> bool:
+        """Whether to record content hashes (default: with a base)."""
+        return self.content_hash if self.content_hash is not None else self.base is not None
+
+    @property
+    def plain(self) -> bool:
+        """Raw bytes, no base, no hashes: a plain save (format version 1-3); otherwise units
+        (version 4: :mod:`.units`)."""
+        return self.base is None and not self.hashes and self.cfg.compression == "none"
+
+    def base_of(self, path: str) -> str | None:
+        """The base checkpoint of a save of ``path`` as an absolute path (None without one);
+        ValueError unless it is a sibling of ``path``, and not ``path`` itself."""
+        return check_base_path(path, os.fspath(self.base)) if self.base is not None else None
+
+    def rank_local_paths(self) -> list[KeyPath]:
+        return normalize_paths(self.rank_local)
+
+    def roots(self) -> list[str]:
+        """The data directories, absolute."""
+        return [os.path.abspath(os.fspath(d)) for d in (self.data_dirs or [])]
