@@ -33,8 +33,9 @@ AUTO_KVIKIO = ("gds", "always", "never")
 # process group. The default was chosen by bench/bench_parallel.py (docs/DISTRIBUTED.md):
 # broadcast matched read_all there while reading each byte once; gloo's all-gather was far slower.
 LOAD_STRATEGIES = ("broadcast", "allgather", "read_all")
-# How a save stores its bytes (gds_persist.saving.compression): "none" - raw; "lossless" - encoded by
-# the lossless codec where it shrinks them; "auto" - encoded only where measured to be faster.
+# How a save stores its bytes (gds_persist.saving.compression): "none" - raw; "lossless" -
+# encoded by the lossless codec where it shrinks them; "auto" - encoded only where measured to be
+# faster.
 COMPRESSIONS = ("none", "lossless", "auto")
 
 

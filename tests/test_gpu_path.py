@@ -240,8 +240,8 @@ def test_no_cufile_log_in_working_directory(tmp_path):
 
 
 def test_import_does_not_touch_the_gpu_stack():
-    code = ("import sys, gds_persist, gds_persist.parallel.topology, gds_persist.transfer.device_crc, "
-            "gds_persist.transfer.cuda_copy\n"
+    code = ("import sys, gds_persist, gds_persist.parallel.topology, "
+            "gds_persist.transfer.device_crc, gds_persist.transfer.cuda_copy\n"
             "bad = [m for m in ('kvikio', 'cupy') if m in sys.modules]\n"
             "assert not bad, bad\n")
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,

@@ -1,5 +1,7 @@
-"""The package's layers (CONTRIBUTING.md, "Layout"): a module imports only its own layer or lower
-ones, and no import circle exists, function-level imports included.
+"""The package's layers (CONTRIBUTING.md, "Layout"; docs/ARCHITECTURE.md): each folder of the
+package is one layer, a folder imports only folders of lower layers (and the vocabulary at the
+root), no two folders import each other (nor any longer circle of folders), no two modules form
+an import circle (function-level imports included), and no module grows past ``MAX_LINES``.
 
 Every module of gds_persist is parsed with ``ast`` (nothing is imported). Each ``import`` and
 ``from ... import`` anywhere in a module (module level, inside functions, under ``if
@@ -18,43 +20,32 @@ import pytest
 
 ROOT = "gds_persist"
 PACKAGE = Path(__file__).resolve().parent.parent / ROOT
+MAX_LINES = 600
 
-# The one table: module (or package, covering everything below it) -> layer, bottom up.
+# The root holds only the vocabulary every layer speaks; each of these modules is the unit
+# "vocabulary" (layer 0). A new root module is refused: give it a folder.
+VOCABULARY = ("_version", "_lazy", "errors", "settings", "progress", "results", "stages")
+
+# The one table: folder (unit) -> layer, bottom up. Folders of one layer may not import each
+# other at all (the folder graph must stay acyclic either way).
 LAYERS: dict[str, int] = {
-    # 0 base: no gds_persist imports beyond this layer
-    "gds_persist._version": 0,
-    "gds_persist._lazy": 0,
-    "gds_persist.errors": 0,
-    "gds_persist.settings": 0,
-    "gds_persist.progress": 0,
-    "gds_persist.results": 0,
-    "gds_persist.stages": 0,
-    # 1 format: the only code that knows what is on disk
-    "gds_persist.format": 1,
-    # 2 transfer: moving and checksumming bytes, committing; backends beside it
-    "gds_persist.transfer": 2,
-    "gds_persist.transfer.locks": 2,
-    "gds_persist.transfer.opened": 2,
-    "gds_persist.backends": 2,
-    # 3 orchestration: state, parallel, one save and one load orchestrator
-    "gds_persist.state": 3,
-    "gds_persist.parallel": 3,
-    "gds_persist.saving": 3,
-    "gds_persist.loading": 3,
-    # 4 training: Checkpointer, snapshots, the helper process; advice
-    "gds_persist.training": 4,
-    "gds_persist.advice": 4,
-    # 5 integrations: DCP, conversions, the CLI, the trainer plugins
-    "gds_persist.dcp": 5,
-    "gds_persist.convert": 5,
-    "gds_persist.cli": 5,
-    "gds_persist.__main__": 5,
-    "gds_persist.integrations": 5,
-    # the package itself only re-exports the public API
-    "gds_persist": 6,
+    "vocabulary": 0,    # the root modules above
+    "format": 1,        # the only code that knows what is on disk
+    "backends": 2,      # the only code that touches data files' descriptors
+    "transfer": 3,      # moving, checksumming and committing bytes; warm-up
+    "state": 4,         # the one walker of live state dicts
+    "parallel": 5,      # process-group glue, schedules, exchange, shared reads
+    "saving": 6,        # one save orchestrator: plain, units, data-parallel
+    "loading": 6,       # one load orchestrator, verify, where the bytes land
+    "advice": 6,        # intervals, levels, wear, the scale model (pure arithmetic)
+    "training": 7,      # Checkpointer, snapshots, the helper process, the memory tier
+    "dcp": 8,           # the PyTorch DCP storage writer and reader
+    "convert": 9,       # torch.save / safetensors / DCP import and export, materialize
+    "integrations": 10,  # Lightning, Accelerate
+    "cli": 11,          # the gds-persist command
+    "__main__": 12,     # python -m gds_persist
+    "package": 12,      # gds_persist/__init__.py: re-exports the public API
 }
-LAYER_NAMES = ["base", "format", "transfer", "orchestration", "training", "integrations",
-               "package"]
 
 
 def _module_files() -> dict[str, Path]:
@@ -122,45 +113,78 @@ def imports_of(name: str) -> dict[str, int]:
     return found
 
 
-def layer_of(name: str) -> int | None:
-    """The layer of ``name``'s longest entry in LAYERS; the root entry covers only itself."""
+def unit_of(name: str) -> str:
+    """The folder (unit) a module belongs to: its first component below the root; a root
+    module is ``vocabulary`` (or itself: ``__main__``), the root package is ``package``."""
     if name == ROOT:
-        return LAYERS[ROOT]
-    parts = name.split(".")
-    for k in range(len(parts), 1, -1):
-        layer = LAYERS.get(".".join(parts[:k]))
-        if layer is not None:
-            return layer
-    return None
+        return "package"
+    first = name.split(".")[1]
+    if f"{ROOT}.{first}" in MODULES and not _is_package(f"{ROOT}.{first}"):
+        return "vocabulary" if first in VOCABULARY else first
+    return first
+
+
+def layer_of(name: str) -> int | None:
+    return LAYERS.get(unit_of(name))
 
 
 GRAPH = {name: imports_of(name) for name in MODULES}
 
 
-def _describe(layer: int | None) -> str:
-    return "unmapped" if layer is None else f"layer {layer} ({LAYER_NAMES[layer]})"
-
-
-def test_every_module_has_a_layer() -> None:
-    unmapped = [name for name in MODULES if layer_of(name) is None]
-    assert not unmapped, f"add these modules to LAYERS (and CONTRIBUTING.md): {unmapped}"
-    stale = [name for name in LAYERS if name not in MODULES]
-    assert not stale, f"LAYERS names modules that do not exist: {stale}"
-
-
-def test_no_lower_layer_imports_a_higher_one() -> None:
-    bad = []
-    for name, targets in sorted(GRAPH.items()):
-        mine = layer_of(name)
+def folder_graph(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, str]]:
+    """unit -> unit it imports -> one import that makes the edge (``module:line``)."""
+    out: dict[str, dict[str, str]] = {unit_of(n): {} for n in graph}
+    for name, targets in graph.items():
         for target, line in sorted(targets.items()):
-            theirs = layer_of(target)
-            if mine is not None and theirs is not None and theirs > mine:  # unmapped: above
-                bad.append(f"{MODULES[name].relative_to(PACKAGE.parent)}:{line}: {name} "
-                           f"[{_describe(mine)}] imports {target} [{_describe(theirs)}]")
+            a, b = unit_of(name), unit_of(target)
+            if a != b:
+                out[a].setdefault(b, f"{name} (line {line}) imports {target}")
+    return out
+
+
+def _describe(unit: str) -> str:
+    return f"{unit} [layer {LAYERS.get(unit, '?')}]"
+
+
+def test_every_module_has_a_folder_with_a_layer() -> None:
+    unmapped = sorted({unit_of(n) for n in MODULES} - set(LAYERS))
+    assert not unmapped, f"add these folders to LAYERS (and CONTRIBUTING.md): {unmapped}"
+    stale = sorted(set(LAYERS) - {unit_of(n) for n in MODULES})
+    assert not stale, f"LAYERS names folders that do not exist: {stale}"
+
+
+def test_the_root_holds_only_the_vocabulary() -> None:
+    extra = sorted(p.stem for p in PACKAGE.glob("*.py")
+                   if p.stem not in (*VOCABULARY, "__init__", "__main__"))
+    assert not extra, (f"modules at the package root beyond the vocabulary: {extra}; "
+                       "move each into the folder of its stage")
+
+
+def test_no_folder_imports_a_higher_or_equal_layer() -> None:
+    bad = []
+    for unit, targets in sorted(folder_graph(GRAPH).items()):
+        for target, why in sorted(targets.items()):
+            mine, theirs = LAYERS.get(unit), LAYERS.get(target)
+            if mine is not None and theirs is not None and theirs >= mine:
+                bad.append(f"{_describe(unit)} imports {_describe(target)}: {why}")
     assert not bad, "imports against the layering:\n" + "\n".join(bad)
 
 
-def _cycles() -> list[tuple[list[str], list[str]]]:
+def test_no_two_folders_import_each_other() -> None:
+    folders = folder_graph(GRAPH)
+    cycles = _cycles({u: dict.fromkeys(t, 0) for u, t in folders.items()})
+    text = [" -> ".join(f"{a} ({folders[a][b]})" for a, b in zip(c, c[1:], strict=False))
+            for c, _ in cycles]
+    assert not cycles, "folders in an import circle:\n" + "\n".join(text)
+
+
+def test_no_module_over_the_line_limit() -> None:
+    long = {str(p.relative_to(PACKAGE.parent)): n for p in MODULES.values()
+            if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    assert not long, f"modules over {MAX_LINES} lines (split them by job): {long}"
+
+
+def _cycles(graph: dict[str, dict[str, int]]) -> list[tuple[list[str], list[str]]]:
     """Every strongly connected component with more than one module (Tarjan): one concrete
     cycle through it, and all its members."""
     index: dict[str, int] = {}
@@ -173,7 +197,7 @@ def _cycles() -> list[tuple[list[str], list[str]]]:
         index[v] = low[v] = len(index)
         stack.append(v)
         on_stack.add(v)
-        for w in sorted(GRAPH[v]):
+        for w in sorted(graph[v]):
             if w not in index:
                 visit(w)
                 low[v] = min(low[v], low[w])
@@ -190,13 +214,13 @@ def _cycles() -> list[tuple[list[str], list[str]]]:
             if len(component) > 1:
                 components.append(sorted(component))
 
-    for v in sorted(GRAPH):
+    for v in sorted(graph):
         if v not in index:
             visit(v)
-    return [(_one_cycle(c), c) for c in components]
+    return [(_one_cycle(graph, c), c) for c in components]
 
 
-def _one_cycle(component: list[str]) -> list[str]:
+def _one_cycle(graph: dict[str, dict[str, int]], component: list[str]) -> list[str]:
     """A shortest path from the component's first module back to itself."""
     members = set(component)
     start = component[0]
@@ -205,7 +229,7 @@ def _one_cycle(component: list[str]) -> list[str]:
     while frontier:
         nxt = []
         for v in frontier:
-            for w in sorted(GRAPH[v]):
+            for w in sorted(graph[v]):
                 if w == start:
                     return paths[v] + [start]
                 if w in members and w not in paths:
@@ -216,7 +240,7 @@ def _one_cycle(component: list[str]) -> list[str]:
 
 
 def test_no_import_cycles() -> None:
-    cycles = _cycles()
+    cycles = _cycles(GRAPH)
     text = [" -> ".join(f"{m} (line {GRAPH[m][n]})" if n else m
                         for m, n in zip(c, c[1:] + [""], strict=True))
             + (f"  [one of the circles among {', '.join(members)}]" if len(members) > 2 else "")
@@ -251,10 +275,29 @@ def test_parent_packages_count_but_not_the_root_or_enclosing_ones() -> None:
 
 def test_a_planted_upward_import_and_circle_are_found(monkeypatch: pytest.MonkeyPatch) -> None:
     graph = {name: dict(targets) for name, targets in GRAPH.items()}
-    graph["gds_persist.errors"]["gds_persist.loading.load"] = 1  # base importing orchestration
+    graph["gds_persist.errors"]["gds_persist.loading.load"] = 1  # vocabulary importing a verb
     monkeypatch.setitem(globals(), "GRAPH", graph)
-    with pytest.raises(AssertionError, match=r"gds_persist\.errors \[layer 0 \(base\)\] imports "
-                                             r"gds_persist\.loading\.load \[layer 3"):
-        test_no_lower_layer_imports_a_higher_one()
+    with pytest.raises(AssertionError, match=r"vocabulary \[layer 0\] imports loading \[layer 6\]: "
+                                             r"gds_persist\.errors \(line 1\)"):
+        test_no_folder_imports_a_higher_or_equal_layer()
+    with pytest.raises(AssertionError, match=r"(?s)folders in an import circle:\n.*loading"):
+        test_no_two_folders_import_each_other()
     with pytest.raises(AssertionError, match=r"(?s)import cycles:\n.*gds_persist\.errors \(line"):
         test_no_import_cycles()
+
+
+def test_folders_of_one_layer_may_not_import_each_other(monkeypatch: pytest.MonkeyPatch) -> None:
+    graph = {name: dict(targets) for name, targets in GRAPH.items()}
+    graph["gds_persist.saving.save"]["gds_persist.loading.load"] = 7
+    monkeypatch.setitem(globals(), "GRAPH", graph)
+    with pytest.raises(AssertionError, match=r"saving \[layer 6\] imports loading \[layer 6\]"):
+        test_no_folder_imports_a_higher_or_equal_layer()
+
+
+def test_a_long_module_and_a_new_root_module_are_found(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(globals(), "MAX_LINES", 5)
+    with pytest.raises(AssertionError, match=r"modules over 5 lines .*gds_persist/"):
+        test_no_module_over_the_line_limit()
+    monkeypatch.setitem(globals(), "VOCABULARY", ("errors",))
+    with pytest.raises(AssertionError, match=r"beyond the vocabulary: \[.*'settings'"):
+        test_the_root_holds_only_the_vocabulary()

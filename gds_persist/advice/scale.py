@@ -4,8 +4,9 @@ FastPersist's argument: with data parallelism at a fixed global batch, each iter
 as GPUs are added, while a checkpoint written by one rank takes as long as ever, so checkpointing
 grows to dominate; if every data-parallel rank writes 1/N of it to its node's drives, checkpoint
 time shrinks with N as well. This module predicts both, using the real scheduler
-(:func:`gds_persist.parallel.schedule.plan_save`) on the storage sizes of a GPT-like state dict, so the
-predicted balance is the one a real save would get. Pure arithmetic: no I/O, no processes.
+(:func:`gds_persist.parallel.schedule.plan_save`) on the storage sizes of a GPT-like state
+dict, so the predicted balance is the one a real save would get. Pure arithmetic: no I/O, no
+processes.
 
 Model (stated so it can be argued with): each drive writes at ``drive_gbps`` on its own; a node
 writes at most ``node_gbps`` (unset: no cap); a node's ``j``-th writer writes to drive

@@ -1,4 +1,4 @@
-"""The ``gds-persist`` command. Each subcommand lives in ``gds_persist/commands/<name>.py`` (a
+"""The ``gds-persist`` command. Each subcommand lives in ``gds_persist/cli/commands/<name>.py`` (a
 trailing ``_`` is dropped from the command's name) and defines ``HELP``, optionally
 ``DESCRIPTION`` and ``FORMATTER``, ``arguments(parser)`` and ``run(args) -> exit status``; they are
 discovered, so adding one touches no shared file."""

@@ -2,7 +2,8 @@
 
 A :class:`SavePlan` lists data files and, for each, the extents it holds at aligned offsets.
 The single-writer plan lays storages out in order, each at the next aligned offset. The
-data-parallel scheduler (``gds_persist.parallel.schedule``) produces the same structure for many writers.
+data-parallel scheduler (``gds_persist.parallel.schedule``) produces the same structure for many
+writers.
 """
 
 from __future__ import annotations

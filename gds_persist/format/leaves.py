@@ -26,8 +26,8 @@ anything else, only with                ``{"t": "pickle", "type": "mod.Name", "v
 A *wrapper* (``enum``, ``ndarray``, ``pickle``) holds one *wrapped* child in ``v``: it has the
 wrapper's key path, is never itself one of these nodes and never a rank-local placeholder, and it
 adds no nesting depth. The walker (:mod:`.tree`) sees it like any child. Encoding Python objects
-into these nodes is :mod:`gds_persist.state.flatten`'s job; nothing here imports a module a checkpoint
-names.
+into these nodes is :mod:`gds_persist.state.flatten`'s job; nothing here imports a module a
+checkpoint names.
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@
 * :mod:`.units`: version-4 units, and the write of one directory's files;
 * :mod:`.incremental`: the base checkpoint and references to it (``base=``);
 * :mod:`.compression`: ``compression=`` - whether units are stored encoded, and why;
+* :mod:`.torch_file`: a state dict as one ``torch.save`` file, atomically.
 
 Every save ends in the one commit sequence of :mod:`gds_persist.transfer.commit`.
 """

@@ -54,7 +54,7 @@ DIRECT_MIN = 1 << 20  # a host extent this large is written from its own memory 
 
 
 class FileLayout(Protocol):
-    """What the writer needs of a planned data file (``gds_persist.format.layout.FilePlan`` is one)."""
+    """What the writer needs of a planned data file (``format.layout.FilePlan`` is one)."""
 
     @property
     def name(self) -> str: ...
