@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..backends.base import Backend
-from ..format import Extent, crc32c
+from ..format import ALIGNMENT, Extent, align_up, crc32c
 from ..settings import Settings
 from ..stages import stage
 from .crc import device_crc32c_many, device_crc32c_or_none
@@ -46,7 +46,7 @@ from .pipeline import (
     interleave,
     join_piece_crcs,
 )
-from .segments import Segment, cut, whole_blocks
+from .segments import Segment, cut, extent_spans, whole_blocks
 from .staging import AlignedBuffer, io_session
 
 DIRECT_MIN = 1 << 20  # a host extent this large is written from its own memory when aligned
@@ -73,6 +73,7 @@ class _OpenFile:
     handle: Any
     device_crcs: dict[int, int] = field(default_factory=dict)  # extent index -> CRC (device)
     pieces: list[PieceCrc] = field(default_factory=list)  # host CRCs of pieces, any order
+    whole: bool = True  # every block of the file (gaps zeroed); else only the extents' blocks
 
 
 class FileWriter(FilePipeline):
@@ -85,15 +86,16 @@ class FileWriter(FilePipeline):
         return self.write_files([path], [plan], sources)[0]
 
     def write_files(self, paths: Sequence[str], plans: Sequence[FileLayout],
-                    sources: Sequence[torch.Tensor]) -> list[list[int]]:
+                    sources: Sequence[torch.Tensor], create: bool = True) -> list[list[int]]:
         """Write every file of ``plans`` (to ``paths``) concurrently and fsync them; return the
-        extents' CRC32C, file by file."""
+        extents' CRC32C, file by file. ``create=False``: the files exist (other ranks write
+        other parts of them); only the planned extents' blocks are written."""
         files: list[_OpenFile] = []
         try:
             for path, plan in zip(paths, plans, strict=True):
                 with stage("open + preallocate"):
-                    files.append(_OpenFile(path, plan,
-                                           self.backend.open(path, write=True, size=plan.size)))
+                    files.append(_OpenFile(path, plan, self.backend.open(
+                        path, write=True, size=plan.size, create=create), whole=create))
             device = [f for f in files if self._from_device(f, sources)]
             for f in device:
                 self._write_from_device(f, sources)
@@ -142,8 +144,8 @@ class FileWriter(FilePipeline):
             address = src.ctypes.data + e.start
             return whole_blocks(e.length) if address % align == 0 else 0
 
-        return cut(f.plan.extents, [(0, f.plan.size)], self.ring.block_bytes,  # type: ignore
-                   direct_bytes)
+        spans = [(0, f.plan.size)] if f.whole else extent_spans(f.plan.extents)
+        return cut(f.plan.extents, spans, self.ring.block_bytes, direct_bytes)  # type: ignore
 
     def _submit(self, f: _OpenFile, seg: Segment, sources: Sequence[torch.Tensor],
                 hosts: Sequence[np.ndarray | None], copier: StreamCopier | None) -> Future[None]:
@@ -243,17 +245,38 @@ def write_plan(
     storages: Sequence[torch.UntypedStorage],
     cfg: Settings,
     progress: Callable[[int], None] | None = None,
+    create: bool = True,
 ) -> list[Extent]:
     """Write every planned file into ``directory`` from ``storages`` (indexed by the extents'
-    ``storage``); return the sealed extents (with their CRC32C), file by file."""
+    ``storage``); return the sealed extents (with their CRC32C), file by file.
+    ``create=False``: see :meth:`FileWriter.write_files`."""
     sources = [byte_view(s) for s in storages]
     with io_session(
         cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
     ) as (ring, pool):
         writer = FileWriter(backend, ring, pool, cfg.io_timeout_s, progress)
         crcs = writer.write_files([os.path.join(directory, f.name) for f in files], files,
-                                  sources)
+                                  sources, create)
     sealed: list[Extent] = []
     for f, file_crcs in zip(files, crcs, strict=True):
         sealed += [replace(e, crc32c=c) for e, c in zip(f.extents, file_crcs, strict=True)]
     return sealed
+
+
+def write_at(backend: Backend, path: str, offset: int, data: bytes) -> None:
+    """Write ``data`` into the existing file ``path`` at the aligned ``offset`` as its last
+    bytes (the file ends right after them), and fsync it: the tail of a file whose contents
+    depend on what was written before (a torch.save archive's checksums and directory)."""
+    end = offset + len(data)
+    with AlignedBuffer(max(align_up(len(data)), ALIGNMENT), pin=False) as buf:
+        buf.array[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        buf.array[len(data):] = 0
+        handle = backend.open(path, write=True, create=False)
+        try:
+            with stage("write (tail)", len(data)):
+                backend.pwrite(handle, buf.view[: align_up(len(data))], offset)
+            backend.set_size(handle, end)
+            with stage("fsync"):
+                backend.sync(handle)
+        finally:
+            backend.close(handle)
