@@ -278,6 +278,29 @@ def test_a_file_that_is_no_checkpoint_is_refused(tmp_path: Path) -> None:
         gds_persist.load(tmp_path / "cut.pt")
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["auto", "direct", "kvikio"])
+def test_cuda_state_to_a_torch_file_and_back_in_place(tmp_path: Path, backend: str) -> None:
+    """CUDA storages go through pinned buffers (direct) or from device memory (kvikio); the
+    file loads on the GPU with torch.load, and gds_persist fills live CUDA tensors in place."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    if backend == "kvikio":
+        from tests.helpers import kvikio_missing
+
+        if (why := kvikio_missing()) is not None:
+            pytest.skip(why)
+    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(7, device="cuda"),
+             "host": torch.arange(5)}
+    info = gds_persist.save(state, tmp_path / "x.pt", format="torch", backend=backend)
+    assert backend == "auto" or info.backend == backend, info.reason
+    assert_tree_equal(torch.load(tmp_path / "x.pt", weights_only=True), state)
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    got = gds_persist.load(tmp_path / "x.pt", into=live, backend=backend)
+    for k, v in live.items():
+        assert got[k] is v and torch.equal(v, state[k]), k
+
+
 # --- data-parallel: the ranks write parts of the one file ---------------------------------------
 
 @pytest.fixture(scope="module")

@@ -136,10 +136,19 @@ class FileWriter(FilePipeline):
 
     def _segments(self, f: _OpenFile, hosts: Sequence[np.ndarray | None]) -> list[Segment]:
         align = self.backend.host_alignment
+        # CUDA extents checksummed on the device go straight from device memory where the
+        # backend takes it (kvikio), also in a file that holds host bytes too (a torch.save
+        # file's glue): their whole blocks directly, the last partial block staged
+        on_device = ({f.plan.extents[k] for k in f.device_crcs} if self.backend.accepts_device
+                     else set())
 
         def direct_bytes(e: Extent) -> int:
             src = hosts[e.storage]
-            if align is None or src is None or e.length < DIRECT_MIN:
+            if e.length < DIRECT_MIN:
+                return 0
+            if src is None:
+                return whole_blocks(e.length) if e in on_device else 0
+            if align is None:
                 return 0
             address = src.ctypes.data + e.start
             return whole_blocks(e.length) if address % align == 0 else 0
@@ -150,7 +159,7 @@ class FileWriter(FilePipeline):
     def _submit(self, f: _OpenFile, seg: Segment, sources: Sequence[torch.Tensor],
                 hosts: Sequence[np.ndarray | None], copier: StreamCopier | None) -> Future[None]:
         if seg.direct:
-            return self.pool.submit(self._write_direct, f, seg, hosts)
+            return self.pool.submit(self._write_direct, f, seg, hosts, sources)
 
         def queue_d2h(buf: AlignedBuffer) -> list[Any]:
             """The buffer's device-to-host copies, queued now: as many buffers ahead of the
@@ -168,12 +177,18 @@ class FileWriter(FilePipeline):
 
         return self.submit_staged(self._write_buffer, f, seg, hosts, prepare=queue_d2h)
 
-    def _write_direct(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None]) -> None:
+    def _write_direct(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None],
+                      sources: Sequence[torch.Tensor]) -> None:
         (k, lo, hi), = seg.pieces
         e = f.plan.extents[k]
         src = hosts[e.storage]
-        assert src is not None
         at = e.start + lo - e.offset
+        if src is None:  # CUDA memory to the backend; its CRC32C came from the device
+            with stage("write (from device)", hi - lo):
+                self.backend.pwrite(f.handle, sources[e.storage][at : at + hi - lo], lo)
+            if self.progress is not None:
+                self.progress(hi - lo)
+            return
         data = src[at : at + hi - lo]
         with stage("checksum", hi - lo):
             crc = crc32c(data)
