@@ -20,7 +20,7 @@ from ..transfer.writer import write_plan
 from .data_parallel import save_parallel
 from .incremental import BaseIndex, References, describe_references, open_base
 from .options import SaveOptions
-from .torch_file import save_torch_file
+from .torch_file import PickledState, save_torch_file
 from .torch_file_parallel import save_torch_file_parallel
 from .units import (
     Written,
@@ -254,9 +254,11 @@ def _seal_units(tmp: Temporary, flat: Flattened, names: list[str], written: Writ
 
 
 def _save_torch(state: Any, path: str, options: SaveOptions) -> SaveInfo:
-    if isinstance(state, Flattened):
-        raise TypeError("format='torch' pickles the state itself: pass the state dict, not a "
-                        "flattened one")
+    if isinstance(state, Flattened):  # a snapshot of a pickled state (a background writer)
+        if not isinstance(state.tree, PickledState):
+            raise TypeError("format='torch' pickles the state itself: pass the state dict, "
+                            "not a flattened one")
+        state = PickledState.over(state)
     if options.data_parallel:
         return save_torch_file_parallel(state, path, options)
     return save_torch_file(state, path, options, time.perf_counter())

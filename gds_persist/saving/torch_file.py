@@ -23,32 +23,66 @@ from __future__ import annotations
 import os
 import pickle
 import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from ..format import Extent, align_up
+from ..format import Extent, StorageRecord, align_up
 from ..format.layout import FilePlan
 from ..format.torch_archive import ArchiveLayout, archive_folder, plan_archive
 from ..format.torch_pickle import StorageEntry, pickle_state, unpickle
 from ..progress import ByteCounter
 from ..results import SaveInfo
 from ..stages import stage
+from ..state.flatten import Flattened
 from ..transfer.commit import aborted_on_error, begin_file, file_in, seal_file, writer_record
 from ..transfer.writer import write_at, write_plan
 from .options import SaveOptions
 from .units import backend_for, with_fallback
 
 
+@dataclass
+class PickledState:
+    """A state pickled for a torch.save file: ``data.pkl`` and its storages, in key order.
+    The storages' bytes may be taken from a snapshot (:meth:`flattened`, :meth:`over`) while the
+    pickle keeps the live tensors' devices."""
+
+    data: bytes
+    entries: list[StorageEntry]
+
+    @classmethod
+    def of(cls, state: Any, allow_pickle: bool) -> PickledState:
+        """``state`` pickled (itself if it is one), refused unless torch.load(weights_only=True)
+        reads it back or ``allow_pickle``."""
+        if isinstance(state, PickledState):
+            return state
+        with stage("pickle"):
+            data, entries = pickle_state(state)
+            check_loadable(data, allow_pickle)
+        return cls(data, entries)
+
+    def flattened(self) -> Flattened:
+        """The storages as a :class:`Flattened` (its tree: this object), for the snapshot
+        machinery of the background writers, which copies ``storage_objects``."""
+        return Flattened(self, [], [StorageRecord(e.storage.nbytes(), e.location)
+                                    for e in self.entries], [e.storage for e in self.entries])
+
+    @staticmethod
+    def over(flat: Flattened) -> PickledState:
+        """The pickled state of :meth:`flattened` ``flat``, its bytes from ``flat``'s storages
+        (a snapshot's host copies)."""
+        pickled = flat.tree
+        assert isinstance(pickled, PickledState)
+        return PickledState(pickled.data, [replace(e, storage=s) for e, s in
+                                           zip(pickled.entries, flat.storage_objects, strict=True)])
+
+
 def save_torch_file(state: Any, path: str, options: SaveOptions, t0: float) -> SaveInfo:
-    """Write ``state`` as the torch.save file ``path`` (see the module docstring)."""
-    cfg = options.cfg
-    with stage("pickle"):
-        data, entries = pickle_state(state)
-        check_loadable(data, options.allow_pickle)
-    layout = plan_archive(archive_folder(os.path.basename(path)), data,
-                          [e.storage.nbytes() for e in entries])
-    plan, sources = file_plan(os.path.basename(path), layout, entries)
+    """Write ``state`` (or a :class:`PickledState`) as the torch.save file ``path``."""
+    pickled = PickledState.of(state, options.allow_pickle)
+    cfg, entries = options.cfg, pickled.entries
+    layout, plan, sources = archive_plan(path, pickled)
     tmp = begin_file(path, cfg.io_timeout_s)
     needs = f"this file needs about {plan.size} bytes; "
     with aborted_on_error(tmp, path, needs):
@@ -81,6 +115,14 @@ def check_loadable(data: bytes, allow_pickle: bool) -> None:
             "allow the class with torch.serialization.add_safe_globals([...]), or pass "
             "allow_pickle=True (the file then loads with weights_only=False: trusted files "
             "only)") from None
+
+
+def archive_plan(path: str, pickled: PickledState
+                 ) -> tuple[ArchiveLayout, FilePlan, list[torch.UntypedStorage]]:
+    """The archive of ``pickled`` at ``path``: its layout, and the data file it makes."""
+    layout = plan_archive(archive_folder(os.path.basename(path)), pickled.data,
+                          [e.storage.nbytes() for e in pickled.entries])
+    return (layout, *file_plan(os.path.basename(path), layout, pickled.entries))
 
 
 def file_plan(name: str, layout: ArchiveLayout,

@@ -29,15 +29,13 @@ from typing import Any
 from ..errors import ReplicationError
 from ..format import Extent, align_up, crc32c_combine
 from ..format.layout import FilePlan
-from ..format.torch_archive import archive_folder, plan_archive
-from ..format.torch_pickle import pickle_state
 from ..parallel.distributed import Comm, make_comm
 from ..progress import ByteCounter
 from ..results import DistributedSaveInfo
 from ..transfer.commit import Temporary, abort, begin_file, file_in, seal_file, writer_record
 from ..transfer.writer import write_at, write_plan
 from .options import SaveOptions
-from .torch_file import check_loadable, file_plan
+from .torch_file import PickledState, archive_plan
 from .units import backend_for, with_fallback
 
 TOKEN = ".writers"  # in the temporary directory: who sees it shares the file's filesystem
@@ -79,14 +77,12 @@ def save_torch_file_parallel(state: Any, path: str, options: SaveOptions) -> Dis
 
 def _prepare(state: Any, path: str, options: SaveOptions, comm: Comm,
              held: dict[str, Any]) -> dict[str, Any]:
-    data, entries = pickle_state(state)
-    check_loadable(data, options.allow_pickle)
-    layout = plan_archive(archive_folder(os.path.basename(path)), data,
-                          [e.storage.nbytes() for e in entries])
-    plan, sources = file_plan(os.path.basename(path), layout, entries)
+    pickled = PickledState.of(state, options.allow_pickle)
+    entries = pickled.entries
+    layout, plan, sources = archive_plan(path, pickled)
     held.update(layout=layout, plan=plan, sources=sources, entries=entries,
                 payload=sum(e.storage.nbytes() for e in entries))
-    info = {"digest": hashlib.sha256(data).hexdigest(), "tmp": "", "save_id": ""}
+    info = {"digest": hashlib.sha256(pickled.data).hexdigest(), "tmp": "", "save_id": ""}
     if comm.rank == 0:
         tmp: Temporary = begin_file(path, options.cfg.io_timeout_s)
         held["tmp"] = tmp
