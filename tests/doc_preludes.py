@@ -160,6 +160,13 @@ assert step == 1000
 assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
 assert state["model"]["0.weight"] is live["model"]["0.weight"]  # filled in place
 """),
+    ("README.md", 'gds_persist.load("from_elsewhere.pt", into=live)          # any torch.save '
+                  'file, in place'): Prelude(
+        setup=SMALL_STATE + 'torch.save({"w": torch.ones(1000, 33)}, "from_elsewhere.pt")\n'
+              'live = {"w": torch.zeros(1000, 33)}\nsaved = state\n',
+        check='assert torch.equal(state["w"], saved["w"]) and state["step"] == 1\n'
+              'assert bool((live["w"] == 1).all())  # filled in place from the stock file\n'
+              'assert gds_persist.verify("model.pt").checksum == "crc32c"\n'),
     ("README.md", "state = ckpt.load()             # latest committed step; verified"): Prelude(
         setup=TINY_TRAINING + "start, total = 0, 3\n",
         check=trained_last(2) + "assert ckpt.steps() == [0, 1, 2]\n"),
