@@ -5,8 +5,10 @@ AsyncCheckpointIO wrapper and the plugin's own background writer, whole-director
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import pathlib
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import gds_persist
 
 L = pytest.importorskip("lightning.pytorch")
 from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 from gds_persist.integrations.lightning import (  # noqa: E402
@@ -184,6 +186,60 @@ def test_background_errors_surface_at_the_next_call(tmp_path: Path) -> None:
     io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "ok.ckpt")  # the writer goes on
     io.teardown()
     assert io.last_info is not None and io.last_info.path == str(tmp_path / "ok.ckpt")
+
+
+def test_a_trainer_holding_the_plugin_deep_copies_and_pickles(tmp_path: Path) -> None:
+    """Lightning deep-copies trainer.callbacks (its test_callbacks_state_fit_ckpt_path): the
+    progress bar holds the trainer, so the plugin, whose locks cannot be copied; and
+    torch.save(trainer) pickles it. A copy is a fresh plugin with the same options."""
+    io = GdsPersistCheckpointIO(background=True, verify=False, timeout_s=60.0,
+                                snapshot_bytes=1 << 20, io_threads=2)
+    trainer = L.Trainer(max_steps=1, plugins=[io], logger=False, accelerator="cpu",
+                        enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(Tiny())
+    (bar,) = copy.deepcopy([c for c in trainer.callbacks if isinstance(c, ProgressBar)])
+    torch.save(trainer, tmp_path / "trainer.pt")
+    unpickled = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    for twin in (bar.trainer.strategy.checkpoint_io, unpickled.strategy.checkpoint_io):
+        assert isinstance(twin, GdsPersistCheckpointIO) and twin is not io
+        assert (twin.background, twin.verify, twin.timeout_s, twin.save_kwargs,
+                twin._writer.capacity) == (True, False, 60.0, {"io_threads": 2}, 1 << 20)
+        assert twin._saving is not io._saving and twin._writer is not io._writer
+        assert twin.last_info is None
+        path = tmp_path / f"{id(twin)}.ckpt"
+        twin.save_checkpoint({"w": torch.arange(6.0)}, path)  # through its own thread
+        assert torch.equal(twin.load_checkpoint(path)["w"], torch.arange(6.0))
+        twin.teardown()
+        assert gds_persist.verify(path).ok
+
+
+def test_a_copy_keeps_removals_waiting_for_its_saves(tmp_path: Path) -> None:
+    """The copy's own lock still makes a removal wait for a save of that path running on
+    another thread (AsyncCheckpointIO's); without it the removal finds nothing, the save
+    commits after it and the checkpoint stays."""
+    in_write, release = threading.Event(), threading.Event()
+
+    def hold(done: int, total: int) -> None:  # the save stays inside its write until released
+        in_write.set()
+        assert release.wait(60)
+
+    io = copy.deepcopy(GdsPersistCheckpointIO(progress=hold))
+    path = tmp_path / "a.ckpt"
+    saver = threading.Thread(target=io.save_checkpoint, args=({"w": torch.ones(4096)}, path))
+    saver.start()
+    assert in_write.wait(60)
+    remover = threading.Thread(target=io.remove_checkpoint, args=(path,))
+    remover.start()
+    try:
+        remover.join(0.2)
+        waited = remover.is_alive()  # waiting for the save (one that did not wait is done)
+    finally:
+        release.set()
+    saver.join(60)
+    remover.join(60)
+    assert waited and not saver.is_alive() and not remover.is_alive()
+    assert os.listdir(tmp_path) == []  # saved, then removed whole
 
 
 def _shared_state() -> dict[str, Any]:

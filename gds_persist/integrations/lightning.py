@@ -125,9 +125,28 @@ class _GdsPersistCheckpointIO:
         self.verify = verify
         self.timeout_s = timeout_s
         self.save_kwargs = _save_options(save_kwargs, "GdsPersistCheckpointIO(...)")
+        self._start(snapshot_bytes)
+
+    def _start(self, snapshot_bytes: int | None) -> None:
+        """What is the plugin's own and never copied: its locks, writer thread, snapshot arena."""
         self._last_info: SaveInfo | None = None
-        self._writer = BackgroundWriter(self._write, snapshot_bytes, timeout_s)
+        self._writer = BackgroundWriter(self._write, snapshot_bytes, self.timeout_s)
         self._saving = _Saving()
+
+    # A copy (copy.deepcopy, pickle) is a fresh plugin with the same options and its own locks,
+    # writer thread and arena (_start): Lightning deep-copies callbacks, whose progress bar
+    # holds the trainer and so this plugin, and torch.save(trainer) pickles it. Saves in
+    # flight stay the original's.
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_writer", "_saving", "_last_info")}
+        return {**state, "_snapshot_bytes": self._writer.capacity}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        snapshot_bytes = state.pop("_snapshot_bytes")
+        self.__dict__.update(state)
+        self._start(snapshot_bytes)
 
     @property
     def last_info(self) -> SaveInfo | None:
