@@ -378,3 +378,18 @@ def test_importing_gds_persist_imports_no_trainer_framework() -> None:
             "heavy = [m for m in ('lightning', 'pytorch_lightning', 'lightning_fabric', "
             "'accelerate') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_urls_go_through_lightning_s_own_checkpoint_io() -> None:
+    """fsspec URLs (here its real in-memory filesystem) are written and read as Lightning's
+    TorchCheckpointIO does them: the engine writes local or mounted filesystems only."""
+    import fsspec
+
+    io = GdsPersistCheckpointIO()
+    url = "memory://gds_persist-test/epoch=0.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.arange(4.0)}, "epoch": 0}, url)
+    assert fsspec.filesystem("memory").exists("/gds_persist-test/epoch=0.ckpt")
+    got = io.load_checkpoint(url)
+    assert torch.equal(got["state_dict"]["w"], torch.arange(4.0)) and got["epoch"] == 0
+    io.remove_checkpoint(url)
+    assert not fsspec.filesystem("memory").exists("/gds_persist-test/epoch=0.ckpt")

@@ -73,8 +73,12 @@ from ._common import remove_checkpoint
 
 try:  # the `lightning` package; `pytorch_lightning` alone ships `lightning_fabric`
     from lightning.fabric.plugins import CheckpointIO as _CheckpointIO
+    from lightning.fabric.plugins import TorchCheckpointIO as _TorchCheckpointIO
 except ImportError:  # pragma: no cover - exercised only without the `lightning` package
     from lightning_fabric.plugins import CheckpointIO as _CheckpointIO  # type: ignore[assignment]
+    from lightning_fabric.plugins import (  # type: ignore[assignment]
+        TorchCheckpointIO as _TorchCheckpointIO,
+    )
 
 log = logging.getLogger("gds_persist")
 __all__ = ["STORAGE_OPTIONS", "GdsPersistCheckpointIO", "load_from_checkpoint",
@@ -110,6 +114,8 @@ def _save_options(options: Any, where: str) -> dict[str, Any]:
 
 class _GdsPersistCheckpointIO:
     """The plugin's behaviour, shared by the classes for ``lightning`` and ``pytorch_lightning``."""
+
+    _torch_io: Callable[[], Any]  # Lightning's TorchCheckpointIO: it writes and reads URLs
 
     def __init__(self, *, format: str = "torch", background: bool = False,  # noqa: A002
                  allow_pickle: bool = False, safe_globals: Iterable[Any] = (),
@@ -157,7 +163,11 @@ class _GdsPersistCheckpointIO:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any = None) -> None:
-        path = _local(path)
+        if _remote(path):
+            self.wait()  # in order with the local saves before it
+            self._torch_io().save_checkpoint(checkpoint, path, storage_options)
+            return
+        path = os.fspath(path)
         with self._saving.of(path):
             self._save(checkpoint, path, storage_options)
 
@@ -185,9 +195,15 @@ class _GdsPersistCheckpointIO:
         """Load a checkpoint file (``torch.save``'s format: written by this plugin, verified, or
         by Lightning's ``TorchCheckpointIO``) or a checkpoint directory, through gds_persist.
         ``weights_only`` as in ``torch.load`` (None: True; a directory never runs code);
-        ``map_location`` likewise; default: everything on the CPU, as Lightning's."""
-        path = _local(path)
+        ``map_location`` likewise; default: everything on the CPU, as Lightning's. A URL
+        (``http://``, fsspec's ``s3://``, ``memory://``) is read by Lightning's
+        ``TorchCheckpointIO``, unverified."""
         self.wait()
+        if _remote(path):
+            return self._torch_io().load_checkpoint(  # type: ignore[no-any-return]
+                path, **({} if map_location is None else {"map_location": map_location}),
+                weights_only=weights_only)
+        path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         safe = (torch.serialization.safe_globals(self.safe_globals) if self.safe_globals
@@ -202,8 +218,11 @@ class _GdsPersistCheckpointIO:
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at ``path`` whole, after the background saves (if any) and a
         save of that path running on another thread (``AsyncCheckpointIO``'s) have finished."""
-        path = _local(path)
         self.wait()
+        if _remote(path):
+            self._torch_io().remove_checkpoint(path)
+            return
+        path = os.fspath(path)
         self._saving.wait_for(path, self.timeout_s)
         if not os.path.lexists(path):
             log.warning("remove_checkpoint: nothing at %s. If its save is still queued in "
@@ -280,12 +299,11 @@ def _replace_other_kind(path: str, save: Callable[[str], Any]) -> Any:
     return info
 
 
-def _local(path: Any) -> str:
+def _remote(path: Any) -> bool:
+    """A URL (``http://``, fsspec's ``s3://``, ``memory://``, ...): not a path the engine
+    writes, which is a local or mounted filesystem's."""
     text = os.fspath(path)
-    if "://" in text:
-        raise ValueError(f"{text}: gds_persist checkpoints live on a local or mounted "
-                         "filesystem, not at a URL")
-    return text
+    return "://" in text and not text.startswith("file://")
 
 
 def load_from_checkpoint(cls: type, checkpoint_path: Any, map_location: Any = None,
@@ -315,7 +333,8 @@ def load_from_checkpoint(cls: type, checkpoint_path: Any, map_location: Any = No
     checkpoint = reader.load_checkpoint(checkpoint_path,
                                         map_location or saving._default_map_location,
                                         weights_only)
-    checkpoint = saving._pl_migrate_checkpoint(checkpoint, checkpoint_path=_local(checkpoint_path))
+    checkpoint = saving._pl_migrate_checkpoint(checkpoint,
+                                               checkpoint_path=os.fspath(checkpoint_path))
     if hparams_file is not None:
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = _hparams_from(hparams_file)
     hparams = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {}
@@ -345,14 +364,16 @@ class GdsPersistCheckpointIO(_GdsPersistCheckpointIO, _CheckpointIO):
     ``torch.save``-format file by default (for the ``lightning`` package;
     :func:`pytorch_lightning_checkpoint_io` for ``pytorch_lightning``)."""
 
+    _torch_io = _TorchCheckpointIO
+
 
 
 def pytorch_lightning_checkpoint_io(**kwargs: Any) -> Any:
     """The plugin for a ``pytorch_lightning.Trainer`` (whose plugins derive from
     ``lightning_fabric``'s ``CheckpointIO``, another class than ``lightning``'s)."""
-    from lightning_fabric.plugins import CheckpointIO
+    from lightning_fabric.plugins import CheckpointIO, TorchCheckpointIO
 
     cls = type("GdsPersistCheckpointIO", (_GdsPersistCheckpointIO, CheckpointIO),
-               {"__doc__": GdsPersistCheckpointIO.__doc__,
+               {"_torch_io": TorchCheckpointIO, "__doc__": GdsPersistCheckpointIO.__doc__,
                 "__module__": __name__})
     return cls(**kwargs)
