@@ -153,6 +153,12 @@ def _mocks_torch_io(r: dict[str, Any]) -> bool:
                               line for _, _, line in _in_tests(r["frames"]))))
 
 
+def _mocks_os_rename(r: dict[str, Any]) -> bool:
+    """The test makes every ``os.rename`` fail (a cross-device write simulated for fsspec):
+    the plugin's atomic commit renames within the checkpoint's own directory."""
+    return bool(re.search(r"""mock\.patch\(\s*["']os\.rename["']""", r["source"]))
+
+
 def _http_url(r: dict[str, Any]) -> bool:
     return any(name == "load_state_dict_from_url" for _, name, _ in r["frames"])
 
@@ -187,6 +193,7 @@ def _asserts_file(r: dict[str, Any]) -> bool:
 # in order: the first that holds names the failure
 CLASSES: tuple[tuple[str, Callable[[dict[str, Any]], bool]], ...] = (
     ("mocks torch.save or TorchCheckpointIO", _mocks_torch_io),
+    ("mocks os.rename (the atomic commit renames)", _mocks_os_rename),
     ("URL checkpoint over HTTP (must be a file)", _http_url),
     ("fsspec URL (the plugin writes local paths)", _fsspec_url),
     ("the plugin is not deep-copyable/picklable", _not_copyable),
