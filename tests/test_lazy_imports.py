@@ -1,7 +1,7 @@
 """``import gds_persist`` then ``gds_persist.dcp.GdsPersistWriter(path)``, as the README writes
 it: the subpackages the docs name resolve as attributes, each importing its heavy dependency
-(torch.distributed.checkpoint, Lightning, Accelerate, DeepSpeed) only when first used. Run in a fresh
-interpreter so that ``sys.modules`` shows what the import alone pulled in."""
+(torch.distributed.checkpoint, Lightning, Accelerate, DeepSpeed) only when first used. Run in a
+fresh interpreter so that ``sys.modules`` shows what the import alone pulled in."""
 
 from __future__ import annotations
 

@@ -13,4 +13,5 @@ from __future__ import annotations
 
 from .._lazy import lazy_submodules
 
-__getattr__, __dir__ = lazy_submodules(__name__, globals(), ("accelerate", "deepspeed", "lightning"))
+__getattr__, __dir__ = lazy_submodules(__name__, globals(),
+                                       ("accelerate", "deepspeed", "lightning"))

@@ -230,12 +230,10 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             try:
                 results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
             except BaseException as e:  # noqa: BLE001 - the first is raised, after the rest
-                if not future.done():  # the wait ran out, not the write
-                    e = CheckpointTimeout(
-                        f"the write of {path} did not finish within {self.timeout_s:g} s (slow "
-                        "or hung storage?); it goes on in the background. Raise attach(engine, "
-                        "timeout_s=...) if the storage is only slow")
-                error = error or e
+                error = error or (e if future.done() else CheckpointTimeout(  # the wait ran out
+                    f"the write of {path} did not finish within {self.timeout_s:g} s (slow or "
+                    "hung storage?); it goes on in the background. Raise attach(engine, "
+                    "timeout_s=...) if the storage is only slow"))
         if error is not None:
             raise error
         return results
