@@ -122,6 +122,19 @@ def test_alone_it_writes_files_torch_load_reads_and_verifies_them(
         engine.load(str(path))
 
 
+@pytest.mark.gpu
+def test_alone_cuda_tensors_are_written_from_device_memory_and_load_back(tmp_path: Path) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    engine = GdsPersistCheckpointEngine(decoupled=True)
+    state = _deepspeed_like_state()
+    state["module"] = {k: v.cuda() for k, v in state["module"].items()}
+    path = _save_tag(engine, tmp_path, "t1", state)
+    loaded = engine.load(str(path), map_location="cuda")
+    assert_tree_equal(loaded["module"], state["module"])
+    assert torch.load(path, weights_only=False)["module"]["w"].is_cuda
+
+
 def test_alone_python_values_are_saved_as_they_were_when_save_was_called(
         tmp_path: Path) -> None:
     engine = GdsPersistCheckpointEngine(decoupled=True)

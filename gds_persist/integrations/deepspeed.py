@@ -290,6 +290,8 @@ def _detached(state: Any) -> Any:
     the file; the tensors' bytes are written from the live storages (no copy)."""
     data, entries = pickle_state(state)
     storages = {e.key: e.storage for e in entries}
+    for device in {e.storage.device for e in entries if e.storage.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()  # the writer thread reads finished bytes
     return unpickle(data, lambda key, dtype, nbytes, location: storages[key], weights_only=False)
 
 
