@@ -57,7 +57,6 @@ import hashlib
 import logging
 import os
 import re
-import threading
 import time
 import zipfile
 from collections.abc import Callable
@@ -91,9 +90,10 @@ SHARED_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
 def attach(engine: Any, *, decoupled: bool = True, data_parallel: bool = True,
            timeout_s: float = 1800.0, **save_options: Any) -> GdsPersistCheckpointEngine:
     """Route ``engine.save_checkpoint`` / ``load_checkpoint`` through gds_persist (see the
-    module docstring); every rank calls it, right after ``deepspeed.initialize``. Returns the
-    new checkpoint engine (also ``engine.checkpoint_engine``). ``save_options``:
-    :func:`gds_persist.save` keywords (:data:`SAVE_OPTIONS`)."""
+    module docstring); every rank calls it (it creates a process group), right after
+    ``deepspeed.initialize``. Returns the new checkpoint engine (also
+    ``engine.checkpoint_engine``). ``save_options``: :func:`gds_persist.save` keywords
+    (:data:`SAVE_OPTIONS`)."""
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     if not isinstance(engine, DeepSpeedEngine):
@@ -156,7 +156,6 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._pending: CheckpointCommitInfo | None = None  # created, not yet committed
         self._writes: list[tuple[str, Future[Any]]] = []
         self._executor: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
 
     # ------------------------------------------------------------------ DeepSpeed's calls
 
@@ -175,10 +174,11 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def save(self, state_dict: Any, path: str) -> None:
         """Queue (or, not decoupled, run) the write of ``state_dict`` as the file ``path``."""
         path = os.path.abspath(os.fspath(path))
-        state = _detached(state_dict)
+        state, pickled = _detached(state_dict)
         split = (not self.split_reason and SHARED_FILE.fullmatch(os.path.basename(path))
                  is not None)
-        write = self._shared_write(state, path) if split else self._write(state, path)
+        write = (self._shared_write(state, path, hashlib.sha256(pickled).digest()) if split
+                 else self._write(state, path))
         self._submit(path, write)
 
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -221,8 +221,7 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def wait(self) -> list[SaveInfo | None]:
         """Block (at most ``timeout_s``) until this rank's queued writes are done; raise the
         first error. Returns their infos (None for a file another rank wrote)."""
-        with self._lock:
-            writes, self._writes = self._writes, []
+        writes, self._writes = self._writes, []  # touched by the caller's thread only
         deadline = time.monotonic() + self.timeout_s
         results: list[SaveInfo | None] = []
         error: BaseException | None = None
@@ -257,10 +256,10 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return lambda: gds_save(state, path, format="torch", allow_pickle=True,
                                 **self.save_options)
 
-    def _shared_write(self, state: Any, path: str) -> Callable[[], SaveInfo | None]:
+    def _shared_write(self, state: Any, path: str,
+                      digest: bytes) -> Callable[[], SaveInfo | None]:
         """The write of a file every rank holds: byte ranges by every rank if the replicas'
-        pickles are identical, else by rank 0 alone (DeepSpeed's choice)."""
-        digest = hashlib.sha256(pickle_state(state)[0]).digest()
+        pickles (``digest``) are identical, else by rank 0 alone (DeepSpeed's choice)."""
 
         def run() -> SaveInfo | None:
             comm = make_comm(self.group, settings.current().collective_timeout_s)
@@ -280,19 +279,19 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             return
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="gds_persist-deepspeed")
-        with self._lock:
-            self._writes.append((path, self._executor.submit(write)))
+        self._writes.append((path, self._executor.submit(write)))
 
 
-def _detached(state: Any) -> Any:
-    """``state`` with its Python objects copied now and its tensors over the same storages: a
+def _detached(state: Any) -> tuple[Any, bytes]:
+    """``state`` with its Python objects copied now and its tensors over the same storages (a
     later change to a config, a loss scaler or a ZeRO-3 parameter's ``.data`` does not reach
-    the file; the tensors' bytes are written from the live storages (no copy)."""
+    the file; the tensors' bytes are written from the live storages, no copy), and its pickle."""
     data, entries = pickle_state(state)
     storages = {e.key: e.storage for e in entries}
     for device in {e.storage.device for e in entries if e.storage.device.type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()  # the writer thread reads finished bytes
-    return unpickle(data, lambda key, dtype, nbytes, location: storages[key], weights_only=False)
+    return unpickle(data, lambda key, dtype, nbytes, location: storages[key],
+                    weights_only=False), data
 
 
 def _done(write: Callable[[], Any]) -> Future[Any]:
