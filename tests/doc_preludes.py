@@ -259,6 +259,26 @@ for key in ("w", "b", "t"):
               'torch.save(want, "model.pt")\n',
         check='got = torch.load("model-full.pt")\n'
               "assert all(torch.equal(got[k], v) for k, v in want.items()), got\n"),
+    ("docs/INTEGRATIONS.md", "gds_deepspeed.attach(engine)        # on every rank, right after "
+                             "deepspeed.initialize"): Prelude(
+        setup=GLOO_WORLD_OF_ONE + """
+import deepspeed
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no C++ build: gloo is enough
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9}
+batch = lambda: torch.randn(4, 8)
+""",
+        check="""
+assert open("checkpoints/latest").read() == "step-4"
+assert resumed.global_steps == 4, resumed.global_steps
+for tag in ("step-2", "step-4"):
+    path = f"checkpoints/{tag}/mp_rank_00_model_states.pt"
+    assert gds_persist.verify(path).ok and gds_persist.verify(path).checksum == "crc32c"
+    assert torch.load(path, weights_only=True)["global_steps"] == int(tag[-1])
+"""),
     # docs/TRAINING.md
     ("docs/TRAINING.md", "for step in range(start + 1, total_steps + 1):"): Prelude(
         setup=TINY_TRAINING + "total_steps = 3\n",
