@@ -342,3 +342,22 @@ def _reader(path: Path) -> tuple:
 def _cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "gds_persist", *args], capture_output=True,
                           text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_replicas_on_other_gpus_pickle_alike_but_for_their_ordinals() -> None:
+    """Data-parallel ranks hold their replica on their own GPU: the location strings of the
+    persistent ids differ ("cuda:0", "cuda:12", of other lengths) and nothing else may."""
+    from gds_persist.format.torch_pickle import replica_digest
+
+    def pid(location: bytes) -> bytes:  # BINUNICODE as protocol 2 writes it
+        return b"(X\x07\x00\x00\x00storageq\x01" + b"X" + len(location).to_bytes(4, "little") \
+            + location + b"q\x02tQ."
+
+    assert replica_digest(pid(b"cuda:0")) == replica_digest(pid(b"cuda:12"))
+    assert replica_digest(pid(b"cuda:0")) != replica_digest(pid(b"cpu"))
+    state = {"w": torch.ones(3)}
+    from gds_persist.format.torch_pickle import pickle_state
+
+    assert replica_digest(pickle_state(state)[0]) == replica_digest(pickle_state(state)[0])
+    assert replica_digest(pickle_state(state)[0]) != replica_digest(
+        pickle_state({"w": torch.ones(4)})[0])

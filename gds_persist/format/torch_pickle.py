@@ -19,8 +19,10 @@ read three ways.
 from __future__ import annotations
 
 import collections
+import hashlib
 import io
 import pickle
+import re
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -85,6 +87,15 @@ def pickle_state(state: Any) -> tuple[bytes, list[StorageEntry]]:
         raise TypeError(f"the state cannot be pickled into a torch.save file: {e}; keep only "
                         "tensors, containers and importable objects in it") from e
     return buf.getvalue(), pickler.entries
+
+
+_CUDA_LOCATION = re.compile(rb"X[\x00-\xff]{4}cuda:[0-9]+")  # a BINUNICODE "cuda:N"
+
+
+def replica_digest(data: bytes) -> str:
+    """What must be equal between the pickles of replicas of one state: ``data`` without the
+    ordinals of its CUDA locations (data-parallel ranks hold their replica on their own GPU)."""
+    return hashlib.sha256(_CUDA_LOCATION.sub(b"cuda", data)).hexdigest()
 
 
 # --- the skeleton -------------------------------------------------------------------------------

@@ -53,7 +53,6 @@ Where the replicas' pickles differ (e.g. a rank-specific ``client_state``, or te
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import re
@@ -71,7 +70,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .. import settings
 from ..errors import CheckpointTimeout
-from ..format.torch_pickle import pickle_state, unpickle
+from ..format.torch_pickle import pickle_state, replica_digest, unpickle
 from ..loading.load import load as gds_load
 from ..parallel.distributed import background_group, make_comm
 from ..results import DistributedSaveInfo, SaveInfo
@@ -177,7 +176,7 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         state, pickled = _detached(state_dict)
         split = (not self.split_reason and SHARED_FILE.fullmatch(os.path.basename(path))
                  is not None)
-        write = (self._shared_write(state, path, hashlib.sha256(pickled).digest()) if split
+        write = (self._shared_write(state, path, replica_digest(pickled).encode()) if split
                  else self._write(state, path))
         self._submit(path, write)
 

@@ -6,8 +6,11 @@ same archive layout (:mod:`gds_persist.saving.torch_file`). Phases, each one
 :meth:`~gds_persist.parallel.distributed.Comm.agree`, so a failure anywhere is raised on every
 rank, naming it, and nothing is committed:
 
-1. ``prepare``: every rank pickles; rank 0 starts the save (temporary directory), creates the
-   file at its full size and leaves a token in the directory; the pickles must be identical.
+1. ``prepare``: every rank pickles its replica; the pickles must be identical but for the GPU
+   ordinals of their locations (:func:`~gds_persist.format.torch_pickle.replica_digest`); every
+   rank then lays out rank 0's pickle (broadcast) over its own storages.
+   ``start``: rank 0 starts the save (temporary directory), creates the file at its full size
+   and leaves a token in the directory.
 2. ``find``: the ranks that see the token share the filesystem of the file and write; the others
    (another node without that filesystem) have nothing to write.
 3. ``write``: the file up to its tail is cut into one contiguous aligned range per writer
@@ -19,7 +22,6 @@ rank, naming it, and nothing is committed:
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 import uuid
@@ -29,6 +31,7 @@ from typing import Any
 from ..errors import ReplicationError
 from ..format import Extent, align_up, crc32c_combine
 from ..format.layout import FilePlan
+from ..format.torch_pickle import replica_digest
 from ..parallel.distributed import Comm, make_comm
 from ..progress import ByteCounter
 from ..results import DistributedSaveInfo
@@ -50,9 +53,11 @@ def save_torch_file_parallel(state: Any, path: str, options: SaveOptions) -> Dis
     intact = f"; nothing was committed and whatever was at {path} is intact"
     held: dict[str, Any] = {}
     try:
-        infos = comm.agree("prepare", lambda: _prepare(state, path, options, comm, held), what,
+        digests = comm.agree("prepare", lambda: _prepare(state, options, held), what, intact)
+        _check_identical(digests, what, intact)
+        _lay_out(held, path, comm)
+        infos = comm.agree("start", lambda: _start(held, path, options, comm.rank), what,
                            intact)
-        _check_identical(infos, what, intact)
         held["file"] = os.path.join(infos[0]["tmp"], os.path.basename(path))
         save_id = infos[0]["save_id"]
         sees = comm.agree("find", lambda: _sees(infos[0]["tmp"], save_id), what, intact)
@@ -75,29 +80,40 @@ def save_torch_file_parallel(state: Any, path: str, options: SaveOptions) -> Dis
         rank_write_seconds=mine["seconds"])
 
 
-def _prepare(state: Any, path: str, options: SaveOptions, comm: Comm,
-             held: dict[str, Any]) -> dict[str, Any]:
-    pickled = PickledState.of(state, options.allow_pickle)
-    entries = pickled.entries
-    layout, plan, sources = archive_plan(path, pickled)
-    held.update(layout=layout, plan=plan, sources=sources, entries=entries,
-                payload=sum(e.storage.nbytes() for e in entries))
-    info = {"digest": hashlib.sha256(pickled.data).hexdigest(), "tmp": "", "save_id": ""}
-    if comm.rank == 0:
-        tmp: Temporary = begin_file(path, options.cfg.io_timeout_s)
-        held["tmp"] = tmp
-        be, _ = backend_for(options.cfg, tmp.dir, [e.storage for e in entries])
-        be.close(be.open(file_in(tmp), write=True, size=plan.size))  # created at full size
-        save_id = uuid.uuid4().hex
-        with open(os.path.join(tmp.dir, TOKEN), "w") as f:
-            f.write(save_id)
-        info.update(tmp=tmp.dir, save_id=save_id)
-    return info
+def _prepare(state: Any, options: SaveOptions, held: dict[str, Any]) -> str:
+    """This rank's pickle of its replica; what must equal rank 0's (:func:`replica_digest`)."""
+    held["pickled"] = PickledState.of(state, options.allow_pickle)
+    return replica_digest(held["pickled"].data)
 
 
-def _check_identical(infos: list[dict[str, Any]], what: str, intact: str) -> None:
-    bad = {r: "its state pickles differently from rank 0's" for r, i in enumerate(infos)
-           if i["digest"] != infos[0]["digest"]}
+def _lay_out(held: dict[str, Any], path: str, comm: Comm) -> None:
+    """Every rank lays out rank 0's pickle over its own storages: one layout for all (the
+    replicas' pickles differ at most in their GPU ordinals, which changes their lengths)."""
+    own: PickledState = held["pickled"]
+    data = comm.broadcast_bytes(own.data if comm.rank == 0 else None, 0, "pickle of " + path)
+    layout, plan, sources = archive_plan(path, PickledState(data, own.entries))
+    held.update(layout=layout, plan=plan, sources=sources, entries=own.entries,
+                payload=sum(e.storage.nbytes() for e in own.entries))
+
+
+def _start(held: dict[str, Any], path: str, options: SaveOptions,
+           rank: int) -> dict[str, Any]:
+    """Rank 0 starts the save: the temporary directory, the file at its full size, a token."""
+    if rank != 0:
+        return {"tmp": "", "save_id": ""}
+    tmp: Temporary = begin_file(path, options.cfg.io_timeout_s)
+    held["tmp"] = tmp
+    be, _ = backend_for(options.cfg, tmp.dir, [e.storage for e in held["entries"]])
+    be.close(be.open(file_in(tmp), write=True, size=held["plan"].size))
+    save_id = uuid.uuid4().hex
+    with open(os.path.join(tmp.dir, TOKEN), "w") as f:
+        f.write(save_id)
+    return {"tmp": tmp.dir, "save_id": save_id}
+
+
+def _check_identical(digests: list[str], what: str, intact: str) -> None:
+    bad = {r: "its state pickles differently from rank 0's" for r, d in enumerate(digests)
+           if d != digests[0]}
     if bad:
         raise ReplicationError(
             f"{what}: format='torch' with a process group writes one file of the replicated "
