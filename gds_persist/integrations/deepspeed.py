@@ -70,11 +70,12 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .. import settings
 from ..errors import CheckpointTimeout
-from ..format.torch_pickle import pickle_state, replica_digest, unpickle
+from ..format.torch_pickle import replica_digest
 from ..loading.load import load as gds_load
 from ..parallel.distributed import background_group, make_comm
 from ..results import DistributedSaveInfo, SaveInfo
 from ..saving.save import save as gds_save
+from ..saving.torch_file import PickledState
 from ..transfer.atomic_file import AtomicFile
 from ..transfer.commit import fsync_path
 
@@ -282,15 +283,13 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
 
 def _detached(state: Any) -> tuple[Any, bytes]:
-    """``state`` with its Python objects copied now and its tensors over the same storages (a
-    later change to a config, a loss scaler or a ZeRO-3 parameter's ``.data`` does not reach
-    the file; the tensors' bytes are written from the live storages, no copy), and its pickle."""
-    data, entries = pickle_state(state)
-    storages = {e.key: e.storage for e in entries}
-    for device in {e.storage.device for e in entries if e.storage.device.type == "cuda"}:
+    """``state`` pickled now (a later change to a config, a loss scaler or a ZeRO-3 parameter's
+    ``.data`` does not reach the file), its tensors' bytes to be written from the live storages
+    (no copy), as what ``gds_persist.save`` takes (a flattened pickled state), and the pickle."""
+    pickled = PickledState.of(state, allow_pickle=True)
+    for device in {e.storage.device for e in pickled.entries if e.storage.device.type == "cuda"}:
         torch.cuda.current_stream(device).synchronize()  # the writer thread reads finished bytes
-    return unpickle(data, lambda key, dtype, nbytes, location: storages[key],
-                    weights_only=False), data
+    return pickled.flattened(), pickled.data
 
 
 def _done(write: Callable[[], Any]) -> Future[Any]:
