@@ -144,7 +144,8 @@ def _save_dcp_gds(state: dict[str, Any], path: str) -> None:
 
 FORMATS: dict[str, Callable[[dict[str, Any], str], None]] = {
     "torch.pt": _save_torch, "model.safetensors": _save_safetensors, "dcp": _save_dcp,
-    "dcp-gds": _save_dcp_gds, "gds": lambda state, path: gds_persist.save(state, path)}
+    "dcp-gds": _save_dcp_gds, "gds": lambda state, path: gds_persist.save(state, path),
+    "gds.pt": lambda state, path: gds_persist.save(state, path, format="torch")}
 
 
 def save_checkpoints(shape: GPTShape, device: torch.device, seed: int, workdir: str,
@@ -244,6 +245,15 @@ def _load_gds_into(model: GPT, opt: torch.optim.Optimizer, workdir: str,
     opt.load_state_dict(restored["optim"])  # its tensors are the optimizer's: the lr etc.
 
 
+def _gds_into_file(name: str) -> Callable[..., None]:
+    """load(into=) of a torch.save file (``torch.pt``: stock torch.save; ``gds.pt``: ours)."""
+    def restore(model: GPT, opt: torch.optim.Optimizer, workdir: str,
+                device: torch.device) -> None:
+        restored = gds_persist.load(os.path.join(workdir, name), into=live_state(model, opt))
+        opt.load_state_dict(restored["optim"])
+    return restore
+
+
 def _needs(module: str) -> Callable[[], str | None]:
     def probe() -> str | None:
         try:
@@ -275,6 +285,10 @@ METHODS: dict[str, Restore] = {
                        unavailable=_needs("torch.distributed.checkpoint")),
     "gds": Restore("gds_persist.load + lsd", "gds", _load_gds),
     "gds-into": Restore("gds_persist.load(into=)", "gds", _load_gds_into),
+    "gds-into-torch": Restore("gds_persist.load(into=) torch.save file", "torch.pt",
+                              _gds_into_file("torch.pt")),
+    "gds-into-gds.pt": Restore("gds_persist.load(into=) gds .pt file", "gds.pt",
+                               _gds_into_file("gds.pt")),
 }
 FIO = "fio"  # the drive row's key
 

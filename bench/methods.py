@@ -175,9 +175,10 @@ class GdsPersist(Method):
     """
 
     def __init__(self, backend: str, *, variant: str = "", settings: dict[str, Any] | None = None,
-                 env: dict[str, str] | None = None):
+                 env: dict[str, str] | None = None, file_format: str = "directory"):
         super().__init__()
         self.backend = backend
+        self.file_format = file_format
         self.settings = dict(settings or {})
         self.env = dict(env or {})
         self.key = f"gds-{backend}" + (f"-{variant}" if variant else "")
@@ -217,7 +218,8 @@ class GdsPersist(Method):
         import gds_persist
 
         with self._scope():
-            info = gds_persist.save(ctx.sd, path, backend=self.backend)
+            info = gds_persist.save(ctx.sd, path, backend=self.backend,
+                                    format=self.file_format)
         self.info = {"backend": info.backend, "reason": info.reason,
                      "bytes_written": info.bytes_written}
 
@@ -232,6 +234,16 @@ class GdsPersist(Method):
 
 for _backend in ("auto", "direct", "buffered"):
     register(lambda b=_backend: GdsPersist(b), key=f"gds-{_backend}")
+
+
+def _torch_file() -> GdsPersist:
+    """The torch.save container written and read by the engine (one file torch.load reads)."""
+    method = GdsPersist("auto", file_format="torch")
+    method.key, method.label = "gds-torch", "gds_persist auto, torch file"
+    return method
+
+
+register(_torch_file, key="gds-torch")
 
 
 class GdsKvikio(GdsPersist):

@@ -95,10 +95,17 @@ class VerifyReport:
     errors: list[ChecksumError]
     referenced_bytes: int = 0  # of bytes_checked: held by base checkpoints (format version 4)
     encoded_extents: int = 0  # of extents: stored encoded, checked stored and decoded
+    # what the bytes were checked against: "crc32c" (gds_persist's own), "zip crc-32" (a stock
+    # torch.save file's), "none" (a file that records no checksums: nothing was checked)
+    checksum: str = "crc32c"
 
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    @property
+    def verified(self) -> bool:
+        return self.checksum != "none"
 
 
 @dataclass

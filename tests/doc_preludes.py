@@ -160,6 +160,13 @@ assert step == 1000
 assert all(torch.equal(model.state_dict()[k], v) for k, v in saved.items())
 assert state["model"]["0.weight"] is live["model"]["0.weight"]  # filled in place
 """),
+    ("README.md", 'gds_persist.load("from_elsewhere.pt", into=live)          # any torch.save '
+                  'file, in place'): Prelude(
+        setup=SMALL_STATE + 'torch.save({"w": torch.ones(1000, 33)}, "from_elsewhere.pt")\n'
+              'live = {"w": torch.zeros(1000, 33)}\nsaved = state\n',
+        check='assert torch.equal(state["w"], saved["w"]) and state["step"] == 1\n'
+              'assert bool((live["w"] == 1).all())  # filled in place from the stock file\n'
+              'assert gds_persist.verify("model.pt").checksum == "crc32c"\n'),
     ("README.md", "state = ckpt.load()             # latest committed step; verified"): Prelude(
         setup=TINY_TRAINING + "start, total = 0, 3\n",
         check=trained_last(2) + "assert ckpt.steps() == [0, 1, 2]\n"),
@@ -252,6 +259,26 @@ for key in ("w", "b", "t"):
               'torch.save(want, "model.pt")\n',
         check='got = torch.load("model-full.pt")\n'
               "assert all(torch.equal(got[k], v) for k, v in want.items()), got\n"),
+    ("docs/INTEGRATIONS.md", "gds_deepspeed.attach(engine)        # on every rank, right after "
+                             "deepspeed.initialize"): Prelude(
+        setup=GLOO_WORLD_OF_ONE + """
+import deepspeed
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no C++ build: gloo is enough
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9}
+batch = lambda: torch.randn(4, 8)
+""",
+        check="""
+assert open("checkpoints/latest").read() == "step-4"
+assert resumed.global_steps == 4, resumed.global_steps
+for tag in ("step-2", "step-4"):
+    path = f"checkpoints/{tag}/mp_rank_00_model_states.pt"
+    assert gds_persist.verify(path).ok and gds_persist.verify(path).checksum == "crc32c"
+    assert torch.load(path, weights_only=True)["global_steps"] == int(tag[-1])
+"""),
     # docs/TRAINING.md
     ("docs/TRAINING.md", "for step in range(start + 1, total_steps + 1):"): Prelude(
         setup=TINY_TRAINING + "total_steps = 3\n",

@@ -345,6 +345,28 @@ def test_write_error_mid_save_loses_nothing(tmp_path: Path, monkeypatch: pytest.
     assert_tree_equal(gds_persist.load(path), old)
 
 
+@pytest.mark.parametrize("fail_at", [1, 3, 9])
+def test_write_error_mid_torch_file_save_loses_nothing(tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch,
+                                                       fail_at: int) -> None:
+    """The one-file format fails the same way: the file at the path is the old one, whole."""
+    path = tmp_path / "x.pt"
+    old = {"w": torch.full((100,), 1.0)}
+    gds_persist.save(old, path, format="torch")
+    faulty = _FailingDirect("pwrite", fail_at)
+    _inject(monkeypatch, "gds_persist.saving.units", faulty)
+    before = open_fds()
+    with pytest.raises(OSError, match=r"Input/output error \(injected\)"):
+        gds_persist.save({"w": torch.randn(40_000), "v": torch.randn(3)}, path, format="torch",
+                         block_bytes=4096, staging_bytes=3 * 4096, io_threads=2)
+    assert open_fds() == before, "descriptors left open after a failed save"
+    assert sorted(os.listdir(tmp_path)) == ["x.pt"], "the temporary directory must be removed"
+    _ring_intact()
+    monkeypatch.undo()
+    assert_tree_equal(torch.load(path, weights_only=True), old)
+    assert_tree_equal(gds_persist.load(path), old)
+
+
 @pytest.mark.parametrize("fail_at", [1, 4])
 def test_read_error_mid_load_is_raised_and_cleaned_up(tmp_path: Path,
                                                       monkeypatch: pytest.MonkeyPatch,

@@ -779,11 +779,13 @@ def test_missing_checkpoint_is_a_file_not_found_error(tmp_path: Path) -> None:
 
 
 def test_file_where_a_checkpoint_directory_is_expected(tmp_path: Path) -> None:
+    """A file that is neither a torch.save archive nor a safetensors file (those load:
+    tests/test_torch_file.py) is not a checkpoint, and nothing near it is touched."""
     target = tmp_path / "model.pt"
-    torch.save({"w": torch.ones(2)}, target)
+    target.write_bytes(b"not a checkpoint, just bytes\n" * 10)
     before = target.read_bytes()
-    with pytest.raises(NotADirectoryError, match=r"model.pt is a file, not a gds_persist .*"
-                                                 r"import_checkpoint converts one") as e:
+    with pytest.raises(NotADirectoryError, match=r"model.pt is a file but neither a torch.save "
+                                                 r"archive nor a safetensors file") as e:
         gds_persist.load(target)
     assert not isinstance(e.value, FileNotFoundError)  # "start fresh" must not skip over it
     assert isinstance(e.value, CheckpointError) and e.value.errno == errno.ENOTDIR

@@ -1,7 +1,7 @@
 """``import gds_persist`` then ``gds_persist.dcp.GdsPersistWriter(path)``, as the README writes
 it: the subpackages the docs name resolve as attributes, each importing its heavy dependency
-(torch.distributed.checkpoint, Lightning, Accelerate) only when first used. Run in a fresh
-interpreter so that ``sys.modules`` shows what the import alone pulled in."""
+(torch.distributed.checkpoint, Lightning, Accelerate, DeepSpeed) only when first used. Run in a
+fresh interpreter so that ``sys.modules`` shows what the import alone pulled in."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pytest
 
 import gds_persist
 
-HEAVY = ("torch.distributed.checkpoint", "lightning", "accelerate", "kvikio", "cupy")
+HEAVY = ("torch.distributed.checkpoint", "lightning", "accelerate", "deepspeed", "kvikio", "cupy")
 CODE = """
 import json, sys
 HEAVY = {heavy!r}
@@ -27,6 +27,8 @@ seen["dcp"] = loaded()
 io = gds_persist.integrations.lightning.GdsPersistCheckpointIO()
 seen["lightning"] = loaded()
 seen["accelerate"] = gds_persist.integrations.accelerate.save_state.__module__
+seen["before deepspeed"] = loaded()
+seen["deepspeed"] = gds_persist.integrations.deepspeed.attach.__module__
 seen["cli"] = gds_persist.cli.main.__module__
 print(json.dumps(seen))
 """
@@ -43,6 +45,8 @@ def test_subpackages_resolve_after_import_and_load_lazily(tmp_path: Path) -> Non
     assert seen["dcp"] == ["torch.distributed.checkpoint"]
     assert "lightning" in seen["lightning"] and "accelerate" not in seen["lightning"]
     assert seen["accelerate"] == "gds_persist.integrations.accelerate"
+    assert "deepspeed" not in seen["before deepspeed"]
+    assert seen["deepspeed"] == "gds_persist.integrations.deepspeed"
     assert seen["cli"] == "gds_persist.cli"
 
 

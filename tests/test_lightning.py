@@ -5,8 +5,10 @@ AsyncCheckpointIO wrapper and the plugin's own background writer, whole-director
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import pathlib
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +20,7 @@ import gds_persist
 
 L = pytest.importorskip("lightning.pytorch")
 from lightning.fabric.plugins import TorchCheckpointIO  # noqa: E402
-from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
+from lightning.pytorch.callbacks import ModelCheckpoint, ProgressBar  # noqa: E402
 from lightning.pytorch.plugins.io import AsyncCheckpointIO  # noqa: E402
 
 from gds_persist.integrations.lightning import (  # noqa: E402
@@ -94,7 +96,7 @@ PLUGINS = {
 def test_resume_continues_bit_identically(tmp_path: Path, uninterrupted: Tiny, kind: str) -> None:
     first, _ = fit(2 * BATCHES, PLUGINS[kind](), tmp_path)
     last = tmp_path / "last.ckpt"
-    assert gds_persist.verify(last).ok  # a gds_persist directory, every CRC32C good
+    assert gds_persist.verify(last).checksum == "crc32c"  # our file: every CRC32C good
     resumed, callback = fit(STEPS, PLUGINS[kind](), tmp_path, ckpt_path=last)
     assert first.losses + resumed.losses == uninterrupted.losses
     for (name, a), b in zip(uninterrupted.state_dict().items(), resumed.state_dict().values(),
@@ -105,8 +107,8 @@ def test_resume_continues_bit_identically(tmp_path: Path, uninterrupted: Tiny, k
                                             "last.ckpt"]
     assert set(callback.best_k_models) == {str(tmp_path / "epoch=2-step=9.ckpt"),
                                            str(tmp_path / "epoch=3-step=12.ckpt")}
-    for name in os.listdir(tmp_path):
-        assert (tmp_path / name / "manifest.json").is_file()
+    for name in os.listdir(tmp_path):  # torch.save files, as TorchCheckpointIO writes them
+        assert torch.load(tmp_path / name, weights_only=True)["pytorch-lightning_version"]
     state = gds_persist.load(tmp_path / "epoch=3-step=12.ckpt")
     assert state["global_step"] == STEPS and state["epoch"] == 3
     assert state["hyper_parameters"] == {"width": 16, "data_dir": None}
@@ -135,10 +137,14 @@ def test_resume_a_torch_checkpoint_run(tmp_path: Path, uninterrupted: Tiny) -> N
 
 
 def test_remove_checkpoint_removes_whole_directories(tmp_path: Path) -> None:
-    io = GdsPersistCheckpointIO()
+    io = GdsPersistCheckpointIO(format="directory")
     path = tmp_path / "epoch=0-step=3.ckpt"
     io.save_checkpoint({"state_dict": {"w": torch.ones(1000)}, "epoch": 0}, path)
     assert sorted(os.listdir(path)) == ["data-00000.bin", "manifest.json"]
+    io.remove_checkpoint(path)
+    assert os.listdir(tmp_path) == []
+    GdsPersistCheckpointIO().save_checkpoint({"epoch": 0}, path)  # the default: a file
+    assert path.is_file()
     io.remove_checkpoint(path)
     assert os.listdir(tmp_path) == []
     io.remove_checkpoint(path)  # already gone: nothing to do
@@ -161,8 +167,8 @@ def test_background_writer_orders_saves_removals_and_errors(tmp_path: Path) -> N
     io.save_checkpoint({"w": w, "step": 2}, tmp_path / "b.ckpt")
     got = io.load_checkpoint(tmp_path / "b.ckpt")
     assert torch.equal(got["w"], torch.arange(10.0) + 100) and got["step"] == 2
-    with pytest.raises(TypeError, match=r"at \['bad'\].*GdsPersistCheckpointIO\(allow_pickle"):
-        io.save_checkpoint({"bad": object()}, tmp_path / "c.ckpt")  # refused before any copy
+    with pytest.raises(TypeError, match=r"cannot be pickled into a torch.save file"):
+        io.save_checkpoint({"bad": lambda: 0}, tmp_path / "c.ckpt")  # refused before any copy
     io.teardown()
     assert not (tmp_path / "c.ckpt").exists()
 
@@ -172,11 +178,68 @@ def test_background_errors_surface_at_the_next_call(tmp_path: Path) -> None:
     (tmp_path / "taken").mkdir()
     (tmp_path / "taken" / "notes.txt").write_text("not a checkpoint")
     io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "taken")  # fails in the thread
-    with pytest.raises(gds_persist.CheckpointError, match=r"taken exists and is not a gds_persist"):
+    with pytest.raises(gds_persist.CheckpointError, match=r"taken is not a gds_persist "
+                                                          r"checkpoint directory.*refusing"):
         io.wait()
+    assert sorted(os.listdir(tmp_path)) == ["taken"]  # its files untouched, nothing staged left
+    assert (tmp_path / "taken" / "notes.txt").read_text() == "not a checkpoint"
     io.save_checkpoint({"w": torch.ones(3)}, tmp_path / "ok.ckpt")  # the writer goes on
     io.teardown()
     assert io.last_info is not None and io.last_info.path == str(tmp_path / "ok.ckpt")
+
+
+def test_a_trainer_holding_the_plugin_deep_copies_and_pickles(tmp_path: Path) -> None:
+    """Lightning deep-copies trainer.callbacks (its test_callbacks_state_fit_ckpt_path): the
+    progress bar holds the trainer, so the plugin, whose locks cannot be copied; and
+    torch.save(trainer) pickles it. A copy is a fresh plugin with the same options."""
+    io = GdsPersistCheckpointIO(background=True, verify=False, timeout_s=60.0,
+                                snapshot_bytes=1 << 20, io_threads=2)
+    trainer = L.Trainer(max_steps=1, plugins=[io], logger=False, accelerator="cpu",
+                        enable_model_summary=False, enable_checkpointing=False,
+                        default_root_dir=tmp_path)
+    trainer.fit(Tiny())
+    (bar,) = copy.deepcopy([c for c in trainer.callbacks if isinstance(c, ProgressBar)])
+    torch.save(trainer, tmp_path / "trainer.pt")
+    unpickled = torch.load(tmp_path / "trainer.pt", weights_only=False)
+    for twin in (bar.trainer.strategy.checkpoint_io, unpickled.strategy.checkpoint_io):
+        assert isinstance(twin, GdsPersistCheckpointIO) and twin is not io
+        assert (twin.background, twin.verify, twin.timeout_s, twin.save_kwargs,
+                twin._writer.capacity) == (True, False, 60.0, {"io_threads": 2}, 1 << 20)
+        assert twin._saving is not io._saving and twin._writer is not io._writer
+        assert twin.last_info is None
+        path = tmp_path / f"{id(twin)}.ckpt"
+        twin.save_checkpoint({"w": torch.arange(6.0)}, path)  # through its own thread
+        assert torch.equal(twin.load_checkpoint(path)["w"], torch.arange(6.0))
+        twin.teardown()
+        assert gds_persist.verify(path).ok
+
+
+def test_a_copy_keeps_removals_waiting_for_its_saves(tmp_path: Path) -> None:
+    """The copy's own lock still makes a removal wait for a save of that path running on
+    another thread (AsyncCheckpointIO's); without it the removal finds nothing, the save
+    commits after it and the checkpoint stays."""
+    in_write, release = threading.Event(), threading.Event()
+
+    def hold(done: int, total: int) -> None:  # the save stays inside its write until released
+        in_write.set()
+        assert release.wait(60)
+
+    io = copy.deepcopy(GdsPersistCheckpointIO(progress=hold))
+    path = tmp_path / "a.ckpt"
+    saver = threading.Thread(target=io.save_checkpoint, args=({"w": torch.ones(4096)}, path))
+    saver.start()
+    assert in_write.wait(60)
+    remover = threading.Thread(target=io.remove_checkpoint, args=(path,))
+    remover.start()
+    try:
+        remover.join(0.2)
+        waited = remover.is_alive()  # waiting for the save (one that did not wait is done)
+    finally:
+        release.set()
+    saver.join(60)
+    remover.join(60)
+    assert waited and not saver.is_alive() and not remover.is_alive()
+    assert os.listdir(tmp_path) == []  # saved, then removed whole
 
 
 def _shared_state() -> dict[str, Any]:
@@ -231,9 +294,10 @@ def test_background_snapshot_keeps_the_cuda_device(tmp_path: Path) -> None:
 
 
 def test_hyperparameters_with_extra_leaves_and_the_pickle_option(tmp_path: Path) -> None:
+    """The directory format stores these leaves by value, and pickles only with allow_pickle."""
     hp = {"data_dir": pathlib.Path("/data"), "grid": np.linspace(0, 1, 3),
           "cfg": argparse.Namespace(depth=2), "lr": np.float32(0.5)}
-    io = GdsPersistCheckpointIO()
+    io = GdsPersistCheckpointIO(format="directory")
     io.save_checkpoint({"hyper_parameters": hp, "epoch": 1}, tmp_path / "ok.ckpt")
     got = io.load_checkpoint(tmp_path / "ok.ckpt")["hyper_parameters"]
     assert got["data_dir"] == hp["data_dir"] and got["cfg"] == hp["cfg"]
@@ -243,13 +307,29 @@ def test_hyperparameters_with_extra_leaves_and_the_pickle_option(tmp_path: Path)
     with pytest.raises(TypeError, match=r"at \['hyper_parameters'\]\['callback'\]: .*with "
                                         r"Lightning: GdsPersistCheckpointIO\(allow_pickle=True\)"):
         io.save_checkpoint({"hyper_parameters": hp}, tmp_path / "refused.ckpt")
-    GdsPersistCheckpointIO(allow_pickle=True).save_checkpoint({"hyper_parameters": hp},
-                                                              tmp_path / "pickled.ckpt")
+    GdsPersistCheckpointIO(format="directory", allow_pickle=True).save_checkpoint(
+        {"hyper_parameters": hp}, tmp_path / "pickled.ckpt")
     with pytest.raises(gds_persist.PickleRefusedError, match=r"\['hyper_parameters'\]\['callb"):
         io.load_checkpoint(tmp_path / "pickled.ckpt")
     trusting = GdsPersistCheckpointIO(safe_globals=[Marker])
     assert trusting.load_checkpoint(tmp_path / "pickled.ckpt")["hyper_parameters"][
         "callback"].x == 3
+
+
+def test_python_objects_in_a_torch_file_load_as_lightning_loads_them(tmp_path: Path) -> None:
+    """The default format keeps what TorchCheckpointIO keeps; objects beyond tensors and
+    containers load with weights_only=False (trusted files) or their classes allowed."""
+    hp = {"data_dir": pathlib.Path("/data"), "callback": Marker(3)}
+    io = GdsPersistCheckpointIO()
+    io.save_checkpoint({"hyper_parameters": hp, "w": torch.ones(2)}, tmp_path / "a.ckpt")
+    with pytest.raises(gds_persist.PickleRefusedError, match=r"weights_only=False"):
+        io.load_checkpoint(tmp_path / "a.ckpt")
+    got = io.load_checkpoint(tmp_path / "a.ckpt", weights_only=False)["hyper_parameters"]
+    assert got["data_dir"] == hp["data_dir"] and got["callback"].x == 3
+    trusting = GdsPersistCheckpointIO(safe_globals=[Marker, type(hp["data_dir"])])
+    assert trusting.load_checkpoint(tmp_path / "a.ckpt")["hyper_parameters"]["callback"].x == 3
+    assert torch.load(tmp_path / "a.ckpt", weights_only=False)["hyper_parameters"][
+        "data_dir"] == hp["data_dir"]
 
 
 class Marker:
@@ -260,7 +340,7 @@ class Marker:
 def test_model_hyperparameters_travel_through_fit(tmp_path: Path) -> None:
     model, _ = fit(BATCHES, GdsPersistCheckpointIO(), tmp_path,
                    model={"data_dir": pathlib.Path("/runs/a")})
-    hp = gds_persist.load(tmp_path / "last.ckpt")["hyper_parameters"]
+    hp = gds_persist.load(tmp_path / "last.ckpt", weights_only=False)["hyper_parameters"]
     assert hp == {"width": 16, "data_dir": pathlib.Path("/runs/a")}
     assert model.hparams.data_dir == pathlib.Path("/runs/a")
 
@@ -298,3 +378,18 @@ def test_importing_gds_persist_imports_no_trainer_framework() -> None:
             "heavy = [m for m in ('lightning', 'pytorch_lightning', 'lightning_fabric', "
             "'accelerate') if m in sys.modules]; assert not heavy, heavy")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_urls_go_through_lightning_s_own_checkpoint_io() -> None:
+    """fsspec URLs (here its real in-memory filesystem) are written and read as Lightning's
+    TorchCheckpointIO does them: the engine writes local or mounted filesystems only."""
+    import fsspec
+
+    io = GdsPersistCheckpointIO()
+    url = "memory://gds_persist-test/epoch=0.ckpt"
+    io.save_checkpoint({"state_dict": {"w": torch.arange(4.0)}, "epoch": 0}, url)
+    assert fsspec.filesystem("memory").exists("/gds_persist-test/epoch=0.ckpt")
+    got = io.load_checkpoint(url)
+    assert torch.equal(got["state_dict"]["w"], torch.arange(4.0)) and got["epoch"] == 0
+    io.remove_checkpoint(url)
+    assert not fsspec.filesystem("memory").exists("/gds_persist-test/epoch=0.ckpt")

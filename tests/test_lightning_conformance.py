@@ -198,11 +198,22 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Net]:
     return root, model
 
 
-def test_lightning_own_loader_cannot_read_a_directory(written: tuple[Path, Net]) -> None:
-    """Why load_from_checkpoint exists: Lightning opens the path as a file."""
-    root, _ = written
+def test_lightning_own_loader_reads_the_plugin_s_file(written: tuple[Path, Net],
+                                                     tmp_path: Path) -> None:
+    """The default format is torch.save's: Lightning's own load_from_checkpoint reads it (no
+    gds_persist call); the directory format needs ours (Lightning opens the path as a file)."""
+    root, trained = written
+    model = Net.load_from_checkpoint(root / "model.ckpt")
+    assert model.hparams.lr == 0.01
+    for (name, a), b in zip(trained.state_dict().items(), model.state_dict().values(),
+                            strict=True):
+        assert torch.equal(a, b), name
+    t = trainer(GdsPersistCheckpointIO(format="directory"), None, BATCHES)
+    t.fit(Net(width=8, lr=0.01), datamodule=Data(batch_size=4, root="/runs/a"))
+    t.save_checkpoint(tmp_path / "dir.ckpt")
     with pytest.raises(IsADirectoryError):
-        Net.load_from_checkpoint(root / "model.ckpt")
+        Net.load_from_checkpoint(tmp_path / "dir.ckpt")
+    assert load_from_checkpoint(Net, tmp_path / "dir.ckpt").hparams.lr == 0.01
 
 
 def test_load_from_checkpoint_with_lightning_arguments(written: tuple[Path, Net]) -> None:

@@ -5,7 +5,9 @@ Only backends touch file descriptors. Call order, made by :mod:`gds_persist.tran
 
 Save (one data file)::
 
-    h = backend.open(path, write=True, size=n)  # creates, preallocates n bytes (ENOSPC here)
+    h = backend.open(path, write=True, size=n)  # creates, preallocates n bytes (ENOSPC here);
+                                                 # create=False: writes into an existing file
+                                                 # (ranks writing parts of one file)
     backend.pwrite(h, buf, offset)               # any number, from several threads at once
     backend.set_size(h, m)                       # only when fewer bytes were written than
                                                  # reserved (encoded or referred units)
@@ -41,7 +43,7 @@ class Backend(ABC):
     host_alignment: int | None = 4096
 
     @abstractmethod
-    def open(self, path: str, *, write: bool, size: int = 0) -> Any: ...
+    def open(self, path: str, *, write: bool, size: int = 0, create: bool = True) -> Any: ...
 
     @abstractmethod
     def pwrite(self, handle: Any, buf: Any, offset: int) -> None: ...

@@ -230,14 +230,15 @@ class KvikioBackend(Backend):
 
     # -- the Backend interface -----------------------------------------------------------------
 
-    def open(self, path: str, *, write: bool, size: int = 0) -> KvikioHandle:
+    def open(self, path: str, *, write: bool, size: int = 0,
+             create: bool = True) -> KvikioHandle:
         # realpath: a held file is read as /proc/self/fd/N (gds_persist.transfer.opened); its
         # O_DIRECT support is that of the directory it lives in
         directory = os.path.dirname(os.path.realpath(path))
         direct = self._o_direct.get(directory)
         if direct is None:
             direct = self._o_direct[directory] = supports_o_direct(directory)[0]
-        fd = open_fd(path, write, size, _O_DIRECT if direct else 0)
+        fd = open_fd(path, write, size, _O_DIRECT if direct else 0, create)
         handle = KvikioHandle(path, fd, direct)
         if self.fallback_reason is None:
             try:

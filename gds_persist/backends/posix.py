@@ -23,8 +23,8 @@ _O_DIRECT = getattr(os, "O_DIRECT", 0)
 class PosixBackend(Backend):
     extra_flags = 0
 
-    def open(self, path: str, *, write: bool, size: int = 0) -> int:
-        return open_fd(path, write, size, self.extra_flags)
+    def open(self, path: str, *, write: bool, size: int = 0, create: bool = True) -> int:
+        return open_fd(path, write, size, self.extra_flags, create)
 
     def pwrite(self, handle: int, buf: memoryview, offset: int) -> None:
         pwrite_all(handle, buf, offset)
@@ -58,11 +58,14 @@ class BufferedBackend(PosixBackend):
     host_alignment = 1
 
 
-def open_fd(path: str, write: bool, size: int, flags: int = 0) -> int:
+def open_fd(path: str, write: bool, size: int, flags: int = 0, create: bool = True) -> int:
     """Open a data file for reading, or create it (never over an existing one) and reserve
-    ``size`` bytes for writing; ``flags`` e.g. O_DIRECT."""
+    ``size`` bytes for writing; ``create=False``: open an existing one for writing (no
+    truncation, no reservation); ``flags`` e.g. O_DIRECT."""
     if not write:
         return os.open(path, os.O_RDONLY | flags)
+    if not create:
+        return os.open(path, os.O_WRONLY | flags)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | flags, 0o644)
     try:
         if size:

@@ -1,7 +1,8 @@
 """``export_checkpoint``: a gds_persist checkpoint as one ``torch.save`` or safetensors file.
 
-The torch export loads the state dict whole and writes it with
-:func:`gds_persist.saving.torch_file.save_torch_file`; the safetensors export streams the data
+The torch export loads the state dict whole and writes it as a torch.save file through the engine
+(:func:`gds_persist.saving.torch_file.save_torch_file`: torch.load reads it, gds_persist
+verifies it); the safetensors export streams the data
 from the checkpoint's files to its final offsets in the output (memory use:
 :mod:`gds_persist.convert`). A checkpoint written through DCP is consolidated first
 (:mod:`gds_persist.dcp.consolidate`).
@@ -12,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+import time
 from typing import Any
 
 import torch
@@ -25,6 +27,7 @@ from ..loading.extents import read_extents
 from ..loading.load import load, read_manifest
 from ..progress import ByteCounter, ProgressCallback
 from ..results import ExportInfo
+from ..saving.options import SaveOptions
 from ..saving.torch_file import save_torch_file
 from ..state.flatten import flatten, rebuild_tensor
 from ..transfer.atomic_file import AtomicFile
@@ -64,29 +67,19 @@ def export_checkpoint(
         counter.add(m.total_bytes)
         notes = ["DCP checkpoint consolidated into one full state dict (in memory)"]
         if to == "torch":
-            return _export_torch(state, out, counter, notes)
+            return _export_torch(state, out, backend, counter, notes)
         return _export_safetensors_from_memory(state, out, sep, counter, notes)
     payload = sum(s.nbytes for s in m.storages)
     if to == "torch":
         counter = ByteCounter(progress, m.total_bytes + payload)
-        last = [0]
-
-        def on_read(done: int, total: int) -> None:
-            counter.add(done - last[0])
-            last[0] = done
-
-        state = load(
-            path,
-            map_location="cpu",
-            backend=backend,
-            progress=on_read if progress is not None else None,
-        )
-        notes = ["torch.save cannot stream: the state dict was loaded whole"]
+        state = load(path, map_location="cpu", backend=backend,
+                     progress=_adding_to(counter) if progress is not None else None)
+        notes = ["a torch.save file's pickle cannot stream: the state dict was loaded whole"]
         unsafe = sorted({x for _, n in walk(full_tree(m)) if (x := leaves.needs_safe_globals(n))})
         if unsafe:  # numpy arrays, paths, namespaces: objects to torch.save's pickle
             notes.append(f"it holds {', '.join(unsafe)} leaves: torch.load(OUT, weights_only=True) "
                          "needs their classes allowed (torch.serialization.add_safe_globals)")
-        return _export_torch(state, out, counter, notes)
+        return _export_torch(state, out, backend, counter, notes)
     return opened(path, lambda ck: _SafetensorsExport(ck, out, sep, backend, progress).run())
 
 
@@ -98,8 +91,24 @@ def _infer_format(out: str, to: str | None) -> str:
     return to
 
 
-def _export_torch(state: Any, out: str, counter: ByteCounter, notes: list[str]) -> ExportInfo:
-    save_torch_file(state, out, counter)
+def _adding_to(counter: ByteCounter) -> ProgressCallback:
+    """A progress callback of one stage that adds its bytes to ``counter`` (of all stages)."""
+    last = [0]
+
+    def add(done: int, total: int) -> None:
+        counter.add(done - last[0])
+        last[0] = done
+
+    return add
+
+
+def _export_torch(state: Any, out: str, backend: str | None, counter: ByteCounter,
+                  notes: list[str]) -> ExportInfo:
+    """Write ``state`` as a torch.save file through the engine (any leaf the checkpoint held is
+    kept, as torch.save keeps it: ``allow_pickle``)."""
+    options = SaveOptions(backend=backend, progress=_adding_to(counter), allow_pickle=True,
+                          format="torch")
+    save_torch_file(state, os.path.abspath(out), options, time.perf_counter())
     counter.finish()
     n = sum(1 for _ in tensor_leaves(state))
     return ExportInfo(out, "torch", n, os.path.getsize(out), notes)

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import os
 import pickle
-import struct
 from typing import Any
 
 import torch
 
 from ..errors import CheckpointError
+from ..format.safetensors import looks_like_safetensors
+from ..format.torch_archive import ZIP_MAGIC
 from ..progress import ProgressCallback
 from ..results import SaveInfo
 from ..saving.save import save
 from . import FORMATS
-from .safetensors import MAX_HEADER, map_safetensors
+from .safetensors import map_safetensors
 
 
 def detect_format(file: str) -> str:
@@ -26,12 +27,10 @@ def detect_format(file: str) -> str:
     with open(file, "rb") as f:
         head = f.read(9)
         size = os.fstat(f.fileno()).st_size
-    if head[:4] == b"PK\x03\x04" or head[:1] == b"\x80":  # zip (torch.save) or a legacy pickle
+    if head[:4] == ZIP_MAGIC or head[:1] == b"\x80":  # zip (torch.save) or a legacy pickle
         return "torch"
-    if len(head) == 9 and head[8:9] == b"{":
-        (n,) = struct.unpack("<Q", head[:8])
-        if n <= MAX_HEADER and 8 + n <= size:
-            return "safetensors"
+    if looks_like_safetensors(head, size):
+        return "safetensors"
     raise ValueError(
         f"{file} is neither a torch.save file nor a safetensors file "
         "(pass format= to say which it is)"

@@ -44,35 +44,11 @@ import torch
 
 from ..errors import CheckpointError
 from ..format import DTYPES, TensorRecord
+from ..format.safetensors import MAX_HEADER, ST_DTYPES, SafetensorsError, parse_header
 from ..format.tree import decode, path_str, tensor_key_paths, validate
 
 META_KEY = "gds_persist"
 _META_VERSION = 1
-MAX_HEADER = 100 << 20  # what safetensors itself accepts
-
-# safetensors dtype codes this exporter writes. The uint16/32/64, complex64 and fnuz float8 codes
-# are known to recent safetensors releases only (tested with 0.8).
-ST_DTYPES: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.complex64: "C64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-    torch.float8_e4m3fnuz: "F8_E4M3FNUZ",
-    torch.float8_e5m2fnuz: "F8_E5M2FNUZ",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-}
-ST_CODES = {v: k for k, v in ST_DTYPES.items()}
 
 
 @dataclass
@@ -164,49 +140,21 @@ def map_safetensors(file: str) -> Any:
     with open(file, "rb") as f:
         size = os.fstat(f.fileno()).st_size
         mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else None
-    if mm is None or size < 8:
-        raise CheckpointError(f"{file} is too short to be a safetensors file")
-    (n,) = struct.unpack("<Q", mm[:8])
-    if n > MAX_HEADER or 8 + n > size:
-        raise CheckpointError(
-            f"{file}: safetensors header length {n} is impossible for a {size}-byte file"
-        )
     try:
-        header = json.loads(mm[8 : 8 + n])
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{file}: the safetensors header is not valid JSON ({e})") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{file}: the safetensors header is not a JSON object")
-    meta = header.pop("__metadata__", None) or {}
-    buffer_len = size - 8 - n
+        header = parse_header(lambda at, n: mm[at : at + n] if mm is not None else b"", size)
+    except SafetensorsError as e:
+        raise CheckpointError(f"{file}: not a valid safetensors file: {e}") from None
     tensors: dict[str, torch.Tensor] = {}
-    for name, info in header.items():
-        try:
-            dtype = ST_CODES[info["dtype"]]
-            shape = [int(d) for d in info["shape"]]
-            begin, end = (int(x) for x in info["data_offsets"])
-        except (KeyError, TypeError, ValueError):
-            raise CheckpointError(
-                f"{file}: tensor {name!r} has an unsupported dtype or malformed entry {info!r}"
-            ) from None
-        nbytes = math.prod(shape) * dtype.itemsize
-        if (
-            any(d < 0 for d in shape)
-            or not 0 <= begin <= end <= buffer_len
-            or end - begin != nbytes
-        ):
-            raise CheckpointError(
-                f"{file}: tensor {name!r} has data_offsets {[begin, end]} that do "
-                f"not fit its shape {shape} and {dtype} or the file"
-            )
-        if nbytes == 0:
-            tensors[name] = torch.empty(shape, dtype=dtype)
+    for t in header.tensors:
+        if t.end == t.begin:
+            tensors[t.name] = torch.empty(t.shape, dtype=t.dtype)
             continue
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the mapping is read-only; we never write to it
-            raw = torch.frombuffer(mm, dtype=torch.uint8, count=nbytes, offset=8 + n + begin)
-        tensors[name] = raw.view(dtype).reshape(shape)
-    ours = meta.get(META_KEY) if isinstance(meta, dict) else None
+            raw = torch.frombuffer(mm, dtype=torch.uint8, count=t.end - t.begin,  # type: ignore
+                                   offset=header.data_start + t.begin)
+        tensors[t.name] = raw.view(t.dtype).reshape(t.shape)
+    ours = header.metadata.get(META_KEY)
     if ours is None:
         return tensors
     return _restore(file, tensors, ours)

@@ -18,8 +18,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from ..loading.load import load, read_manifest
-from ..progress import ByteCounter
-from ..saving.torch_file import save_torch_file
+from ..saving.save import save
 from ..transfer.commit import check_replaceable
 from .consolidate import consolidate, is_dcp
 from .writer import GdsPersistWriter
@@ -32,7 +31,7 @@ def dcp_to_torch_save(dcp_checkpoint_dir: str | os.PathLike[str],
     ``export_checkpoint`` does."""
     path = os.fspath(dcp_checkpoint_dir)
     state = consolidate(path) if is_dcp(read_manifest(path)) else load(path, map_location="cpu")
-    save_torch_file(state, os.fspath(torch_save_path), ByteCounter(None, 0))
+    save(state, torch_save_path, format="torch", allow_pickle=True)
 
 
 def torch_save_to_dcp(torch_save_path: str | os.PathLike[str],

@@ -8,12 +8,16 @@
                       callbacks=[ModelCheckpoint(save_top_k=2, monitor="val_loss", save_last=True)])
     trainer.fit(model, ckpt_path="checkpoints/last.ckpt")   # resume
 
-Every path Lightning names (``epoch=3-step=400.ckpt``, ``last.ckpt``) becomes a gds_persist
-checkpoint *directory*: written durably and atomically (a save replaces the previous one only
-once complete and fsynced), CRC32C-verified on load, never unpickled.
-``remove_checkpoint`` removes the whole directory. ``load_checkpoint`` also reads a plain
-``torch.save`` file (Lightning's own format), so a run started with ``TorchCheckpointIO`` resumes,
-and a save over such a file (``last.ckpt``) replaces it with a directory.
+Every path Lightning names (``epoch=3-step=400.ckpt``, ``last.ckpt``) becomes one file in
+``torch.save``'s format (``format="torch"``, the default): Lightning's own
+``LightningModule.load_from_checkpoint``, ``Trainer(ckpt_path=...)``, ``ModelCheckpoint``'s file
+handling and every script that ``torch.load``s a ``.ckpt`` keep working, while gds_persist writes
+it (aligned O_DIRECT / kvikio, durably and atomically: a save replaces the previous file only
+once complete and fsynced) and verifies it on load (a CRC32C per storage, which torch.load does
+not check). ``format="directory"`` writes gds_persist checkpoint directories instead (for
+``compression=`` and the other directory-only options). ``load_checkpoint`` reads either, and a
+stock ``torch.save`` file, so a run started with ``TorchCheckpointIO`` resumes; a save over a
+checkpoint of the other kind at the path replaces it. ``remove_checkpoint`` removes it whole.
 
 ``background=True``: the checkpoint is flattened and copied into a host snapshot before
 ``save_checkpoint`` returns, with the Checkpointer's snapshot machinery (one bounded arena, pinned
@@ -26,17 +30,21 @@ write). ``remove_checkpoint``, ``load_checkpoint`` and ``teardown`` wait for the
 so a removal never races a write. Lightning's ``AsyncCheckpointIO`` wrapper also works (it clones
 the tensors where they are, then calls this plugin from its thread).
 
-Options: ``allow_pickle`` (store leaves that are not tensors / JSON / the extra leaf types pickled;
-loaded only through ``torch.load(weights_only=True)``), ``safe_globals`` (classes such pickles
-may hold, passed to ``torch.serialization.safe_globals`` on load), ``verify`` (check CRC32C on
+What a file may hold: what ``TorchCheckpointIO`` saves (any picklable object, e.g. a
+``pathlib.Path`` hyper-parameter); it loads as Lightning loads it, through torch's weights-only
+unpickler unless ``weights_only=False`` is passed (objects beyond tensors and containers need
+that, or ``safe_globals``). Options: ``allow_pickle`` (directory format: leaves that are not
+tensors / JSON / the extra leaf types, stored pickled), ``safe_globals`` (classes the pickle
+may build, passed to ``torch.serialization.safe_globals`` on load), ``verify`` (check CRC32C on
 load, default True), and ``gds_persist.save`` keywords (``backend``, ``io_threads``, ...).
 ``storage_options`` of ``Trainer.save_checkpoint`` may be None or a dict of those keywords
 (:data:`STORAGE_OPTIONS`); anything else raises a ``TypeError`` that lists them.
 
-``LightningModule.load_from_checkpoint(path)`` reads the path with Lightning's own loader, which
-cannot read a checkpoint directory (``IsADirectoryError``): use :func:`load_from_checkpoint`
-(``load_from_checkpoint(MyModule, path, map_location=..., strict=..., hparams_file=...,
-**overrides)``, the same arguments; a LightningDataModule class too).
+``LightningModule.load_from_checkpoint(path)`` reads a file with Lightning's own loader (no
+verification); :func:`load_from_checkpoint` (``load_from_checkpoint(MyModule, path,
+map_location=..., strict=..., hparams_file=..., **overrides)``, the same arguments; a
+LightningDataModule class too) reads it through gds_persist, verified, and also reads the
+directory format, which Lightning's loader cannot (``IsADirectoryError``).
 """
 
 from __future__ import annotations
@@ -55,7 +63,9 @@ import torch
 from ..errors import CheckpointError, CheckpointTimeout
 from ..loading.load import load
 from ..results import SaveInfo
+from ..saving.options import FORMATS
 from ..saving.save import save
+from ..saving.torch_file import PickledState
 from ..state.flatten import Flattened, flatten
 from ..training.background_writer import BackgroundWriter
 from ..transfer.commit import fsync_path
@@ -80,7 +90,7 @@ STORAGE_OPTIONS = frozenset(
     name for name, p in inspect.signature(save).parameters.items()
     if p.kind is p.KEYWORD_ONLY and name not in {
         "process_group", "rank_local", "writers_per_node", "data_dirs", "check_replicas",
-        "allow_pickle"})
+        "allow_pickle", "format"})
 
 
 def _save_options(options: Any, where: str) -> dict[str, Any]:
@@ -105,21 +115,44 @@ def _save_options(options: Any, where: str) -> dict[str, Any]:
 class _GdsPersistCheckpointIO:
     """The plugin's behaviour, shared by the classes for ``lightning`` and ``pytorch_lightning``."""
 
-    _torch_io: Callable[[], Any]
+    _torch_io: Callable[[], Any]  # Lightning's TorchCheckpointIO: it writes and reads URLs
 
-    def __init__(self, *, background: bool = False, allow_pickle: bool = False,
-                 safe_globals: Iterable[Any] = (), verify: bool = True,
-                 timeout_s: float = 1800.0, snapshot_bytes: int | None = None,
-                 **save_kwargs: Any):
+    def __init__(self, *, format: str = "torch", background: bool = False,  # noqa: A002
+                 allow_pickle: bool = False, safe_globals: Iterable[Any] = (),
+                 verify: bool = True, timeout_s: float = 1800.0,
+                 snapshot_bytes: int | None = None, **save_kwargs: Any):
+        if format not in FORMATS:
+            raise ValueError(f"GdsPersistCheckpointIO(format={format!r}): valid formats are "
+                             f"{', '.join(FORMATS)}")
+        self.format = format
         self.background = background
         self.allow_pickle = allow_pickle
         self.safe_globals = list(safe_globals)
         self.verify = verify
         self.timeout_s = timeout_s
         self.save_kwargs = _save_options(save_kwargs, "GdsPersistCheckpointIO(...)")
+        self._start(snapshot_bytes)
+
+    def _start(self, snapshot_bytes: int | None) -> None:
+        """What is the plugin's own and never copied: its locks, writer thread, snapshot arena."""
         self._last_info: SaveInfo | None = None
-        self._writer = BackgroundWriter(self._write, snapshot_bytes, timeout_s)
+        self._writer = BackgroundWriter(self._write, snapshot_bytes, self.timeout_s)
         self._saving = _Saving()
+
+    # A copy (copy.deepcopy, pickle) is a fresh plugin with the same options and its own locks,
+    # writer thread and arena (_start): Lightning deep-copies callbacks, whose progress bar
+    # holds the trainer and so this plugin, and torch.save(trainer) pickles it. Saves in
+    # flight stay the original's.
+    def __getstate__(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items()
+                 if k not in ("_writer", "_saving", "_last_info")}
+        return {**state, "_snapshot_bytes": self._writer.capacity}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        snapshot_bytes = state.pop("_snapshot_bytes")
+        self.__dict__.update(state)
+        self._start(snapshot_bytes)
 
     @property
     def last_info(self) -> SaveInfo | None:
@@ -130,16 +163,24 @@ class _GdsPersistCheckpointIO:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any = None) -> None:
-        path = _local(path)
+        if _remote(path):
+            self.wait()  # in order with the local saves before it
+            self._torch_io().save_checkpoint(checkpoint, path, storage_options)
+            return
+        path = os.fspath(path)
         with self._saving.of(path):
             self._save(checkpoint, path, storage_options)
 
     def _save(self, checkpoint: dict[str, Any], path: str, storage_options: Any) -> None:
+        # the torch format keeps what Lightning's TorchCheckpointIO keeps: any picklable object
+        pickles = self.allow_pickle or self.format == "torch"
         kwargs = {**self.save_kwargs,
-                  **_save_options(storage_options, "GdsPersistCheckpointIO.save_checkpoint")}
+                  **_save_options(storage_options, "GdsPersistCheckpointIO.save_checkpoint"),
+                  "format": self.format, "allow_pickle": pickles}
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-        try:
-            flat = flatten(checkpoint, self.allow_pickle)  # a TypeError names the key, here
+        try:  # a TypeError names what cannot be saved, here (not in the background)
+            flat = (PickledState.of(checkpoint, pickles).flattened()
+                    if self.format == "torch" else flatten(checkpoint, pickles))
         except TypeError as e:
             if self.allow_pickle or "allow_pickle=True" not in str(e):
                 raise
@@ -151,22 +192,25 @@ class _GdsPersistCheckpointIO:
 
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a gds_persist checkpoint directory (``weights_only`` changes nothing: nothing in
-        it runs code), or a ``torch.save`` file through Lightning's ``TorchCheckpointIO``.
-        ``map_location`` as in ``torch.load``; default: everything on the CPU, as Lightning's."""
-        path = _local(path)
+        """Load a checkpoint file (``torch.save``'s format: written by this plugin, verified, or
+        by Lightning's ``TorchCheckpointIO``) or a checkpoint directory, through gds_persist.
+        ``weights_only`` as in ``torch.load`` (None: True; a directory never runs code);
+        ``map_location`` likewise; default: everything on the CPU, as Lightning's. A URL
+        (``http://``, fsspec's ``s3://``, ``memory://``) is read by Lightning's
+        ``TorchCheckpointIO``, unverified."""
         self.wait()
-        if os.path.isfile(path):
+        if _remote(path):
             return self._torch_io().load_checkpoint(  # type: ignore[no-any-return]
                 path, **({} if map_location is None else {"map_location": map_location}),
                 weights_only=weights_only)
+        path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         safe = (torch.serialization.safe_globals(self.safe_globals) if self.safe_globals
                 else contextlib.nullcontext())
         with safe:
             state = load(path, map_location="cpu" if map_location is None else map_location,
-                         verify=self.verify)
+                         verify=self.verify, weights_only=weights_only is not False)
         if not isinstance(state, dict):
             raise CheckpointError(f"{path} does not hold a Lightning checkpoint dict")
         return state
@@ -174,8 +218,11 @@ class _GdsPersistCheckpointIO:
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at ``path`` whole, after the background saves (if any) and a
         save of that path running on another thread (``AsyncCheckpointIO``'s) have finished."""
-        path = _local(path)
         self.wait()
+        if _remote(path):
+            self._torch_io().remove_checkpoint(path)
+            return
+        path = os.fspath(path)
         self._saving.wait_for(path, self.timeout_s)
         if not os.path.lexists(path):
             log.warning("remove_checkpoint: nothing at %s. If its save is still queued in "
@@ -198,8 +245,9 @@ class _GdsPersistCheckpointIO:
     def _write(self, flat: Flattened, path: str, kwargs: dict[str, Any]) -> SaveInfo:
         if os.path.islink(path):  # ModelCheckpoint(save_last="link") left a link here
             os.unlink(path)
-        if os.path.isfile(path):  # a torch.save file of an earlier run (e.g. last.ckpt)
-            return _replace_file(path, lambda p: save(flat, p, **kwargs))
+        other = os.path.isdir(path) if kwargs["format"] == "torch" else os.path.isfile(path)
+        if other:  # a checkpoint of the other kind, e.g. last.ckpt of an earlier run
+            return _replace_other_kind(path, lambda p: save(flat, p, **kwargs))
         return save(flat, path, **kwargs)
 
 
@@ -234,24 +282,28 @@ class _Saving:
                     f"within {timeout_s} s (GdsPersistCheckpointIO(timeout_s=...)); not removed")
 
 
-def _replace_file(path: str, save: Callable[[str], Any]) -> Any:
-    """Save into a hidden sibling directory, then put it where the file ``path`` was (a crash
-    between the two leaves no checkpoint at ``path``, the new one at the hidden name)."""
+def _replace_other_kind(path: str, save: Callable[[str], Any]) -> Any:
+    """Save at a hidden sibling, then put it where the checkpoint of the other kind (a file
+    where a directory goes, or the reverse) was: a crash between the two leaves no checkpoint
+    at ``path``, the new one at the hidden name."""
     parent, name = os.path.split(os.path.abspath(path))
     staged = os.path.join(parent, f".{name}.gds-new-{uuid.uuid4().hex[:12]}")
     info = save(staged)
-    os.unlink(path)
+    try:
+        remove_checkpoint(path)  # refuses what is not a checkpoint
+    except BaseException:
+        remove_checkpoint(staged)
+        raise
     os.rename(staged, path)
     fsync_path(parent)
     return info
 
 
-def _local(path: Any) -> str:
+def _remote(path: Any) -> bool:
+    """A URL (``http://``, fsspec's ``s3://``, ``memory://``, ...): not a path the engine
+    writes, which is a local or mounted filesystem's."""
     text = os.fspath(path)
-    if "://" in text:
-        raise ValueError(f"{text}: gds_persist checkpoints live on a local or mounted "
-                         "filesystem, not at a URL")
-    return text
+    return "://" in text and not text.startswith("file://")
 
 
 def load_from_checkpoint(cls: type, checkpoint_path: Any, map_location: Any = None,
@@ -281,7 +333,8 @@ def load_from_checkpoint(cls: type, checkpoint_path: Any, map_location: Any = No
     checkpoint = reader.load_checkpoint(checkpoint_path,
                                         map_location or saving._default_map_location,
                                         weights_only)
-    checkpoint = saving._pl_migrate_checkpoint(checkpoint, checkpoint_path=_local(checkpoint_path))
+    checkpoint = saving._pl_migrate_checkpoint(checkpoint,
+                                               checkpoint_path=os.fspath(checkpoint_path))
     if hparams_file is not None:
         checkpoint[cls.CHECKPOINT_HYPER_PARAMS_KEY] = _hparams_from(hparams_file)
     hparams = checkpoint.get(cls.CHECKPOINT_HYPER_PARAMS_KEY) or {}
@@ -307,10 +360,12 @@ def _hparams_from(hparams_file: Any) -> Any:
 
 
 class GdsPersistCheckpointIO(_GdsPersistCheckpointIO, _CheckpointIO):
-    """Lightning ``CheckpointIO`` writing each checkpoint as a gds_persist directory (for the
-    ``lightning`` package; :func:`pytorch_lightning_checkpoint_io` for ``pytorch_lightning``)."""
+    """Lightning ``CheckpointIO`` writing each checkpoint through gds_persist, as a
+    ``torch.save``-format file by default (for the ``lightning`` package;
+    :func:`pytorch_lightning_checkpoint_io` for ``pytorch_lightning``)."""
 
     _torch_io = _TorchCheckpointIO
+
 
 
 def pytorch_lightning_checkpoint_io(**kwargs: Any) -> Any:

@@ -39,6 +39,35 @@ from ..format.tree import KeyPath, path_str, tensor_key_paths
 from ..state.flatten import rebuild_tensor
 
 Allocate = Callable[[int], torch.Tensor]  # storage index -> a fresh flat uint8 buffer of it
+InPlace = Callable[[Manifest, int, list[torch.Tensor]], bool]  # may storage s land in these?
+MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
+
+
+def target_device(saved: str, map_location: MapLocation, distributed: bool) -> torch.device:
+    if distributed and map_location is None and saved.startswith("cuda"):
+        return torch.device("cuda", torch.cuda.current_device())  # each rank its own GPU
+    if map_location is None or callable(map_location):
+        target = saved if map_location is None else "cpu"  # callables see CPU storages first
+    elif isinstance(map_location, dict):
+        target = map_location.get(saved, saved)
+    else:
+        target = str(map_location)
+    device = torch.device(target)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError(
+            f"the checkpoint holds tensors saved on {saved} but CUDA is not available; pass "
+            "map_location='cpu' (or a dict/callable) to load them elsewhere"
+        )
+    return device
+
+
+def apply_callable(fn: Callable[..., Any], storage: torch.UntypedStorage, location: str) -> Any:
+    result = fn(storage, location)
+    if result is None:
+        if location == "cpu":
+            return storage
+        return storage.to(device=target_device(location, None, False))
+    return result.untyped() if hasattr(result, "untyped") else result
 
 
 def tensor_leaves(obj: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, torch.Tensor]]:
@@ -191,9 +220,11 @@ class Destinations:
 
 
 def plan_destinations(m: Manifest, wanted: list[int], needed: list[int],
-                      found: Matched | None, allocate: Allocate) -> Destinations:
-    """Every needed storage's spans: in place where the destinations tile it, else a fresh
-    buffer (module docstring). ``found``: what :func:`match` paired (None: a plain load)."""
+                      found: Matched | None, allocate: Allocate,
+                      in_place: InPlace | None = None) -> Destinations:
+    """Every needed storage's spans: in place where the destinations tile it (and ``in_place``,
+    if given, allows it for that storage), else a fresh buffer (module docstring).
+    ``found``: what :func:`match` paired (None: a plain load)."""
     matched = found.dests if found is not None else {}
     by_storage: dict[int, list[int]] = {}
     for i in wanted:
@@ -206,6 +237,9 @@ def plan_destinations(m: Manifest, wanted: list[int], needed: list[int],
         indices = by_storage.get(s, [])
         out.cuts[s] = _boundaries(m, indices)
         tiles = _tiles(m, s, indices, matched, s in encoded)
+        if tiles is not None and in_place is not None and not in_place(
+                m, s, [d for _, d in tiles[0]]):
+            tiles = None
         if tiles is None:
             out.fresh[s] = len(out.buffers)
             out._add(s, allocate(s), 0)

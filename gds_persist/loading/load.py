@@ -47,49 +47,29 @@ from ..stages import stage
 from ..transfer.opened import (
     OPEN_ATTEMPTS,
     OpenCheckpoint,
+    OpenFile,
     open_checkpoint,
     opened,
     pause,
     replaced_message,
 )
 from ..transfer.reader import Describe, checksum_mismatch
-from .destinations import Destinations, Matched, match, plan_destinations
+from . import single_file
+from .destinations import (
+    Destinations,
+    MapLocation,
+    Matched,
+    apply_callable,
+    match,
+    plan_destinations,
+    target_device,
+)
 from .extents import read_extents
 
 log = logging.getLogger("gds_persist")
-MapLocation = None | str | torch.device | dict[str, str] | Callable[..., Any]
-
-
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """The validated manifest of the committed checkpoint at ``path``."""
     return opened(path, lambda ck: ck.manifest)
-
-
-def _target_device(saved: str, map_location: MapLocation, distributed: bool) -> torch.device:
-    if distributed and map_location is None and saved.startswith("cuda"):
-        return torch.device("cuda", torch.cuda.current_device())  # each rank its own GPU
-    if map_location is None or callable(map_location):
-        target = saved if map_location is None else "cpu"  # callables see CPU storages first
-    elif isinstance(map_location, dict):
-        target = map_location.get(saved, saved)
-    else:
-        target = str(map_location)
-    device = torch.device(target)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError(
-            f"the checkpoint holds tensors saved on {saved} but CUDA is not available; pass "
-            "map_location='cpu' (or a dict/callable) to load them elsewhere"
-        )
-    return device
-
-
-def _apply_callable(fn: Callable[..., Any], storage: torch.UntypedStorage, location: str) -> Any:
-    result = fn(storage, location)
-    if result is None:
-        if location == "cpu":
-            return storage
-        return storage.to(device=_target_device(location, None, False))
-    return result.untyped() if hasattr(result, "untyped") else result
 
 
 def load(
@@ -106,6 +86,7 @@ def load(
     rank_local: Any = None,
     data_dirs: Any = None,
     return_info: bool = False,
+    weights_only: bool = True,
 ) -> Any:
     """Load the checkpoint at ``path``; every extent's CRC32C is checked unless ``verify=False``.
 
@@ -140,6 +121,15 @@ def load(
     matches, logs the rest and reports it in ``LoadInfo.missing_keys`` / ``unexpected_keys``.
     ``map_location`` applies only to tensors loaded fresh. A restore that fails part-way raises
     saying which tensors of ``into`` may hold partial data (``partial_keys`` of the error).
+
+    ``path`` may also be one file: a ``torch.save`` archive (written by
+    ``gds_persist.save(..., format="torch")``, or stock ``torch.save``) or a safetensors file,
+    read by the same engine, ``into=`` and process groups included
+    (:mod:`gds_persist.loading.single_file`). A torch.save file's pickle runs through torch's
+    weights-only unpickler (tensors, containers, ``add_safe_globals``); ``weights_only=False``
+    runs any object it holds, for trusted files only (a DeepSpeed checkpoint needs it). A file
+    gds_persist wrote is verified like a directory; a stock one records no checksums and is
+    read unverified (``LoadInfo.reason`` says so).
     """
     t0 = time.perf_counter()
     path = os.fspath(path)
@@ -160,8 +150,9 @@ def load(
     with stage("open (manifest, data files)"):
         ck, lp = _open_agreed(path, comm, what, plan_for)
     with ck:
+        single_file.check_pickle(ck, weights_only)
         state, info = _load_held(ck, lp, comm, cfg, what, map_location, verify, progress,
-                                 distributed, into, strict)
+                                 distributed, into, strict, weights_only)
     info.seconds = time.perf_counter() - t0
     return (state, info) if return_info else state
 
@@ -195,6 +186,8 @@ def _plan_load(m: Manifest, path: str, rank_local: Any, comm: Comm, cfg: setting
     wanted = tensor_indices(tree)
     needed = sorted({m.tensors[i].storage for i in wanted})
     replicated = sorted({m.tensors[i].storage for i in tensor_indices(m.tree)})
+    if m.writer.get("container"):  # a single file: its pickle may use every storage
+        needed = replicated = list(range(len(m.storages)))
     share = bool(distributed and comm.size > 1 and cfg.load_strategy != "read_all" and replicated)
     shared, by_rank = shared_pieces(m, set(replicated), comm.size) if share else ([], [])
     mine = [] if share else [e for e in m.extents if e.storage in set(needed)]
@@ -274,23 +267,28 @@ def _open_step(path: str, attempt: int, held: dict[str, Any],
 def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Settings,
                what: str, map_location: MapLocation, verify: bool,
                progress: ProgressCallback | None, distributed: bool, into: Any,
-               strict: bool) -> tuple[Any, LoadInfo]:
+               strict: bool, weights_only: bool) -> tuple[Any, LoadInfo]:
     """The rest of :func:`load`, on a checkpoint held open with this rank's files."""
     m = ck.manifest
+    torch_file = single_file.is_torch_file(ck)
+    unverified = isinstance(ck, OpenFile) and not ck.verifiable
+    verify = verify and not unverified
     describe_storage = storage_descriptions(m)
     chosen: list[tuple[str, str]] = []  # (backend, reason) of every directory read
     held: dict[str, Any] = {}
 
     def allocate(s: int) -> torch.Tensor:
         rec = m.storages[s]
-        device = _target_device(rec.device, map_location, distributed)
+        device = target_device(rec.device, map_location, distributed)
         return torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
 
     def read() -> list[list[int]]:
         with stage("allocate destinations"):
             found = held["found"] = (None if into is None else
                                      match(m, lp.tree, into, strict, what))
-            held["dest"] = plan_destinations(m, lp.wanted, lp.needed, found, allocate)
+            held["dest"] = plan_destinations(
+                m, lp.wanted, lp.needed, found, allocate,
+                single_file.exact_destination if torch_file else None)
         reading = _PieceReader(ck, held["dest"], cfg, verify, describe_storage, chosen)
         sub = lp.by_rank[comm.rank] if lp.share else []
         own = _own_reads(m, lp.needed, lp.replicated) if lp.share else lp.mine
@@ -318,13 +316,16 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
         raise told from e
     found = held["found"]
     with stage("rebuild tensors"):
-        state = decode(lp.tree, dest.returned(m, lp.wanted, _fresh_storages(m, lp, dest,
-                                                                             map_location)))
+        if torch_file:
+            state = single_file.rebuild(ck, lp.tree, dest, found, map_location, weights_only)
+        else:
+            state = decode(lp.tree, dest.returned(m, lp.wanted, _fresh_storages(
+                m, lp, dest, map_location)))
     unique = list(dict.fromkeys(chosen))
     payload = sum(m.storages[s].nbytes for s in lp.needed)
+    reasons = [r for _, r in unique] + ([single_file.UNVERIFIED] if unverified else [])
     info = LoadInfo(ck.path, ",".join(dict.fromkeys(b for b, _ in unique)) or "none",
-                    "; ".join(r for _, r in unique) or "nothing to read", held["read_bytes"],
-                    payload, 0.0)
+                    "; ".join(reasons) or "nothing to read", held["read_bytes"], payload, 0.0)
     if found is not None:
         info.missing_keys, info.unexpected_keys = found.missing_keys, found.unexpected_keys
         info.in_place_bytes = dest.in_place_bytes()
@@ -345,7 +346,7 @@ def _fresh_storages(m: Manifest, lp: _LoadPlan, dest: Destinations,
     for s in returned:
         storage = dest.buffers[dest.fresh[s]].untyped_storage()
         if callable(map_location) and not isinstance(map_location, dict):
-            storage = _apply_callable(map_location, storage, m.storages[s].device)
+            storage = apply_callable(map_location, storage, m.storages[s].device)
         storages[s] = storage
     return storages
 

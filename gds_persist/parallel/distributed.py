@@ -205,3 +205,16 @@ def make_comm(process_group: Any, timeout_s: float) -> Comm:
 
         process_group = dist.group.WORLD
     return GroupComm(process_group, timeout_s)
+
+
+def background_group(timeout_s: float) -> Any:
+    """A gloo group of every rank of the default group, for the collectives a background thread
+    runs while the main thread runs its own on the default group (two threads must not share a
+    group: their collectives could pair up in a different order on different ranks); None where
+    torch.distributed is not initialized. Every rank calls it, in the same order relative to
+    other group creations (``new_group`` is collective)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.new_group(backend="gloo", timeout=timedelta(seconds=timeout_s))

@@ -15,6 +15,8 @@ from ..progress import ProgressCallback
 from ..state.rank_local import normalize_paths
 from .incremental import check_base_path
 
+FORMATS = ("directory", "torch")  # a checkpoint directory, or one torch.save file
+
 
 @dataclass(frozen=True)
 class SaveOptions:
@@ -36,10 +38,15 @@ class SaveOptions:
     base: str | os.PathLike[str] | None = None
     compression: str | None = None
     content_hash: bool | None = None
+    format: str = "directory"
     cfg: settings.Settings = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.data_parallel and self.allow_pickle:
+        if self.format not in FORMATS:
+            raise ValueError(f"format={self.format!r}: valid formats are {', '.join(FORMATS)}")
+        if self.format == "torch":
+            self._check_torch_format()
+        elif self.data_parallel and self.allow_pickle:
             raise ValueError("allow_pickle=True is for single-process saves; it cannot be "
                              "combined with process_group, rank_local or data_dirs")
         object.__setattr__(self, "cfg", settings.current(  # frozen: set once, here
@@ -54,6 +61,19 @@ class SaveOptions:
         roots = self.roots()
         if len(set(roots)) != len(roots):
             raise ValueError(f"data_dirs lists a directory twice: {roots}")
+
+    def _check_torch_format(self) -> None:
+        """What one torch.save file cannot hold (it has no references, codec or sections)."""
+        given = [name for name, value in (("base", self.base), ("compression", self.compression),
+                                          ("content_hash", self.content_hash),
+                                          ("rank_local", self.rank_local),
+                                          ("data_dirs", self.data_dirs)) if value is not None]
+        if given:
+            raise ValueError(
+                f"format='torch' writes one plain torch.save file, which cannot hold what "
+                f"{', '.join(given)}= ask for (references, encoded units, per-rank parts, other "
+                "directories); use the directory format (format='directory', the default) for "
+                "them, or save rank-local parts as a file per rank")
 
     @property
     def data_parallel(self) -> bool:

@@ -20,6 +20,8 @@ from ..transfer.writer import write_plan
 from .data_parallel import save_parallel
 from .incremental import BaseIndex, References, describe_references, open_base
 from .options import SaveOptions
+from .torch_file import PickledState, save_torch_file
+from .torch_file_parallel import save_torch_file_parallel
 from .units import (
     Written,
     backend_for,
@@ -51,6 +53,7 @@ def save(
     base: str | os.PathLike[str] | None = None,
     compression: str | None = None,
     content_hash: bool | None = None,
+    format: str = "directory",
 ) -> SaveInfo:
     """Write ``state_dict`` to the checkpoint directory ``path``, durably and atomically.
 
@@ -107,6 +110,16 @@ def save(
     (only where measured to make this save faster on this drive; the reason is in
     ``SaveInfo.compression_reason``). Loads return bit-identical tensors either way.
 
+    ``format="torch"``: ``path`` is one file in ``torch.save``'s format, which stock
+    ``torch.load`` (``weights_only=True``, ``mmap=True``) reads bit-exactly and any tool that
+    opens ``.pt`` / ``.ckpt`` files takes; written by the same engine (aligned O_DIRECT or
+    kvikio, CRC32C of every storage in a record torch ignores, atomic), and read back, verified,
+    by :func:`gds_persist.load` (:mod:`gds_persist.saving.torch_file`). With ``process_group``
+    the ranks write byte ranges of the one file. The state holds what
+    ``torch.load(weights_only=True)`` reads unless ``allow_pickle=True``; ``base``,
+    ``compression``, ``content_hash``, ``rank_local`` and ``data_dirs`` need the directory
+    format.
+
     Raises TypeError (naming the key path) for objects a checkpoint cannot hold,
     :class:`DiskFullError` when the filesystem is too small, :class:`BackendError` for an unusable
     backend, :class:`CheckpointTimeout` when another process's commit of ``path`` hangs,
@@ -117,7 +130,9 @@ def save(
         io_threads=io_threads, progress=progress, process_group=process_group,
         rank_local=rank_local, writers_per_node=writers_per_node, data_dirs=data_dirs,
         check_replicas=check_replicas, allow_pickle=allow_pickle, base=base,
-        compression=compression, content_hash=content_hash)
+        compression=compression, content_hash=content_hash, format=format)
+    if options.format == "torch":
+        return _save_torch(state_dict, os.path.abspath(os.fspath(path)), options)
     if options.data_parallel:
         return save_parallel(state_dict, path, options)
     t0 = time.perf_counter()
@@ -236,3 +251,14 @@ def _seal_units(tmp: Temporary, flat: Flattened, names: list[str], written: Writ
             index.check_unchanged()
         seal(tmp, manifest, timeout_s)
     return kept
+
+
+def _save_torch(state: Any, path: str, options: SaveOptions) -> SaveInfo:
+    if isinstance(state, Flattened):  # a snapshot of a pickled state (a background writer)
+        if not isinstance(state.tree, PickledState):
+            raise TypeError("format='torch' pickles the state itself: pass the state dict, "
+                            "not a flattened one")
+        state = PickledState.over(state)
+    if options.data_parallel:
+        return save_torch_file_parallel(state, path, options)
+    return save_torch_file(state, path, options, time.perf_counter())

@@ -407,3 +407,42 @@ def writer_record(backend: str, reason: str, world_size: int = 1, host: str | No
     return {"backend": backend, "reason": reason, "gds_persist": __version__,
             "torch": torch.__version__, "host": host if host is not None else socket.gethostname(),
             "world_size": world_size, **more}
+
+
+# --- the commit of a single file (a torch.save archive) ---------------------------------------
+
+def begin_file(path: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Temporary:
+    """Start a save of the single file ``path``: it is written as ``<temporary>/NAME`` and
+    renamed over ``path`` by :func:`seal_file` (the same owner lock and leftover cleanup as a
+    directory save). A directory at ``path`` is refused, never replaced."""
+    _refuse_directory(path)
+    return make_temporary(path, timeout_s)
+
+
+def file_in(tmp: Temporary) -> str:
+    """Where the file of a single-file save is written before its commit."""
+    return os.path.join(tmp.dir, os.path.basename(tmp.path))
+
+
+def seal_file(tmp: Temporary, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Publish the written and fsynced :func:`file_in` at its path: one rename (an existing file
+    is replaced atomically), under the path's commit lock, then the directory fsynced; on
+    failure the temporary is given up and whatever was at the path is intact."""
+    try:
+        lock = acquire(commit_lock_path(tmp.path), timeout_s=timeout_s,
+                       what=f"committing {tmp.path} (another process is committing it)")
+        try:
+            _refuse_directory(tmp.path)
+            os.rename(file_in(tmp), tmp.path)
+            fsync_path(os.path.dirname(tmp.path))
+        finally:
+            lock.release(remove=True)
+    finally:
+        tmp.finish()
+
+
+def _refuse_directory(path: str) -> None:
+    if os.path.isdir(path) and not os.path.islink(path):
+        raise CheckpointError(
+            f"{path} is a directory; a format='torch' save writes one file there and would have "
+            "to delete it: choose another path (such as a name ending in .pt), or remove it")

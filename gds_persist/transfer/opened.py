@@ -27,6 +27,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import pickle
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -35,12 +36,24 @@ from typing import Any, TypeVar
 from ..errors import (
     CheckpointPermissionError,
     CheckpointReplacedError,
+    ManifestError,
     NotACheckpointDirectoryError,
     NotCommittedError,
     ReferencedCheckpointError,
     TruncatedError,
 )
-from ..format import MANIFEST_NAME, Manifest, base_dir_path, data_file_path, parse_manifest
+from ..format import (
+    MANIFEST_NAME,
+    Manifest,
+    base_dir_path,
+    data_file_path,
+    foreign,
+    parse_manifest,
+    torch_archive,
+    torch_pickle,
+)
+from ..format.checksum import crc32c as _crc32c
+from ..format.safetensors import SafetensorsError, looks_like_safetensors, parse_header
 from .commit import commit_lock_path, is_temporary
 
 T = TypeVar("T")
@@ -201,6 +214,93 @@ class OpenCheckpoint:
         return fd
 
 
+class OpenFile(OpenCheckpoint):
+    """A checkpoint that is one file - a ``torch.save`` archive or a safetensors file - held
+    open: the file is data file 0 and ``manifest`` describes it (:mod:`gds_persist.format.foreign`).
+    ``pickle``: a torch archive's ``data.pkl`` (None for safetensors); ``verifiable``: whether
+    the file records the CRC32C of its storages (gds_persist wrote it)."""
+
+    def __init__(self, path: str, fd: int, identity: bytes, manifest: Manifest,
+                 pickle: bytes | None, zip_crc32: dict[int, int] | None = None):
+        super().__init__(path, fd, identity, manifest)
+        self._fds[0] = os.dup(fd)
+        self.pickle = pickle
+        self.verifiable = bool(manifest.writer.get("checksums"))
+        # a stock torch.save file: the zip CRC-32 of each storage where torch recorded one
+        self.zip_crc32 = zip_crc32 or {}
+
+    def file_path(self, index: int) -> str:
+        return self.path
+
+    def open_files(self, indices: Iterable[int]) -> None:
+        """The one data file is the file itself, opened (and its size known) already."""
+
+
+def open_file(path: str) -> OpenFile:
+    """Open a single-file checkpoint and describe it (NotACheckpointDirectoryError for a file
+    that is neither a torch.save archive nor a safetensors file)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        size = os.fstat(fd).st_size
+
+        def read_at(offset: int, n: int) -> bytes:
+            return os.pread(fd, n, offset)
+
+        head = read_at(0, 16)
+        if head[:4] == torch_archive.ZIP_MAGIC:
+            manifest, identity, data, zip_crcs = _torch_file(path, read_at, size)
+            return OpenFile(path, fd, identity, manifest, data, zip_crcs)
+        if looks_like_safetensors(head, size):
+            try:
+                header = parse_header(read_at, size)
+            except SafetensorsError as e:
+                raise ManifestError(f"{path}: not a valid safetensors file: {e}") from None
+            manifest = foreign.safetensors_manifest(os.path.basename(path), size, header)
+            return OpenFile(path, fd, read_at(0, header.data_start), manifest, None)
+        raise NotACheckpointDirectoryError(
+            errno.ENOTDIR, f"{path} is a file but neither a torch.save archive nor a "
+            "safetensors file, so not a checkpoint gds_persist reads (a legacy torch.save "
+            "file, from torch < 1.6 or _use_new_zipfile_serialization=False: load it with "
+            "torch.load(weights_only=True) and save it again)")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _torch_file(path: str, read_at: Callable[[int, int], bytes],
+                size: int) -> tuple[Manifest, bytes, bytes, dict[int, int]]:
+    """The manifest of a torch.save archive, what identifies it, its data.pkl, and the zip
+    CRC-32 of each storage that records one."""
+    try:
+        index = torch_archive.read_index(read_at, size)
+        rec = index.checked(torch_archive.PICKLE_RECORD)
+        data = read_at(rec.data, rec.size)
+        stored = (index.checked(torch_archive.CHECKSUM_RECORD)
+                  if torch_archive.CHECKSUM_RECORD in index.records else None)
+        raw = read_at(stored.data, stored.size) if stored is not None else b""
+        checksums = torch_archive.parse_checksums(raw) if stored is not None else None
+        if checksums is not None and checksums.get(rec.name) != _crc32c(data):
+            raise torch_archive.ArchiveError(f"{rec.name} does not match its recorded CRC32C: "
+                                             "the file is corrupted")
+        sk = torch_pickle.skeleton(data)
+        offsets, zip_crcs = [], {}
+        for k, s in enumerate(sk.storages):
+            r = index.checked(f"data/{s.key}")
+            if r.size != s.nbytes:
+                raise torch_archive.ArchiveError(f"data/{s.key} holds {r.size} bytes, its "
+                                                 f"tensors need {s.nbytes}")
+            offsets.append(r.data)
+            if r.crc32 or not r.size:  # 0: not recorded (torch's set_crc32_options(False))
+                zip_crcs[k] = r.crc32
+    except (torch_archive.ArchiveError, pickle.UnpicklingError) as e:
+        raise ManifestError(f"{path}: not a torch.save archive gds_persist can read: {e}"
+                            ) from None
+    writer = torch_archive.writer_of(raw) if raw else {}
+    manifest = foreign.torch_manifest(os.path.basename(path), size, sk, offsets, checksums,
+                                      writer)
+    return manifest, raw + data, data, zip_crcs
+
+
 def replaced_message(path: str, why: str) -> str:
     """The words of a :class:`CheckpointReplacedError`; ``why``: "replaced" or "removed"."""
     if why == "removed":
@@ -227,10 +327,7 @@ def _open_once(path: str, last_try: bool) -> OpenCheckpoint:
             "interrupted save leaves only a hidden .NAME.tmp-* sibling)"
         ) from None
     except NotADirectoryError:
-        raise NotACheckpointDirectoryError(
-            errno.ENOTDIR, f"{path} is a file, not a gds_persist checkpoint directory (a "
-            "torch.save or safetensors file? gds_persist.import_checkpoint converts one)"
-        ) from None
+        return open_file(path)
     except PermissionError as e:
         raise CheckpointPermissionError(
             errno.EACCES, f"this process may not read the checkpoint {path} ({e.strerror}): "

@@ -285,10 +285,14 @@ class FileReader(FilePipeline):
             held = self._scratch.array = np.empty(max(nbytes, 1), dtype=np.uint8)
         return held[:nbytes]
 
-    def _pread(self, f: _OpenFile, view: memoryview, offset: int, what: str = "read") -> None:
+    def _pread(self, f: _OpenFile, view: memoryview, offset: int, what: str = "read",
+               need: int | None = None) -> None:
+        """Fill ``view`` from ``offset``; only its first ``need`` bytes must be in the file (a
+        window over the end of a file the engine did not write: a torch.save or safetensors
+        file ends where its last record does, not at a block boundary)."""
         with stage(what, view.nbytes):
             got = self.backend.pread(f.handle, view, offset)
-        if got != view.nbytes:
+        if got < (view.nbytes if need is None else need):
             raise TruncatedError(
                 f"{f.path}: short read at offset {offset} ({got} of {view.nbytes} bytes)"
             )
@@ -311,7 +315,8 @@ class FileReader(FilePipeline):
                      hosts: Sequence[np.ndarray | None], copier: StreamCopier | None,
                      on_device: bool, _: None) -> None:
         try:
-            self._pread(f, buf.view[: seg.nbytes], seg.lo)
+            need = seg.pieces[-1][2] - seg.lo if seg.pieces else 0
+            self._pread(f, buf.view[: seg.nbytes], seg.lo, need=need)
             for k, lo, hi in seg.pieces:
                 e = f.extents[k]
                 at = e.start + lo - e.offset  # where the piece belongs in its storage

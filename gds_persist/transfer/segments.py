@@ -48,14 +48,16 @@ def pieces_in(extents: Sequence[Extent], lo: int, hi: int, first: int = 0) -> It
 
 
 def extent_spans(extents: Sequence[Extent]) -> list[tuple[int, int]]:
-    """The aligned file ranges that hold ``extents`` (sorted by offset); neighbours merge."""
+    """The aligned file ranges that hold ``extents`` (sorted by offset); neighbours merge. An
+    extent that does not start at an aligned offset (a file the engine did not lay out) is read
+    from the block that holds its first byte."""
     spans: list[list[int]] = []
     for e in extents:
-        hi = align_up(e.offset + e.length)
-        if spans and spans[-1][1] >= e.offset:
+        lo, hi = e.offset - e.offset % ALIGNMENT, align_up(e.offset + e.length)
+        if spans and spans[-1][1] >= lo:
             spans[-1][1] = max(spans[-1][1], hi)
         else:
-            spans.append([e.offset, hi])
+            spans.append([lo, hi])
     return [(lo, hi) for lo, hi in spans]
 
 
@@ -80,8 +82,8 @@ def cut(
             e = extents[k]
             if e.offset >= span_hi:
                 break
-            n = direct_bytes(e) if direct_bytes is not None else 0
-            if n <= 0 or e.offset < cursor:
+            n = direct_bytes(e) if direct_bytes is not None and not e.offset % ALIGNMENT else 0
+            if n <= 0 or e.offset < cursor:  # unaligned extents are staged whole
                 continue
             out += _staged(extents, cursor, e.offset, block_bytes, first)
             for lo in range(e.offset, e.offset + n, block_bytes):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..backends.base import Backend
-from ..format import Extent, crc32c
+from ..format import ALIGNMENT, Extent, align_up, crc32c
 from ..settings import Settings
 from ..stages import stage
 from .crc import device_crc32c_many, device_crc32c_or_none
@@ -46,7 +46,7 @@ from .pipeline import (
     interleave,
     join_piece_crcs,
 )
-from .segments import Segment, cut, whole_blocks
+from .segments import Segment, cut, extent_spans, whole_blocks
 from .staging import AlignedBuffer, io_session
 
 DIRECT_MIN = 1 << 20  # a host extent this large is written from its own memory when aligned
@@ -73,6 +73,7 @@ class _OpenFile:
     handle: Any
     device_crcs: dict[int, int] = field(default_factory=dict)  # extent index -> CRC (device)
     pieces: list[PieceCrc] = field(default_factory=list)  # host CRCs of pieces, any order
+    whole: bool = True  # every block of the file (gaps zeroed); else only the extents' blocks
 
 
 class FileWriter(FilePipeline):
@@ -85,15 +86,16 @@ class FileWriter(FilePipeline):
         return self.write_files([path], [plan], sources)[0]
 
     def write_files(self, paths: Sequence[str], plans: Sequence[FileLayout],
-                    sources: Sequence[torch.Tensor]) -> list[list[int]]:
+                    sources: Sequence[torch.Tensor], create: bool = True) -> list[list[int]]:
         """Write every file of ``plans`` (to ``paths``) concurrently and fsync them; return the
-        extents' CRC32C, file by file."""
+        extents' CRC32C, file by file. ``create=False``: the files exist (other ranks write
+        other parts of them); only the planned extents' blocks are written."""
         files: list[_OpenFile] = []
         try:
             for path, plan in zip(paths, plans, strict=True):
                 with stage("open + preallocate"):
-                    files.append(_OpenFile(path, plan,
-                                           self.backend.open(path, write=True, size=plan.size)))
+                    files.append(_OpenFile(path, plan, self.backend.open(
+                        path, write=True, size=plan.size, create=create), whole=create))
             device = [f for f in files if self._from_device(f, sources)]
             for f in device:
                 self._write_from_device(f, sources)
@@ -134,21 +136,30 @@ class FileWriter(FilePipeline):
 
     def _segments(self, f: _OpenFile, hosts: Sequence[np.ndarray | None]) -> list[Segment]:
         align = self.backend.host_alignment
+        # CUDA extents checksummed on the device go straight from device memory where the
+        # backend takes it (kvikio), also in a file that holds host bytes too (a torch.save
+        # file's glue): their whole blocks directly, the last partial block staged
+        on_device = ({f.plan.extents[k] for k in f.device_crcs} if self.backend.accepts_device
+                     else set())
 
         def direct_bytes(e: Extent) -> int:
             src = hosts[e.storage]
-            if align is None or src is None or e.length < DIRECT_MIN:
+            if e.length < DIRECT_MIN:
+                return 0
+            if src is None:
+                return whole_blocks(e.length) if e in on_device else 0
+            if align is None:
                 return 0
             address = src.ctypes.data + e.start
             return whole_blocks(e.length) if address % align == 0 else 0
 
-        return cut(f.plan.extents, [(0, f.plan.size)], self.ring.block_bytes,  # type: ignore
-                   direct_bytes)
+        spans = [(0, f.plan.size)] if f.whole else extent_spans(f.plan.extents)
+        return cut(f.plan.extents, spans, self.ring.block_bytes, direct_bytes)  # type: ignore
 
     def _submit(self, f: _OpenFile, seg: Segment, sources: Sequence[torch.Tensor],
                 hosts: Sequence[np.ndarray | None], copier: StreamCopier | None) -> Future[None]:
         if seg.direct:
-            return self.pool.submit(self._write_direct, f, seg, hosts)
+            return self.pool.submit(self._write_direct, f, seg, hosts, sources)
 
         def queue_d2h(buf: AlignedBuffer) -> list[Any]:
             """The buffer's device-to-host copies, queued now: as many buffers ahead of the
@@ -166,12 +177,18 @@ class FileWriter(FilePipeline):
 
         return self.submit_staged(self._write_buffer, f, seg, hosts, prepare=queue_d2h)
 
-    def _write_direct(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None]) -> None:
+    def _write_direct(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None],
+                      sources: Sequence[torch.Tensor]) -> None:
         (k, lo, hi), = seg.pieces
         e = f.plan.extents[k]
         src = hosts[e.storage]
-        assert src is not None
         at = e.start + lo - e.offset
+        if src is None:  # CUDA memory to the backend; its CRC32C came from the device
+            with stage("write (from device)", hi - lo):
+                self.backend.pwrite(f.handle, sources[e.storage][at : at + hi - lo], lo)
+            if self.progress is not None:
+                self.progress(hi - lo)
+            return
         data = src[at : at + hi - lo]
         with stage("checksum", hi - lo):
             crc = crc32c(data)
@@ -243,17 +260,38 @@ def write_plan(
     storages: Sequence[torch.UntypedStorage],
     cfg: Settings,
     progress: Callable[[int], None] | None = None,
+    create: bool = True,
 ) -> list[Extent]:
     """Write every planned file into ``directory`` from ``storages`` (indexed by the extents'
-    ``storage``); return the sealed extents (with their CRC32C), file by file."""
+    ``storage``); return the sealed extents (with their CRC32C), file by file.
+    ``create=False``: see :meth:`FileWriter.write_files`."""
     sources = [byte_view(s) for s in storages]
     with io_session(
         cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
     ) as (ring, pool):
         writer = FileWriter(backend, ring, pool, cfg.io_timeout_s, progress)
         crcs = writer.write_files([os.path.join(directory, f.name) for f in files], files,
-                                  sources)
+                                  sources, create)
     sealed: list[Extent] = []
     for f, file_crcs in zip(files, crcs, strict=True):
         sealed += [replace(e, crc32c=c) for e, c in zip(f.extents, file_crcs, strict=True)]
     return sealed
+
+
+def write_at(backend: Backend, path: str, offset: int, data: bytes) -> None:
+    """Write ``data`` into the existing file ``path`` at the aligned ``offset`` as its last
+    bytes (the file ends right after them), and fsync it: the tail of a file whose contents
+    depend on what was written before (a torch.save archive's checksums and directory)."""
+    end = offset + len(data)
+    with AlignedBuffer(max(align_up(len(data)), ALIGNMENT), pin=False) as buf:
+        buf.array[: len(data)] = np.frombuffer(data, dtype=np.uint8)
+        buf.array[len(data):] = 0
+        handle = backend.open(path, write=True, create=False)
+        try:
+            with stage("write (tail)", len(data)):
+                backend.pwrite(handle, buf.view[: align_up(len(data))], offset)
+            backend.set_size(handle, end)
+            with stage("fsync"):
+                backend.sync(handle)
+        finally:
+            backend.close(handle)

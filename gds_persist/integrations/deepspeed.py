@@ -1,0 +1,302 @@
+"""DeepSpeed: ``engine.save_checkpoint`` / ``load_checkpoint`` through gds_persist
+(docs/INTEGRATIONS.md).
+
+::
+
+    from gds_persist.integrations import deepspeed as gds_deepspeed
+
+    engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=opt,
+                                                           config=config)
+    gds_deepspeed.attach(engine)                 # every rank, right after initialize
+    engine.save_checkpoint("ckpt", tag="step-100")   # returns once the writes are queued
+    engine.load_checkpoint("ckpt")                   # the tag ``latest`` names
+
+:func:`attach` replaces ``engine.checkpoint_engine`` with a :class:`GdsPersistCheckpointEngine`.
+Every file keeps DeepSpeed's name and is a ``torch.save`` archive
+(``gds_persist.save(..., format="torch")``): aligned O_DIRECT (or kvikio) writes from the
+bounded staging ring, a CRC32C per storage, committed atomically (temporary sibling, fsync,
+rename, directory fsync). So ``torch.load``, ``zero_to_fp32``, universal checkpoints and every
+other DeepSpeed tool read them as before, and gds_persist verifies them on load.
+
+Trust: DeepSpeed's states hold Python objects beyond tensors (``LossScaler``,
+``ZeroStageEnum``, ``fragment_address``, the config): they ride in the archive's pickle
+(``allow_pickle=True``) and :meth:`~GdsPersistCheckpointEngine.load` unpickles them
+(``weights_only=False``), as DeepSpeed's own engines do. Load trusted checkpoints only.
+
+Decoupled (``decoupled=True``, the default), like DeepSpeed's DecoupledCheckpointEngine:
+``save`` pickles the state's Python objects at once (later changes to them are not saved) and
+queues the write of its tensors on one background thread, straight from the live tensors (no
+copy: memory stays ``staging_bytes``). ``save_checkpoint`` returns; the writes overlap the
+forward and backward of the next step; DeepSpeed calls :meth:`commit` in that step's
+``engine.step()`` before the optimizer changes any tensor, and it waits until every rank's
+files are durable, then (rank 0) writes ``latest`` atomically; only then does DeepSpeed write
+``latest`` (the same tag) and run the update. Between ``save_checkpoint`` and the next
+``engine.step()`` nothing else may change the saved tensors (``wait()`` first). A new
+``save_checkpoint``, ``load_checkpoint`` and ``engine.destroy()`` commit or wait first, so the
+last save of a run is committed by ``engine.destroy()``. Every wait is bounded (``timeout_s``
+for this rank's writes, ``collective_timeout_s`` for the other ranks). ``decoupled=False``
+commits at the end of ``save_checkpoint``.
+
+A failure anywhere (a write, a full disk, a dead peer) is raised on every rank, by ``commit``
+(``save_checkpoint`` or the next ``engine.step()``), naming the rank and file; ``latest`` is
+then not written, so it still names the previous tag, whose files are untouched.
+
+Data-parallel writing (``data_parallel=True``, FastPersist's ``optimize_dp_state``): with ZeRO
+0-2 every data-parallel rank holds the same model-states file (``mp_rank_00_model_states.pt``,
+which DeepSpeed has dp rank 0 write alone). Here every rank takes part: each writes an aligned
+byte range of the one file (``gds_persist.save(..., format="torch", process_group=...)``).
+Where the replicas' pickles differ (e.g. a rank-specific ``client_state``, or tensors on
+``cuda:0`` and ``cuda:1``) dp rank 0 writes it alone, as DeepSpeed does. Not split: ZeRO-3
+(each rank writes its own files), MoE, pipeline or model parallelism and node-local storage
+(:attr:`GdsPersistCheckpointEngine.split_reason` says why).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import time
+import zipfile
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
+    CheckpointCommitInfo,
+    CheckpointEngine,
+)
+
+from .. import settings
+from ..errors import CheckpointTimeout
+from ..format.torch_pickle import replica_digest
+from ..loading.load import load as gds_load
+from ..parallel.distributed import background_group, make_comm
+from ..results import DistributedSaveInfo, SaveInfo
+from ..saving.save import save as gds_save
+from ..saving.torch_file import PickledState
+from ..transfer.atomic_file import AtomicFile
+from ..transfer.commit import fsync_path
+
+log = logging.getLogger("gds_persist")
+__all__ = ["SAVE_OPTIONS", "GdsPersistCheckpointEngine", "attach"]
+
+SAVE_OPTIONS = frozenset({"backend", "block_bytes", "staging_bytes", "io_threads"})
+# the file every data-parallel rank of ZeRO 0-2 holds alike (DeepSpeed's _get_ckpt_name)
+SHARED_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
+
+
+def attach(engine: Any, *, decoupled: bool = True, data_parallel: bool = True,
+           timeout_s: float = 1800.0, **save_options: Any) -> GdsPersistCheckpointEngine:
+    """Route ``engine.save_checkpoint`` / ``load_checkpoint`` through gds_persist (see the
+    module docstring); every rank calls it (it creates a process group), right after
+    ``deepspeed.initialize``. Returns the new checkpoint engine (also
+    ``engine.checkpoint_engine``). ``save_options``: :func:`gds_persist.save` keywords
+    (:data:`SAVE_OPTIONS`)."""
+    from deepspeed.runtime.engine import DeepSpeedEngine
+
+    if not isinstance(engine, DeepSpeedEngine):
+        raise TypeError(f"attach: {type(engine).__name__} is not a DeepSpeed engine; pass the "
+                        "engine deepspeed.initialize returned (its first value)")
+    old = engine.checkpoint_engine
+    if isinstance(old, GdsPersistCheckpointEngine):
+        return old
+    ours = GdsPersistCheckpointEngine(decoupled=decoupled, timeout_s=timeout_s, **save_options)
+    ours.split_reason = _split_refusal(engine, data_parallel, ours.group)
+    if not ours.split_reason:
+        engine.save_non_zero_checkpoint = True  # every dp rank writes its range of the file
+    if old is not None and old.is_decoupled():
+        old.cleanup()  # DeepSpeed's decoupled engine leaves its process running otherwise
+    engine.checkpoint_engine = ours
+    return ours
+
+
+def _split_refusal(engine: Any, wanted: bool, group: Any) -> str:
+    """Why the data-parallel ranks do not share the write of the model-states file ("" if
+    they do)."""
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+
+    checks = [(not wanted, "data_parallel=False"),
+              (group is None, "one process"),
+              (engine.zero_optimization_partition_weights(), "ZeRO-3: each rank writes its own "
+               "model-states file"),
+              (engine.has_moe_layers, "MoE layers: DeepSpeed writes their files per expert"),
+              (isinstance(engine, PipelineEngine) or engine.mpu is not None
+               or engine.mp_world_size > 1, "pipeline or model parallelism"),
+              (engine.use_node_local_storage(), "node-local storage: each node writes a copy")]
+    return next((reason for failed, reason in checks if failed), "")
+
+
+class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
+    """A DeepSpeed ``CheckpointEngine`` writing DeepSpeed's files with gds_persist (see the
+    module docstring). Without :func:`attach` (no engine) it still saves and loads single files:
+    ``create``, ``save`` of each file, ``commit``.
+
+    Call order (DeepSpeed's, every rank): ``create(info)``, ``makedirs``, ``save(state, path)``
+    per file, then ``commit(info)`` - at the end of ``save_checkpoint`` (``decoupled=False``) or
+    in the next ``engine.step()`` (via ``get_commit_info``); ``load(path, map_location)`` per
+    file of a ``load_checkpoint``; ``cleanup()`` in ``engine.destroy()``."""
+
+    def __init__(self, config_params: Any = None, *, decoupled: bool = True,
+                 timeout_s: float = 1800.0, **save_options: Any):
+        super().__init__(config_params)
+        self.name = "GdsPersistCheckpointEngine"
+        unknown = sorted(set(save_options) - SAVE_OPTIONS)
+        if unknown:
+            raise TypeError(f"GdsPersistCheckpointEngine: unknown option(s) {unknown}; it takes "
+                            f"decoupled, data_parallel, timeout_s and the gds_persist.save "
+                            f"keywords {', '.join(sorted(SAVE_OPTIONS))}")
+        self.decoupled = decoupled
+        self.timeout_s = timeout_s
+        self.save_options = save_options
+        self.split_reason = "no engine attached"
+        self.group = background_group(settings.current().collective_timeout_s)
+        self.infos: list[SaveInfo] = []  # this rank's writes of the newest committed save
+        self._pending: CheckpointCommitInfo | None = None  # created, not yet committed
+        self._writes: list[tuple[str, Future[Any]]] = []
+        self._executor: ThreadPoolExecutor | None = None
+
+    # ------------------------------------------------------------------ DeepSpeed's calls
+
+    def is_decoupled(self) -> bool:
+        return self.decoupled
+
+    def preserves_storage_sharing(self) -> bool:
+        return True  # views and tied tensors stay one storage, as in torch.save
+
+    def create(self, info: CheckpointCommitInfo) -> None:
+        """Start the save of ``info.tag``; an uncommitted earlier one is committed first."""
+        if self._pending is not None:
+            self.commit(self._pending)
+        self._pending = info
+
+    def save(self, state_dict: Any, path: str) -> None:
+        """Queue (or, not decoupled, run) the write of ``state_dict`` as the file ``path``."""
+        path = os.path.abspath(os.fspath(path))
+        state, pickled = _detached(state_dict)
+        split = (not self.split_reason and SHARED_FILE.fullmatch(os.path.basename(path))
+                 is not None)
+        write = (self._shared_write(state, path, replica_digest(pickled).encode()) if split
+                 else self._write(state, path))
+        self._submit(path, write)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """The state in the file ``path``, verified where gds_persist wrote it; a stock
+        ``torch.save`` file (DeepSpeed's own engine) loads unverified, a legacy (non-zip) one
+        through ``torch.load``. Unpickles DeepSpeed's objects: trusted files only."""
+        self.wait()  # a file being written is read once it is complete
+        if os.path.isfile(path) and not zipfile.is_zipfile(path):
+            return torch.load(path, map_location=map_location, weights_only=False)
+        return gds_load(path, map_location=map_location, weights_only=False)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        """Make ``info.tag`` durable on every rank, then (rank 0, ``info.save_latest``) write
+        ``save_dir/latest`` atomically. Raises on every rank, naming the failed rank and
+        file, if any write failed; ``latest`` is then left as it was."""
+        self._pending = None
+        comm = make_comm(self.group, settings.current().collective_timeout_s)
+        what = f"gds_persist commit of DeepSpeed checkpoint {info.tag!r} in {info.save_dir}"
+        keep = f"; 'latest' in {info.save_dir} was not changed"
+        comm.agree("durable", self._finish_writes, what, keep)
+        comm.agree("latest", lambda: self._publish(info, comm.rank), what, keep)
+        return True
+
+    def get_commit_info(self) -> CheckpointCommitInfo | None:
+        return self._pending
+
+    def cleanup(self) -> None:
+        """``engine.destroy()``: commit the pending save, stop the writer thread."""
+        try:
+            if self._pending is not None:
+                self.commit(self._pending)
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=False)
+                self._executor = None
+
+    # ------------------------------------------------------------------ the writes
+
+    def wait(self) -> list[SaveInfo | None]:
+        """Block (at most ``timeout_s``) until this rank's queued writes are done; raise the
+        first error. Returns their infos (None for a file another rank wrote)."""
+        writes, self._writes = self._writes, []  # touched by the caller's thread only
+        deadline = time.monotonic() + self.timeout_s
+        results: list[SaveInfo | None] = []
+        error: BaseException | None = None
+        for path, future in writes:
+            try:
+                results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
+            except BaseException as e:  # noqa: BLE001 - the first is raised, after the rest
+                error = error or (e if future.done() else CheckpointTimeout(  # the wait ran out
+                    f"the write of {path} did not finish within {self.timeout_s:g} s (slow or "
+                    "hung storage?); it goes on in the background. Raise attach(engine, "
+                    "timeout_s=...) if the storage is only slow"))
+        if error is not None:
+            raise error
+        return results
+
+    def _finish_writes(self) -> int:
+        """This rank's files durable (each was fsynced and renamed in place, its directory
+        fsynced; here the tag directory's entry too); the bytes it wrote."""
+        self.infos = [i for i in self.wait() if i is not None]
+        for tag_dir in sorted({os.path.dirname(i.path) for i in self.infos}):
+            fsync_path(os.path.dirname(tag_dir))
+        return sum(i.rank_bytes if isinstance(i, DistributedSaveInfo) else i.bytes_written
+                   for i in self.infos)
+
+    @staticmethod
+    def _publish(info: CheckpointCommitInfo, rank: int) -> None:
+        if rank == 0 and info.save_latest:
+            with AtomicFile(os.path.join(info.save_dir, "latest")) as fd:
+                os.write(fd, str(info.tag).encode())
+
+    def _write(self, state: Any, path: str) -> Callable[[], SaveInfo]:
+        return lambda: gds_save(state, path, format="torch", allow_pickle=True,
+                                **self.save_options)
+
+    def _shared_write(self, state: Any, path: str,
+                      digest: bytes) -> Callable[[], SaveInfo | None]:
+        """The write of a file every rank holds: byte ranges by every rank if the replicas'
+        pickles (``digest``) are identical, else by rank 0 alone (DeepSpeed's choice)."""
+
+        def run() -> SaveInfo | None:
+            comm = make_comm(self.group, settings.current().collective_timeout_s)
+            if len(set(comm.all_gather_bytes(digest, "replicas of " + path))) == 1:
+                return gds_save(state, path, format="torch", allow_pickle=True,
+                                process_group=self.group, **self.save_options)
+            if comm.rank == 0:
+                log.info("%s: the data-parallel ranks' states differ (client_state? devices?):"
+                         " rank 0 writes it alone", path)
+                return self._write(state, path)()
+            return None
+        return run
+
+    def _submit(self, path: str, write: Callable[[], Any]) -> None:
+        if not self.decoupled:
+            self._writes.append((path, _done(write)))
+            return
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="gds_persist-deepspeed")
+        self._writes.append((path, self._executor.submit(write)))
+
+
+def _detached(state: Any) -> tuple[Any, bytes]:
+    """``state`` pickled now (a later change to a config, a loss scaler or a ZeRO-3 parameter's
+    ``.data`` does not reach the file), its tensors' bytes to be written from the live storages
+    (no copy), as what ``gds_persist.save`` takes (a flattened pickled state), and the pickle."""
+    pickled = PickledState.of(state, allow_pickle=True)
+    for device in {e.storage.device for e in pickled.entries if e.storage.device.type == "cuda"}:
+        torch.cuda.current_stream(device).synchronize()  # the writer thread reads finished bytes
+    return pickled.flattened(), pickled.data
+
+
+def _done(write: Callable[[], Any]) -> Future[Any]:
+    future: Future[Any] = Future()
+    try:
+        future.set_result(write())
+    except BaseException as e:  # noqa: BLE001 - raised by wait(), as a background error is
+        future.set_exception(e)
+    return future
+
