@@ -97,6 +97,12 @@ class Gang:
                                            for r, tb in sorted(failed.items())))
         return [out[r][1] for r in range(self.world)]
 
+    def __enter__(self) -> Gang:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
     def close(self) -> None:
         for q in self.tasks:
             try:

@@ -388,9 +388,8 @@ def test_cuda_targets_of_any_layout_are_filled_in_place(tmp_path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def gang() -> Iterator[Gang]:
-    g = Gang(2, timeout_s=120)
-    yield g
-    g.close()
+    with Gang(2, timeout_s=120) as g:
+        yield g
 
 
 @pytest.mark.slow

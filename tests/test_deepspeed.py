@@ -28,9 +28,8 @@ MODEL_FILE = "mp_rank_00_model_states.pt"
 
 @pytest.fixture(scope="module")
 def gang() -> Iterator[Gang]:
-    g = Gang(2, timeout_s=120, env={"DS_ACCELERATOR": "cpu"})
-    yield g
-    g.close()
+    with Gang(2, timeout_s=120, env={"DS_ACCELERATOR": "cpu"}) as g:
+        yield g
 
 
 @pytest.mark.slow

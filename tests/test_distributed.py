@@ -27,9 +27,8 @@ STRATEGIES = ("allgather", "broadcast", "read_all")
 
 @pytest.fixture(scope="module")
 def gang() -> Iterator[Gang]:
-    g = Gang(WORLD, timeout_s=60)
-    yield g
-    g.close()
+    with Gang(WORLD, timeout_s=60) as g:
+        yield g
 
 
 @pytest.fixture(scope="module")

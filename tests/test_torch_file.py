@@ -305,9 +305,8 @@ def test_cuda_state_to_a_torch_file_and_back_in_place(tmp_path: Path, backend: s
 
 @pytest.fixture(scope="module")
 def gang() -> Iterator[Gang]:
-    g = Gang(3, timeout_s=60)
-    yield g
-    g.close()
+    with Gang(3, timeout_s=60) as g:
+        yield g
 
 
 @pytest.mark.slow

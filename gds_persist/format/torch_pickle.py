@@ -23,11 +23,13 @@ import hashlib
 import io
 import pickle
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from .tree import objects_of
 
 PROTOCOL = 2  # torch.save's; torch's weights-only unpickler knows only protocol 2's opcodes
 StorageFor = Callable[[str, torch.dtype, int, str], torch.UntypedStorage]  # key, dtype, nbytes,
@@ -161,18 +163,7 @@ class Skeleton:
 
     def visible(self) -> Iterator[tuple[tuple[Any, ...], TensorRef]]:
         """(key path, tensor) of the tensors in nested dicts, lists and tuples."""
-        yield from _visible(self.obj, ())
-
-
-def _visible(obj: Any, path: tuple[Any, ...]) -> Iterator[tuple[tuple[Any, ...], TensorRef]]:
-    if isinstance(obj, TensorRef):
-        yield path, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from _visible(value, (*path, key))
-    elif isinstance(obj, list | tuple):
-        for i, value in enumerate(obj):
-            yield from _visible(value, (*path, i))
+        yield from objects_of(self.obj, TensorRef)
 
 
 class _SkeletonUnpickler(pickle.Unpickler):

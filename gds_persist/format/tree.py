@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from . import leaves
@@ -125,6 +125,20 @@ def walk(node: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, Any]]:
     yield path, node
     for key, child in children(node):
         yield from walk(child, child_path(path, key))
+
+
+def objects_of(obj: Any, cls: type | tuple[type, ...], path: KeyPath = ()
+               ) -> Iterator[tuple[KeyPath, Any]]:
+    """(key path, object) of every instance of ``cls`` in live nested mappings, lists and
+    tuples (a state dict, an unpickled skeleton), in order; anything else is skipped."""
+    if isinstance(obj, cls):
+        yield path, obj
+    elif isinstance(obj, Mapping):
+        for key, value in obj.items():
+            yield from objects_of(value, cls, (*path, key))
+    elif isinstance(obj, list | tuple):
+        for i, value in enumerate(obj):
+            yield from objects_of(value, cls, (*path, i))
 
 
 def transform(node: Any, leaf: Callable[[Any], Any]) -> Any:

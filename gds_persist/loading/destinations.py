@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,7 +35,7 @@ import torch
 from ..errors import StateMismatchError
 from ..format import Extent, Manifest
 from ..format.records import DTYPES, TensorRecord, dtype_name
-from ..format.tree import KeyPath, path_str, tensor_key_paths
+from ..format.tree import KeyPath, objects_of, path_str, tensor_key_paths
 from ..state.flatten import rebuild_tensor
 
 Allocate = Callable[[int], torch.Tensor]  # storage index -> a fresh flat uint8 buffer of it
@@ -73,14 +73,7 @@ def apply_callable(fn: Callable[..., Any], storage: torch.UntypedStorage, locati
 def tensor_leaves(obj: Any, path: KeyPath = ()) -> Iterator[tuple[KeyPath, torch.Tensor]]:
     """Every tensor of nested mappings, lists and tuples, with its key path (as the manifest's
     tree spells it); other leaves are skipped: they come from the checkpoint."""
-    if isinstance(obj, torch.Tensor):
-        yield path, obj
-    elif isinstance(obj, Mapping):
-        for key, value in obj.items():
-            yield from tensor_leaves(value, (*path, key))
-    elif isinstance(obj, list | tuple):
-        for i, value in enumerate(obj):
-            yield from tensor_leaves(value, (*path, i))
+    return objects_of(obj, torch.Tensor, path)
 
 
 @dataclass
