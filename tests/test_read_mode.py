@@ -67,18 +67,16 @@ def test_memory_backed_filesystem_is_not_measured() -> None:
     assert "not measured" in reason and "tmpfs" in reason
 
 
-@pytest.mark.parametrize(("load", "measured", "expected"), [
-    (1 << 30, 0, Plan(("direct", "buffered", "buffered", "direct"), 4)),  # first: ABBA, 1/4
-    (1 << 30, 1, Plan(("buffered", "direct"), 4)),  # later: one round each, alternating, 1/8
-    (1 << 30, 2, Plan(("direct", "buffered"), 4)),
-    (512 * MiB, 0, Plan(("direct", "buffered", "buffered", "direct"), 2)),  # fewer at once
-    (64 * MiB, 0, read_mode.NO_PLAN), (256 * MiB, 3, Plan(("buffered", "direct"), 1)),
-    (128 * MiB, 3, read_mode.NO_PLAN)])
-def test_plan(load: int, measured: int, expected: Plan) -> None:
-    got = plan(load, threads=4, block_bytes=16 * MiB, loads_measured=measured)
+@pytest.mark.parametrize(("load", "buffered_now", "expected"), [
+    (1 << 30, False, Plan(("buffered", "direct"), 4)),  # the other mode first, 4 at once
+    (1 << 30, True, Plan(("direct", "buffered"), 4)),  # then the chosen one, which goes on
+    (512 * MiB, False, Plan(("buffered", "direct"), 2)),  # fewer at once: within 1/8
+    (256 * MiB, True, Plan(("direct", "buffered"), 1)),
+    (128 * MiB, False, read_mode.NO_PLAN)])  # not even one request a round
+def test_plan(load: int, buffered_now: bool, expected: Plan) -> None:
+    got = plan(load, threads=4, block_bytes=16 * MiB, buffered_now=buffered_now)
     assert got == expected
-    fraction = read_mode.FIRST_FRACTION if measured == 0 else read_mode.LATER_FRACTION
-    assert got.requests * 16 * MiB <= load // fraction
+    assert got.requests * 16 * MiB <= load // read_mode.FRACTION
 
 
 def test_rates_of_rounds() -> None:
@@ -121,7 +119,7 @@ def test_every_request_lands_its_bytes_either_way(tmp_path: Path) -> None:
     path = tmp_path / "data.bin"
     data = _write(path, 32 * MiB)
     be = AdaptiveReadBackend(4096, os.stat(path).st_dev, 32 * MiB, threads=4, block_bytes=MiB)
-    assert be.plan == Plan(("direct", "buffered", "buffered", "direct"), 2)
+    assert be.plan == Plan(("buffered", "direct"), 2)  # nothing chosen yet: O_DIRECT
     handle = be.open(str(path), write=False)
     offsets = list(range(0, 32 * MiB, MiB))
     got = bytearray(32 * MiB)
@@ -147,9 +145,11 @@ def test_every_request_lands_its_bytes_either_way(tmp_path: Path) -> None:
         be.close(handle)
     assert bytes(got) == data
     modes = [t.mode for t in sorted(be._timings, key=lambda t: t.round)]
-    assert modes == ["direct"] * 2 + ["buffered"] * 4 + ["direct"] * 2
+    assert modes == ["buffered"] * 2 + ["direct"] * 2
+    first_direct = min(t.start for t in be._timings if t.mode == "direct")
+    assert all(t.end <= first_direct for t in be._timings if t.mode == "buffered")  # apart
     assert len(read_mode.recent(be.dev)) == 1  # this load's ratio is kept
-    assert "this load's first 8 requests (4 rounds DBBD of 2 at once) read direct" in be.reason()
+    assert "this load's first 4 requests (2 rounds BD of 2 at once) read direct" in be.reason()
     with pytest.raises(gds_persist.BackendError, match="only reads"):
         be.open(str(path), write=True)
 
@@ -183,9 +183,10 @@ def test_auto_load_measures_on_its_own_requests(tmp_path: Path, history: list[fl
     assert len(ratios) == len(history) + 1
     buffered, _ = decide(ratios)
     assert info.backend == ("buffered" if buffered else "direct")
-    # 4 I/O threads, ~33 MiB in 1 MiB requests: 2 at once in rounds within 1/4 (1/8) of it
-    told = "first 8 requests (4 rounds DBBD" if not history else "first 4 requests (2 rounds DB"
-    assert f"this load's {told} of 2 at once)" in info.reason
+    # 4 I/O threads, ~33 MiB in 1 MiB requests: 2 at once in rounds within 1/8 of it; the
+    # mode the recent loads did not choose goes first
+    order = "DB" if decide(history)[0] else "BD"
+    assert f"this load's first 4 requests (2 rounds {order} of 2 at once)" in info.reason
     assert "median of the last" in info.reason
 
 

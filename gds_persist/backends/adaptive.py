@@ -5,11 +5,11 @@ goes one way or the other as :mod:`.read_mode` says.
 
 The load's first requests are its measurement: they go in the rounds of
 :func:`.read_mode.plan`, each request a real read of the load into its destination (the bytes
-are read once, whichever way). Where the mode changes from one round to the next, the new
-round waits until the requests before it are done, so that no round shares the drive with the
-other mode; its requests run at the load's own queue depth. Once the last round is done, this
-load's rates join the filesystem's recent ones and the rule picks the way for the rest of the
-load (requests before that continue in the last round's mode). Loads too small to measure read
+are read once, whichever way). The second round (another mode) waits until the requests of the
+first are done, so that no round shares the drive with the other mode; each runs at the load's
+own queue depth. Once the last round is done, this load's rates join the filesystem's recent
+ones and the rule picks the way for the rest of the load (requests before that continue in the
+last round's mode, the recent loads' choice). Loads too small to measure read
 the way the recent loads say. :meth:`AdaptiveReadBackend.reason` says what was measured and why.
 """
 
@@ -43,7 +43,7 @@ class AdaptiveReadBackend(Backend):
         self.host_alignment = host_alignment  # O_DIRECT's: every request may go either way
         self.dev = dev
         self.plan = read_mode.plan(load_bytes, threads, block_bytes,
-                                   len(read_mode.recent(dev)))
+                                   read_mode.decide(read_mode.recent(dev))[0])
         self._cond = threading.Condition()
         self._entered = 0  # requests that have begun, in order
         self._finished = 0  # measuring requests done

@@ -6,12 +6,15 @@ Which is faster depends on the machine, not on principle: on NVMe, O_DIRECT skip
 and wins; on the virtio disks of the development VMs buffered reads won by up to 1.5x in whole
 loads, while a separate sample of the file (cold reads beside the load, bench/results
 2026-12-01) measured both modes alike and chose O_DIRECT. So nothing is read beside the load:
-its first requests, ``threads`` at a time (the load's queue depth), go in rounds of one mode -
-O_DIRECT, buffered, buffered, O_DIRECT (:data:`FIRST_ROUNDS`) on the first large load from a
-filesystem, one round of each (order alternating, :data:`LATER_ROUNDS`) on every later one -
-each byte read once, into its destination. Each load's rates give a ratio (buffered / O_DIRECT)
-kept per filesystem; the rest of the load, and every load too small to measure, reads the way
-the median ratio of the last :data:`HISTORY` loads says: buffered only above
+its first requests, ``threads`` at a time (the load's queue depth), go in two rounds of one mode
+each, every byte read once, into its destination: first the mode the recent loads did not
+choose (buffered on a filesystem's first load), then the chosen one, which the rest of the load
+continues without a pause (measuring costs one round in the slower mode and one wait between the
+rounds; rounds ordered O_DIRECT, buffered, buffered, O_DIRECT on a first load and alternating
+on later ones made 1 GiB loads 1.13-1.21x the faster mode's time on the virtio disk,
+bench/results/2026-12-02-cpu-bench_io-disk-50417ca-b.txt). Each load's rates give a ratio
+(buffered / O_DIRECT) kept per filesystem; the rest of the load, and every load too small to
+measure, reads the way the median ratio of the last :data:`HISTORY` loads says: buffered only above
 :data:`BUFFERED_MARGIN` (O_DIRECT keeps the page cache clean). On a memory-backed filesystem
 (tmpfs) nothing is measured: there O_DIRECT reads are the same copy out of the page cache as
 buffered ones.
@@ -25,10 +28,7 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-FIRST_ROUNDS = ("direct", "buffered", "buffered", "direct")  # ABBA: drift weighs on both alike
-LATER_ROUNDS = (("direct", "buffered"), ("buffered", "direct"))  # alternating between loads
-FIRST_FRACTION = 4  # the first load's rounds read at most 1/4 of it
-LATER_FRACTION = 8  # a later load's, at most 1/8
+FRACTION = 8  # the rounds read at most 1/8 of a load
 BUFFERED_MARGIN = 1.05  # buffered must be this much faster: O_DIRECT keeps the page cache clean
 HISTORY = 5  # loads whose ratios the rule takes the median of
 MEMORY_FILESYSTEMS = ("tmpfs",)
@@ -52,18 +52,14 @@ class Plan:
 NO_PLAN = Plan((), 0)
 
 
-def plan(load_bytes: int, threads: int, block_bytes: int, loads_measured: int) -> Plan:
+def plan(load_bytes: int, threads: int, block_bytes: int, buffered_now: bool) -> Plan:
     """The rounds of a load of ``load_bytes`` read in ``block_bytes`` requests by ``threads``
-    threads, after ``loads_measured`` earlier measured loads from its filesystem: a round is
-    ``threads`` requests where the load is large enough for the rounds to stay within
-    1 / ``FIRST_FRACTION`` (first load) or 1 / ``LATER_FRACTION`` of it, else fewer; none where
-    not even one request per round fits."""
-    rounds: tuple[str, ...]
-    if loads_measured == 0:
-        rounds, fraction = FIRST_ROUNDS, FIRST_FRACTION
-    else:
-        rounds, fraction = LATER_ROUNDS[loads_measured % 2], LATER_FRACTION
-    per_round = min(threads, load_bytes // (fraction * len(rounds) * max(block_bytes, 1)))
+    threads, where the recent loads chose buffered reads (``buffered_now``) or not: the other
+    mode first, then the chosen one; a round is ``threads`` requests where the load is large
+    enough for both to stay within 1 / ``FRACTION`` of it, else fewer; none where not even one
+    request per round fits."""
+    rounds = ("direct", "buffered") if buffered_now else ("buffered", "direct")
+    per_round = min(threads, load_bytes // (FRACTION * len(rounds) * max(block_bytes, 1)))
     return Plan(rounds, per_round) if per_round >= 1 else NO_PLAN
 
 
