@@ -68,7 +68,7 @@ def open_buffered_for_reading(path: str) -> int:
     """A buffered read descriptor with read-ahead off (``POSIX_FADV_RANDOM``): a load's requests
     are large and several run at once, so the kernel's read-ahead only adds reads of its own
     (an earlier attempt at issue 26 found buffered loads faster without it on the virtio disk;
-    bench/results/2026-12-02-cpu-read-mode.txt measures it)."""
+    bench/results/2026-12-02-cpu-fadvise-random-ab.txt measures it)."""
     fd = os.open(path, os.O_RDONLY)
     if hasattr(os, "posix_fadvise"):
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
