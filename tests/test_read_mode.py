@@ -94,6 +94,37 @@ def test_rates_of_rounds() -> None:
     assert rates([Timing(0, "direct", 1.0, 1.0, r)]) == {}  # no time: not a rate
 
 
+@pytest.mark.parametrize(("later_gbps", "ends_in"), [(0.19, "direct"), (1.20, "buffered")])
+def test_a_buffered_load_that_collapses_goes_back_to_o_direct(later_gbps: float,
+                                                              ends_in: str) -> None:
+    """Recorded on the shared VM (bench/results/2026-12-02-cpu-bench_io-disk-cc1fe0e.txt, run
+    3): the rounds read O_DIRECT 0.67 GB/s, buffered 1.31, and the buffered load then ran at
+    0.18 GB/s. Fed those timings, the backend goes back to O_DIRECT after one round's worth of
+    slow buffered requests and this load's ratio says so; a buffered rate that holds stays."""
+    dev, r = 12345, 16 * MiB  # a filesystem key of this test's own
+    for _ in range(4):
+        read_mode.record(dev, 2.0)
+    be = AdaptiveReadBackend(4096, dev, 1 << 30, threads=4, block_bytes=16 * MiB)
+    assert be.plan == Plan(("direct", "buffered"), 4)  # buffered chosen: O_DIRECT first
+    span_d, span_b = 4 * r / 0.67e9, 4 * r / 1.31e9
+    for _ in range(4):
+        be._leave(Timing(0, "direct", 0.0, span_d, r))
+    for _ in range(4):
+        be._leave(Timing(1, "buffered", span_d, span_d + span_b, r))
+    assert be.name == "buffered"
+    t0, span = span_d + span_b, 4 * r / (later_gbps * 1e9)
+    for _ in range(4):
+        be._leave(Timing(2, "buffered", t0, t0 + span, r))
+    assert be.name == ends_in
+    if ends_in == "direct":
+        assert "then buffered reads fell to 0.19 GB/s: the rest via O_DIRECT" in be.reason()
+        assert read_mode.recent(dev)[-1] == pytest.approx(0.19 / 0.67, rel=1e-3)
+    else:
+        assert read_mode.recent(dev)[-1] == pytest.approx(1.31 / 0.67, rel=1e-3)
+    assert read_mode.collapsed(0.60e9, 0.67e9) and not read_mode.collapsed(0.66e9, 0.67e9)
+    assert not read_mode.collapsed(0.1e9, 0.0)  # nothing measured with O_DIRECT
+
+
 # ------------------------------------------------------------------ real files
 
 def _on_o_direct_disk(path: Path) -> None:
@@ -164,7 +195,8 @@ def _rchar() -> int:
 def test_auto_load_measures_on_its_own_requests(tmp_path: Path, history: list[float]) -> None:
     """A real load: the right bytes in both modes, no byte read beside the load (the process's
     read count grows by the load's bytes and the manifest only), and the mode it ends in is
-    what the median of the recent loads' ratios, its own included, says."""
+    what the median of the recent loads' ratios, its own included, says (or O_DIRECT, where
+    buffered reads it chose fell behind later in the load)."""
     _on_o_direct_disk(tmp_path)
     sd = {"a": random_tensor(torch.float32, 5 * MiB, seed=3),  # 20 MiB, read straight in
           "small": [random_tensor(torch.int64, 1000 + k, seed=k) for k in range(40)],
@@ -182,7 +214,8 @@ def test_auto_load_measures_on_its_own_requests(tmp_path: Path, history: list[fl
     ratios = read_mode.recent(dev)
     assert len(ratios) == len(history) + 1
     buffered, _ = decide(ratios)
-    assert info.backend == ("buffered" if buffered else "direct")
+    fell = "then buffered reads fell to" in info.reason  # slower later in the load: O_DIRECT
+    assert info.backend == ("buffered" if buffered and not fell else "direct")
     # 4 I/O threads, ~33 MiB in 1 MiB requests: 2 at once in rounds within 1/8 of it; the
     # mode the recent loads did not choose goes first
     order = "DB" if decide(history)[0] else "BD"

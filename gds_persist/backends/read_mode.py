@@ -118,6 +118,12 @@ def decide(ratios: Sequence[float], fstype: str = "") -> tuple[bool, str]:
         f"{BUFFERED_MARGIN:.2f}x)")
 
 
+def collapsed(buffered_rate: float, direct_rate: float) -> bool:
+    """Whether buffered reads, measured at ``buffered_rate`` later in a load that chose them,
+    fell below the O_DIRECT rate its rounds measured by more than ``BUFFERED_MARGIN``."""
+    return direct_rate > 0 and buffered_rate * BUFFERED_MARGIN < direct_rate
+
+
 def describe_rates(measured: dict[str, float], p: Plan) -> str:
     """What this load's own rounds measured, for the reason."""
     shown = ", ".join(f"{m} {measured[m] / 1e9:.2f} GB/s" for m in ("direct", "buffered")
@@ -133,6 +139,17 @@ def record(dev: int, value: float) -> list[float]:
         kept = _ratios.setdefault(dev, deque(maxlen=HISTORY))
         kept.append(value)
         return list(kept)
+
+
+def amend(dev: int, old: float, new: float) -> None:
+    """Replace a load's ratio ``old`` (the newest such entry) for ``dev`` with ``new``."""
+    with _lock:
+        kept = _ratios.get(dev)
+        if kept is not None:
+            for k in range(len(kept) - 1, -1, -1):
+                if kept[k] == old:
+                    kept[k] = new
+                    return
 
 
 def recent(dev: int) -> list[float]:
