@@ -9,8 +9,10 @@ are read once, whichever way). The second round (another mode) waits until the r
 first are done, so that no round shares the drive with the other mode; each runs at the load's
 own queue depth. Once the last round is done, this load's rates join the filesystem's recent
 ones and the rule picks the way for the rest of the load (requests before that continue in the
-last round's mode, the recent loads' choice). Loads too small to measure read
-the way the recent loads say. :meth:`AdaptiveReadBackend.reason` says what was measured and why.
+last round's mode, the recent loads' choice). Where that is buffered, the load keeps timing its
+buffered requests and goes back to O_DIRECT if a round's worth of them falls below the rate
+O_DIRECT measured (:func:`.read_mode.collapsed`). Loads too small to measure read the way the
+recent loads say. :meth:`AdaptiveReadBackend.reason` says what was measured and why.
 """
 
 from __future__ import annotations
