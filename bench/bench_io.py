@@ -346,6 +346,7 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
         "series": [{"key": s.key, "label": s.label, "op": s.op, "nbytes": s.nbytes,
                     "seconds": s.seconds, "gbps": s.gbps, "tool": s.tool} for s in all_series],
         "rows": table,
+        "per_run": per_run_ratios(series, args.runs),
     }
     print_report(record, disk)
     if args.json_out:
@@ -373,6 +374,39 @@ def _source_tensors(sd: Any) -> list[tuple[str, torch.Tensor]]:
     return iter_tensors(sd)
 
 
+def per_run_ratios(series: dict[tuple[str, str], report.Series],
+                   runs: int) -> list[dict[str, float]]:
+    """Per repetition, the load ratios the read-mode rule answers for, each of methods measured
+    side by side in that repetition: ``auto_vs_faster`` = gds-auto's load time / the faster of
+    gds-direct and gds-buffered (1.05 = 5% slower), ``auto_x_torch`` = torch.load's time /
+    gds-auto's (above 1: faster than torch.load). Only where those methods ran every time."""
+    def seconds(key: str) -> list[float] | None:
+        s = series.get((key, "load"))
+        return s.seconds if s is not None and len(s.seconds) == runs else None
+
+    auto, direct, buffered, torch_ = (seconds(k) for k in ("gds-auto", "gds-direct",
+                                                            "gds-buffered", "torch"))
+    out: list[dict[str, float]] = [{} for _ in range(runs)]
+    for r in range(runs):
+        if auto and direct and buffered:
+            out[r]["auto_vs_faster"] = auto[r] / min(direct[r], buffered[r])
+        if auto and torch_:
+            out[r]["auto_x_torch"] = torch_[r] / auto[r]
+    return out if any(out) else []
+
+
+def per_run_lines(per_run: list[dict[str, float]]) -> list[str]:
+    lines = []
+    for r, ratios in enumerate(per_run, 1):
+        shown = []
+        if "auto_vs_faster" in ratios:
+            shown.append(f"auto / faster of direct, buffered {ratios['auto_vs_faster']:.3f}")
+        if "auto_x_torch" in ratios:
+            shown.append(f"auto {ratios['auto_x_torch']:.2f}x torch.load")
+        lines.append(f"load, run {r}: " + "; ".join(shown))
+    return lines
+
+
 def print_report(record: dict[str, Any], disk: dict[str, int]) -> None:
     lines = report.header_lines(record)
     lines.append("")
@@ -396,6 +430,7 @@ def print_report(record: dict[str, Any], disk: dict[str, int]) -> None:
                              f"{m['info']['load_reason']}")
             if extra:
                 lines.append(f"{m['label']}: " + "; ".join(extra))
+    lines += per_run_lines(record.get("per_run", []))
     lines.append(f"elapsed {record['elapsed_s']:.1f}s")
     print("\n".join(lines), flush=True)
 

@@ -239,9 +239,14 @@ def _load_gds(model: GPT, opt: torch.optim.Optimizer, workdir: str,
     opt.load_state_dict(sd["optim"])
 
 
+_LOAD_INFO: list[Any] = []  # the LoadInfo of this process's gds_persist restore (its read mode)
+
+
 def _load_gds_into(model: GPT, opt: torch.optim.Optimizer, workdir: str,
                    device: torch.device) -> None:
-    restored = gds_persist.load(os.path.join(workdir, "gds"), into=live_state(model, opt))
+    restored, info = gds_persist.load(os.path.join(workdir, "gds"), into=live_state(model, opt),
+                                      return_info=True)
+    _LOAD_INFO[:] = [info]
     opt.load_state_dict(restored["optim"])  # its tensors are the optimizer's: the lr etc.
 
 
@@ -249,7 +254,9 @@ def _gds_into_file(name: str) -> Callable[..., None]:
     """load(into=) of a torch.save file (``torch.pt``: stock torch.save; ``gds.pt``: ours)."""
     def restore(model: GPT, opt: torch.optim.Optimizer, workdir: str,
                 device: torch.device) -> None:
-        restored = gds_persist.load(os.path.join(workdir, name), into=live_state(model, opt))
+        restored, info = gds_persist.load(os.path.join(workdir, name),
+                                          into=live_state(model, opt), return_info=True)
+        _LOAD_INFO[:] = [info]
         opt.load_state_dict(restored["optim"])
     return restore
 
@@ -339,6 +346,8 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
            "hwm_reset": reset, "cache": cache,
            "cuda_growth": (torch.cuda.max_memory_allocated(device) - cuda_before
                            if device.type == "cuda" else None)}
+    if _LOAD_INFO:  # which read mode the restore took, and why
+        out["load_backend"], out["load_reason"] = _LOAD_INFO[0].backend, _LOAD_INFO[0].reason
     if spec["expected"]:
         out["check"] = check(model, opt, spec["expected"])
     return out
@@ -463,7 +472,8 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str],
             series[key].seconds.append(res["seconds"])
             results[key].append(res)
             log(f"  {key:<12} {res['seconds']:6.2f}s  host peak +{res['hwm_growth'] / 2**20:7.1f}"
-                f" MiB" + (f"  check {res['check']}" if "check" in res else ""))
+                f" MiB" + (f"  check {res['check']}" if "check" in res else "")
+                + (f"  read {res['load_backend']}" if "load_backend" in res else ""))
     if probe is not None:
         probe.cleanup()
     if facts["filesystem"]["fstype"] == "tmpfs":

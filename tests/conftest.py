@@ -10,6 +10,9 @@
   overrides, and no cached staging ring survives it.
 * on a machine with a CUDA device a ``gpu``-marked test that skips fails instead
   (``tests/strict_gpu.py``, ``--strict-gpu``).
+* every test's randomness (``random``, NumPy, torch, Hypothesis, the ``test_seed`` fixture)
+  comes from one seed the header prints; ``GDS_PERSIST_TEST_SEED=N`` replays it
+  (``tests/seeds.py``).
 """
 
 from __future__ import annotations
@@ -24,12 +27,17 @@ import pytest
 from gds_persist import settings
 from gds_persist.backends import supports_o_direct
 from gds_persist.transfer.staging import release_cached
+from tests import seeds, strict_gpu
 from tests.helpers import BackendCase, kvikio_missing
 from tests.strict_gpu import (  # noqa: F401 - pytest hooks, registered by being here
     pytest_addoption,
-    pytest_configure,
     pytest_runtest_makereport,
 )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    strict_gpu.pytest_configure(config)
+    config.pluginmanager.register(seeds, "gds_persist_seeds")  # its own makereport hook
 
 TMPFS_BYTES = 8 << 20
 

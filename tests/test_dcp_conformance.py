@@ -62,11 +62,27 @@ def test_overwrite_false_refuses_an_existing_checkpoint(tmp_path: Path) -> None:
         save({"x": torch.zeros(4)}, path, overwrite=False)
     assert "already holds a checkpoint" in str(original(info.value))
     assert "overwrite=False" in str(original(info.value))
+    assert str(original(info.value)).startswith("Checkpoint already exists")  # as FileSystemWriter
     assert torch.equal(load({"x": torch.zeros(4)}, path)["x"], torch.ones(4))  # untouched
     assert sorted(os.listdir(tmp_path)) == ["ck"]
     save({"x": torch.full((4,), 3.0)}, tmp_path / "new", overwrite=False)  # a new path: fine
     save({"x": torch.full((4,), 2.0)}, path)  # the default replaces it, atomically
     assert torch.equal(load({"x": torch.zeros(4)}, path)["x"], torch.full((4,), 2.0))
+
+
+def test_overwrite_as_pytorchs_own_test_overwrite(tmp_path: Path) -> None:
+    """PyTorch's DCP ``test_overwrite`` (test_fsspec.py) with our writer: its first save goes
+    into an existing empty directory, the refusal is a CheckpointException saying "Checkpoint
+    already exists" (FileSystemWriter's words)."""
+    t1, t2 = torch.randn(10), torch.randn(10)
+    dcp.save({"random": t1}, storage_writer=GdsPersistWriter(tmp_path, overwrite=False),
+             no_dist=True)
+    dcp.save({"random": t2}, storage_writer=GdsPersistWriter(tmp_path, overwrite=True),
+             no_dist=True)
+    assert torch.allclose(load({"random": torch.zeros(10)}, tmp_path)["random"], t2)
+    with pytest.raises(CheckpointException, match=r".*Checkpoint already exists.*"):
+        dcp.save({"random": t2}, storage_writer=GdsPersistWriter(tmp_path, overwrite=False),
+                 no_dist=True)
 
 
 def test_overwrite_false_is_checked_again_at_commit(tmp_path: Path) -> None:

@@ -796,6 +796,36 @@ def test_file_where_a_checkpoint_directory_is_expected(tmp_path: Path) -> None:
     assert sorted(os.listdir(tmp_path)) == ["model.pt"]
 
 
+def test_checkpointer_load_from_an_empty_root_is_a_file_not_found_error(tmp_path: Path) -> None:
+    with gds_persist.Checkpointer(tmp_path / "run") as ckpt:
+        with pytest.raises(FileNotFoundError, match=r"no committed checkpoint in .*run") as e:
+            ckpt.load()
+        assert isinstance(e.value, CheckpointError)  # one except for every checkpoint problem
+        try:  # the resume idiom of torch.load users
+            state = ckpt.load()
+        except FileNotFoundError:
+            state = {"step": 0}
+        assert state == {"step": 0}
+        ckpt.save(1, _sd()).wait()  # the root works as ever once something is there
+        assert ckpt.latest_step() == 1
+
+
+@pytest.mark.parametrize("where", ["root", "parent"])
+def test_checkpointer_root_that_is_a_file(tmp_path: Path, where: str) -> None:
+    target = tmp_path / "run.pt"
+    target.write_bytes(b"a file, not a directory\n")
+    root = target if where == "root" else target / "run"
+    with pytest.raises(gds_persist.NotACheckpointDirectoryError,
+                       match=r"Checkpointer root .*run.* cannot be a directory: .*run.pt is a "
+                             r"file.*pass a directory path.*or move the file away") as e:
+        gds_persist.Checkpointer(root)
+    assert isinstance(e.value, NotADirectoryError) and isinstance(e.value, CheckpointError)
+    assert not isinstance(e.value, FileNotFoundError)  # "start fresh" must not skip over it
+    assert isinstance(e.value.__cause__, OSError)  # what the filesystem said is kept
+    assert target.read_bytes() == b"a file, not a directory\n"
+    assert sorted(os.listdir(tmp_path)) == ["run.pt"]
+
+
 def _as_unprivileged(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """Run ``code`` where file permissions apply: as user nobody (``setpriv``) when this runs as
     root, which permissions do not stop."""

@@ -4,24 +4,30 @@
 GPUDirect Storage mode (or ``auto_kvikio="always"``, after a measurement says so); else
 ``direct`` when the target filesystem accepts O_DIRECT, else ``buffered``. The rule is the pure
 function :func:`gds_persist.backends.auto.decide` (with the measurement behind it). The choice and
-its reason end up in the save's ``info`` and in the manifest.
+its reason end up in the save's ``info`` and in the manifest. A load that ``auto`` reads with
+O_DIRECT reads through :class:`~.adaptive.AdaptiveReadBackend`: its own first requests measure
+O_DIRECT against the page cache and pick the faster for the rest (:mod:`.read_mode`).
 """
 
 from __future__ import annotations
 
+import os
+
 from .. import settings
 from ..errors import BackendError
 from ..settings import BACKEND_NAMES
+from .adaptive import AdaptiveReadBackend
 from .auto import AutoEnvironment, decide
 from .base import Backend
 from .posix import (
     BufferedBackend,
     DirectBackend,
+    memory_backed,
     o_direct_host_alignment,
     require_o_direct,
     supports_o_direct,
 )
-from .read_mode import measured_read_mode
+from .read_mode import decide as decide_read_mode
 
 
 def _direct(directory: str) -> DirectBackend:
@@ -52,14 +58,15 @@ def choose_backend(
     io_threads: int = 4,
     block_bytes: int = 16 << 20,
     auto_kvikio: str | None = None,
-    read_sample: tuple[str, int, str] | None = None,
+    read_load: tuple[str, int] | None = None,
 ) -> tuple[Backend, str]:
     """Resolve a backend name for files in ``directory``; returns the backend and why.
 
     ``auto_kvikio`` (None: the setting in force) says when ``auto`` takes kvikio
-    (:mod:`.auto`). ``read_sample``: for a load, a data file there (what to open, its size,
-    its name): where ``auto`` would read with O_DIRECT, it reads through the page cache instead
-    if that measured faster on this filesystem (:mod:`.read_mode`)."""
+    (:mod:`.auto`). ``read_load``: for a load, a data file there (what to open) and the bytes
+    the load reads there: where ``auto`` would read with O_DIRECT, the load's own requests
+    decide between O_DIRECT and the page cache (:mod:`.adaptive`; nothing is measured on a
+    memory-backed filesystem); the reason is completed by :func:`read_reason` after the read."""
     from .kvikio_backend import kvikio_facts
 
     if requested not in BACKEND_NAMES:
@@ -82,12 +89,20 @@ def choose_backend(
         return _kvikio(directory, io_threads, block_bytes, reason)
     if name != "direct":
         return BufferedBackend(), reason
-    measured = (measured_read_mode(*read_sample, io_threads, block_bytes) if read_sample
-                else None)
-    if measured is None:
+    if read_load is None:
         return _direct(directory), reason
-    buffered, why = measured
-    return (BufferedBackend() if buffered else _direct(directory)), f"{reason}; {why}"
+    source, load_bytes = read_load
+    if memory_backed(directory):
+        return _direct(directory), f"{reason}; {decide_read_mode([], 'tmpfs')[1]}"
+    return AdaptiveReadBackend(o_direct_host_alignment(directory), os.stat(source).st_dev,
+                               load_bytes, io_threads, block_bytes), reason
+
+
+def read_reason(backend: Backend, reason: str) -> str:
+    """``reason`` of :func:`choose_backend` completed with what a load measured (after it)."""
+    if isinstance(backend, AdaptiveReadBackend):
+        return f"{reason}; {backend.reason()}"
+    return reason
 
 
 __all__ = [
@@ -98,5 +113,6 @@ __all__ = [
     "DirectBackend",
     "choose_backend",
     "decide",
+    "read_reason",
     "supports_o_direct",
 ]

@@ -52,10 +52,27 @@ class DirectBackend(PosixBackend):
 
 
 class BufferedBackend(PosixBackend):
-    """Plain POSIX I/O through the page cache, fsynced; for filesystems without O_DIRECT."""
+    """Plain POSIX I/O through the page cache, fsynced; for filesystems without O_DIRECT.
+    Reads go without read-ahead (:func:`open_buffered_for_reading`)."""
 
     name = "buffered"
     host_alignment = 1
+
+    def open(self, path: str, *, write: bool, size: int = 0, create: bool = True) -> int:
+        if not write:
+            return open_buffered_for_reading(path)
+        return super().open(path, write=write, size=size, create=create)
+
+
+def open_buffered_for_reading(path: str) -> int:
+    """A buffered read descriptor with read-ahead off (``POSIX_FADV_RANDOM``): a load's requests
+    are large and several run at once, so the kernel's read-ahead only adds reads of its own
+    (an earlier attempt at issue 26 found buffered loads faster without it on the virtio disk;
+    bench/results/2026-12-02-cpu-fadvise-random-ab.txt measures it)."""
+    fd = os.open(path, os.O_RDONLY)
+    if hasattr(os, "posix_fadvise"):
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+    return fd
 
 
 def open_fd(path: str, write: bool, size: int, flags: int = 0, create: bool = True) -> int:

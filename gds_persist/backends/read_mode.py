@@ -1,138 +1,164 @@
 """For ``backend="auto"`` loads: read with O_DIRECT or through the page cache, whichever is faster
-on the filesystem at hand, by measurement.
+on the filesystem at hand, decided by the load's own requests (the pure part: plans, rates and
+the rule; :mod:`.adaptive` is the backend that carries it out).
 
 Which is faster depends on the machine, not on principle: on NVMe, O_DIRECT skips a memory copy
-and wins; on the virtio disks of the development VMs either mode won by up to 1.7x over a 2 GiB
-load depending on what else ran on the two CPUs (buffered reads cost a copy per byte). So the
-first large load from a filesystem in a process samples the checkpoint's own largest data file
-the way the load reads it - requests of ``block_bytes``, ``io_threads`` consecutive ones at once,
-cold (their pages dropped first) - in four rounds ordered O_DIRECT, buffered, buffered, O_DIRECT
-(a load that other processes put on the machine meanwhile weighs on both modes alike), and
-:func:`decide` takes the page cache only where it won **both** pairs of rounds by
-:data:`BUFFERED_MARGIN`; a single 32 MiB pair, as before, flipped between runs
-(bench/results/2026-12-01-cpu-read-mode-predictor.txt). On a memory-backed filesystem (tmpfs)
-nothing is sampled: there O_DIRECT reads are the same copy out of the page cache as buffered ones.
-The rest of that load and every later load from the same filesystem use the choice; the
-measured rates are in the reason.
+and wins; on the virtio disks of the development VMs buffered reads won by up to 1.5x in whole
+loads, while a separate sample of the file (cold reads beside the load, bench/results
+2026-12-01) measured both modes alike and chose O_DIRECT. So nothing is read beside the load:
+its first requests, ``threads`` at a time (the load's queue depth), go in two rounds of one mode
+each, every byte read once, into its destination: first the mode the recent loads did not
+choose (buffered on a filesystem's first load), then the chosen one, which the rest of the load
+continues without a pause (measuring costs one round in the slower mode and one wait between the
+rounds; rounds ordered O_DIRECT, buffered, buffered, O_DIRECT on a first load and alternating
+on later ones made 1 GiB loads 1.13-1.21x the faster mode's time on the virtio disk,
+bench/results/2026-12-02-cpu-bench_io-disk-50417ca-b.txt). Each load's rates give a ratio
+(buffered / O_DIRECT) kept per filesystem; the rest of the load, and every load too small to
+measure, reads the way the median ratio of the last :data:`HISTORY` loads says: buffered only above
+:data:`BUFFERED_MARGIN` (O_DIRECT keeps the page cache clean). On a memory-backed filesystem
+(tmpfs) nothing is measured: there O_DIRECT reads are the same copy out of the page cache as
+buffered ones.
 """
 
 from __future__ import annotations
 
-import os
-import time
-from concurrent.futures import ThreadPoolExecutor
+import statistics
+import threading
+from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from .buffers import AlignedBuffer
-from .posix import _O_DIRECT, filesystem_type, pread_all
-
-ROUNDS = ("direct", "buffered", "buffered", "direct")  # ABBA: drift weighs on both modes alike
-MIN_REQUEST_BYTES = 1 << 20
-SAMPLE_FRACTION = 4  # the rounds read at most 1/4 of the file (smaller requests on small files)
-MIN_FILE_BYTES = 64 << 20  # smaller files: not worth measuring (direct, as before)
-BUFFERED_MARGIN = 1.15  # buffered must be this much faster: O_DIRECT keeps the page cache clean
+FRACTION = 8  # the rounds read at most 1/8 of a load
+BUFFERED_MARGIN = 1.05  # buffered must be this much faster: O_DIRECT keeps the page cache clean
+HISTORY = 5  # loads whose ratios the rule takes the median of
 MEMORY_FILESYSTEMS = ("tmpfs",)
 
-_choices: dict[int, tuple[bool, str]] = {}  # st_dev -> (buffered?, reason)
+_ratios: dict[int, deque[float]] = {}  # st_dev -> buffered / O_DIRECT rate of recent loads
+_lock = threading.Lock()
 
 
 @dataclass(frozen=True)
-class ReadSample:
-    """What sampling a filesystem found: each round's mode and rate (bytes/s), in order."""
+class Plan:
+    """The measuring rounds of one load: each round's mode, and requests per round."""
 
-    rounds: tuple[tuple[str, float], ...]
-    request_bytes: int
-    threads: int
-    name: str = ""  # the data file sampled
-    fstype: str = ""  # set where nothing was sampled because the filesystem is memory-backed
+    rounds: tuple[str, ...]
+    per_round: int
 
-
-def decide(sample: ReadSample) -> tuple[bool, str]:
-    """``(read through the page cache?, reason)`` from ``sample``: buffered only where it beat
-    O_DIRECT by ``BUFFERED_MARGIN`` in every pair of rounds, else O_DIRECT."""
-    if sample.fstype in MEMORY_FILESYSTEMS:
-        return False, (f"reads via O_DIRECT, not measured: on {sample.fstype} O_DIRECT and "
-                       "buffered reads are the same copy out of the page cache")
-    direct = [rate for mode, rate in sample.rounds if mode == "direct"]
-    buffered = [rate for mode, rate in sample.rounds if mode == "buffered"]
-    pairs = list(zip(direct, buffered, strict=True))
-    use_buffered = bool(pairs) and all(b > BUFFERED_MARGIN * d for d, b in pairs)
-    choice = "page cache (buffered)" if use_buffered else "O_DIRECT"
-    return use_buffered, (
-        f"reads via {choice}: measured on this filesystem {_mean(direct) / 1e9:.2f} GB/s with "
-        f"O_DIRECT vs {_mean(buffered) / 1e9:.2f} GB/s buffered ({len(pairs)} cold rounds each, "
-        f"{sample.threads} x {sample.request_bytes >> 20} MiB requests at once, {sample.name}; "
-        f"buffered wins only by {BUFFERED_MARGIN:.2f}x in every round pair)")
+    @property
+    def requests(self) -> int:
+        return len(self.rounds) * self.per_round
 
 
-def _mean(rates: list[float]) -> float:
-    """The rate of all rounds together (each moved the same bytes): the harmonic mean."""
-    return len(rates) / sum(1 / r for r in rates) if rates and all(rates) else 0.0
+NO_PLAN = Plan((), 0)
 
 
-def measured_read_mode(path: str, size: int, name: str, threads: int,
-                       block_bytes: int = 16 << 20) -> tuple[bool, str] | None:
-    """Whether reads from ``path``'s filesystem should go through the page cache, and why,
-    measured once per filesystem on ``path`` (data file ``name`` of ``size`` bytes, or a
-    descriptor of it under /proc/self/fd) as a load with ``threads`` I/O threads and
-    ``block_bytes`` requests reads it; None when the file is too small to measure and nothing
-    was measured on that filesystem before."""
-    dev = os.stat(path).st_dev
-    if dev in _choices:
-        return _choices[dev]
-    fstype = _fstype(path)
+def plan(load_bytes: int, threads: int, block_bytes: int, buffered_now: bool) -> Plan:
+    """The rounds of a load of ``load_bytes`` read in ``block_bytes`` requests by ``threads``
+    threads, where the recent loads chose buffered reads (``buffered_now``) or not: the other
+    mode first, then the chosen one; a round is ``threads`` requests where the load is large
+    enough for both to stay within 1 / ``FRACTION`` of it, else fewer; none where not even one
+    request per round fits."""
+    rounds = ("direct", "buffered") if buffered_now else ("buffered", "direct")
+    per_round = min(threads, load_bytes // (FRACTION * len(rounds) * max(block_bytes, 1)))
+    return Plan(rounds, per_round) if per_round >= 1 else NO_PLAN
+
+
+@dataclass(frozen=True)
+class Timing:
+    """One measured request: its round, mode, start and end (``time.perf_counter``), bytes."""
+
+    round: int
+    mode: str
+    start: float
+    end: float
+    nbytes: int
+
+
+def rates(timings: Sequence[Timing]) -> dict[str, float]:
+    """Bytes per second of each mode: every run of consecutive rounds in one mode counts its
+    bytes over its span (first start to last end; the rounds of another mode never overlap it),
+    and the runs of a mode add up. A mode without bytes or time is left out."""
+    runs: list[list[Timing]] = []
+    for t in sorted(timings, key=lambda t: t.round):
+        if runs and runs[-1][0].mode == t.mode:
+            runs[-1].append(t)
+        else:
+            runs.append([t])
+    moved: dict[str, int] = {}
+    spent: dict[str, float] = {}
+    for run in runs:
+        mode = run[0].mode
+        moved[mode] = moved.get(mode, 0) + sum(t.nbytes for t in run)
+        spent[mode] = spent.get(mode, 0.0) + max(t.end for t in run) - min(t.start for t in run)
+    return {m: moved[m] / spent[m] for m in moved if moved[m] and spent[m] > 0}
+
+
+def ratio(measured: dict[str, float]) -> float | None:
+    """Buffered rate / O_DIRECT rate, or None where a mode was not measured."""
+    if "direct" in measured and "buffered" in measured:
+        return measured["buffered"] / measured["direct"]
+    return None
+
+
+def decide(ratios: Sequence[float], fstype: str = "") -> tuple[bool, str]:
+    """``(read through the page cache?, reason)`` from the recent loads' ``ratios`` (buffered
+    rate / O_DIRECT rate, oldest first): buffered where their median exceeds
+    ``BUFFERED_MARGIN``, else O_DIRECT (also with nothing measured)."""
     if fstype in MEMORY_FILESYSTEMS:
-        sample = ReadSample((), 0, threads, name, fstype)
-    elif size < MIN_FILE_BYTES:
-        return None
-    else:
-        sample = _sample(path, size, name, threads, block_bytes)
-    _choices[dev] = decide(sample)
-    return _choices[dev]
+        return False, (f"reads via O_DIRECT, not measured: on {fstype} O_DIRECT and buffered "
+                       "reads are the same copy out of the page cache")
+    if not ratios:
+        return False, "reads via O_DIRECT: nothing measured on this filesystem yet"
+    median = statistics.median(ratios)
+    buffered = median > BUFFERED_MARGIN
+    return buffered, (
+        f"reads via {'page cache (buffered)' if buffered else 'O_DIRECT'}: buffered / O_DIRECT "
+        f"read rate {median:.2f}x, median of the last {len(ratios)} measured load(s) on this "
+        f"filesystem ({', '.join(f'{r:.2f}' for r in ratios)}; buffered only above "
+        f"{BUFFERED_MARGIN:.2f}x)")
 
 
-def _fstype(path: str) -> str:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        return filesystem_type(fd)
-    finally:
-        os.close(fd)
+def collapsed(buffered_rate: float, direct_rate: float) -> bool:
+    """Whether buffered reads, measured at ``buffered_rate`` later in a load that chose them,
+    fell below the O_DIRECT rate its rounds measured by more than ``BUFFERED_MARGIN``."""
+    return direct_rate > 0 and buffered_rate * BUFFERED_MARGIN < direct_rate
 
 
-def request_bytes(size: int, threads: int, block_bytes: int) -> int:
-    """The sample's request size: the load's ``block_bytes`` where the file is large enough for
-    the rounds to read at most ``1 / SAMPLE_FRACTION`` of it, else smaller (>= 1 MiB)."""
-    fit = size // (SAMPLE_FRACTION * len(ROUNDS) * threads) // 4096 * 4096
-    return max(MIN_REQUEST_BYTES, min(block_bytes, fit))
+def describe_rates(measured: dict[str, float], p: Plan) -> str:
+    """What this load's own rounds measured, for the reason."""
+    shown = ", ".join(f"{m} {measured[m] / 1e9:.2f} GB/s" for m in ("direct", "buffered")
+                      if m in measured)
+    order = "".join("D" if m == "direct" else "B" for m in p.rounds)
+    return (f"this load's first {p.requests} requests ({len(p.rounds)} rounds {order} of "
+            f"{p.per_round} at once) read {shown or 'nothing measurable'}")
 
 
-def _sample(path: str, size: int, name: str, threads: int, block_bytes: int) -> ReadSample:
-    request = request_bytes(size, threads, block_bytes)
-    span = size // len(ROUNDS) // 4096 * 4096  # round k reads from k * span: unread bytes
-    with AlignedBuffer(request * threads, pin=False) as buf, ThreadPoolExecutor(threads) as pool:
-        buf.array.fill(0)  # fault the buffer in first, or the first round pays for it
-        views = [buf.view[k * request : (k + 1) * request] for k in range(threads)]
-        rounds = tuple((mode, _rate(path, k * span, views, pool, mode))
-                       for k, mode in enumerate(ROUNDS))
-    return ReadSample(rounds, request, threads, name)
+def record(dev: int, value: float) -> list[float]:
+    """Add one load's ratio for filesystem ``dev``; the recent ratios, oldest first."""
+    with _lock:
+        kept = _ratios.setdefault(dev, deque(maxlen=HISTORY))
+        kept.append(value)
+        return list(kept)
 
 
-def _rate(path: str, start: int, views: list[memoryview], pool: ThreadPoolExecutor,
-          mode: str) -> float:
-    """Bytes per second of one cold round: one request per view at once from ``start``."""
-    request = views[0].nbytes
-    fd = os.open(path, os.O_RDONLY | (_O_DIRECT if mode == "direct" else 0))
-    try:
-        os.posix_fadvise(fd, start, request * len(views), os.POSIX_FADV_DONTNEED)  # cold
-        t0 = time.perf_counter()
-        done = sum(pool.map(lambda k: pread_all(fd, views[k], start + k * request),
-                            range(len(views))))
-        seconds = time.perf_counter() - t0
-    finally:
-        os.close(fd)
-    return done / seconds if seconds > 0 and done else 0.0
+def amend(dev: int, old: float, new: float) -> None:
+    """Replace a load's ratio ``old`` (the newest such entry) for ``dev`` with ``new``."""
+    with _lock:
+        kept = _ratios.get(dev)
+        if kept is not None:
+            for k in range(len(kept) - 1, -1, -1):
+                if kept[k] == old:
+                    kept[k] = new
+                    return
+
+
+def recent(dev: int) -> list[float]:
+    """The recent loads' ratios for filesystem ``dev``, oldest first."""
+    with _lock:
+        return list(_ratios.get(dev, ()))
 
 
 def forget() -> None:
-    """Drop the measured choices (tests; a process whose storage changed)."""
-    _choices.clear()
+    """Drop what was measured (tests; a process whose storage changed)."""
+    with _lock:
+        _ratios.clear()

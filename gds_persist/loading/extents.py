@@ -11,10 +11,10 @@ import os
 from collections.abc import Callable, Sequence
 
 from .. import settings
-from ..backends import Backend, choose_backend
+from ..backends import Backend, choose_backend, read_reason
 from ..backends.posix import DirectBackend
 from ..errors import BackendError
-from ..format import Extent, storage_descriptions
+from ..format import Extent, align_up, storage_descriptions
 from ..stages import stage
 from ..transfer.opened import OpenCheckpoint
 from ..transfer.reader import Describe, Dests, FileReader, OnBytes, OnChecksum, OnError
@@ -50,26 +50,24 @@ def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | N
         cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
     ) as (ring, pool):
         for directory, indices in by_dir.items():
-            largest = max(indices, key=lambda i: ck.manifest.files[i].size)
+            load_bytes = sum(align_up(e.stored_length) for i in indices for e in by_file[i])
             with stage("choose backend"):
-                backend, reason = _read_backend(
-                    cfg, directory, wants_device,
-                    (ck.source(largest), ck.manifest.files[largest].size,
-                     ck.manifest.files[largest].name))
-            chosen.append((backend.name, reason))
+                backend, reason = _read_backend(cfg, directory, wants_device,
+                                                (ck.source(indices[0]), load_bytes))
             reader = FileReader(backend, ring, pool, cfg.io_timeout_s, verify=verify,
                                 describe=describe, on_checksum=on_checksum, on_bytes=on_bytes,
                                 on_error=on_error, progress=progress)
             reader.read_files([(ck.file_path(i), by_file[i], ck.source(i)) for i in indices],
                               dests)
+            chosen.append((backend.name, read_reason(backend, reason)))  # what it measured
     return chosen
 
 
 def _read_backend(cfg: settings.Settings, directory: str, wants_device: bool,
-                  sample: tuple[str, int, str]) -> tuple[Backend, str]:
+                  load: tuple[str, int]) -> tuple[Backend, str]:
     try:
         return choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
-                              cfg.block_bytes, read_sample=sample)
+                              cfg.block_bytes, read_load=load)
     except BackendError:
         # The O_DIRECT probe needs the directory; the files are held open even when another
         # process removed it (the checkpoint was replaced meanwhile): read them as asked.

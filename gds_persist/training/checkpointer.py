@@ -192,7 +192,7 @@ class Checkpointer:
         # Ranks agree on publishing each step and on the step a load reads (SoloComm: no group).
         self._comm = make_comm(process_group, settings.current().collective_timeout_s)
         self._publisher = self._comm.rank == 0  # moves `latest` and removes old steps
-        os.makedirs(self.root, exist_ok=True)
+        _steps.make_root(self.root)  # a file there: NotACheckpointDirectoryError
         self._lock = threading.RLock()
         self._stats = CheckpointerStats()
         self._pending = Pending(self.root, self.timeout_s, self._stats, self._lock,
@@ -354,7 +354,7 @@ class Checkpointer:
             chosen = self._comm.broadcast_json(latest if step is None else step, 0,
                                                "checkpoint step")
             if chosen is None:
-                raise CheckpointError(f"no committed checkpoint in {self.root} to load")
+                raise _steps.nothing_to_load(self.root)  # also a FileNotFoundError
             path = _steps.step_path(self.root, chosen)
             try:  # every rank raises the same CheckpointReplacedError (ranks agree in load)
                 state = core_load(path, map_location=map_location, verify=verify, **kwargs)

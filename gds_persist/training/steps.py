@@ -32,7 +32,7 @@ import re
 import shutil
 import uuid
 
-from ..errors import ManifestError
+from ..errors import ManifestError, NotACheckpointDirectoryError, NotCommittedError
 from ..format import MANIFEST_NAME, parse_manifest
 from ..transfer.commit import fsync_path, remove_stale_temporaries, remove_tree
 from ..transfer.locks import STALE_UNLOCKED_S, untouched_for
@@ -41,6 +41,32 @@ LATEST = "latest"
 _STEP = re.compile(r"^step-(\d+)$")
 _HIDDEN_STEP = re.compile(r"^\.step-(\d+)\.(tmp|old|del)-")
 _HIDDEN_LATEST = ".latest.tmp-"
+
+
+def make_root(root: str) -> None:
+    """Create the Checkpointer root (and its parents) if missing; a file in the way raises
+    :class:`NotACheckpointDirectoryError` saying what to do (not the bare ``FileExistsError``)."""
+    try:
+        os.makedirs(root, exist_ok=True)
+    except (FileExistsError, NotADirectoryError) as e:
+        blocker = root  # the nearest existing component: the file in the way
+        while not os.path.lexists(blocker) and os.path.dirname(blocker) != blocker:
+            blocker = os.path.dirname(blocker)
+        raise NotACheckpointDirectoryError(
+            f"Checkpointer root {root} cannot be a directory: {blocker} is a file. A "
+            "Checkpointer keeps its steps in a directory there; pass a directory path (a new "
+            "one is created), or move the file away (a torch.save file there: "
+            "gds_persist.import_checkpoint converts it, or gds_persist.load reads it)"
+        ) from e
+
+
+def nothing_to_load(root: str) -> NotCommittedError:
+    """The error of a load from a root without committed steps: a ``FileNotFoundError`` too,
+    as ``torch.load`` raises for a missing file (``except FileNotFoundError: start fresh``)."""
+    return NotCommittedError(
+        f"no committed checkpoint in {root} to load (no step-* directory with a manifest); "
+        "save one first, or start fresh where there is none (this error is a FileNotFoundError)"
+    )
 
 
 def step_name(step: int) -> str:

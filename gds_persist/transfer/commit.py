@@ -123,10 +123,12 @@ def check_replaceable(path: str, replace: bool = True) -> None:
         if MANIFEST_NAME in entries:
             if replace:
                 return
+            # its first words are FileSystemWriter's (PyTorch's DCP test_overwrite matches them)
             raise CheckpointError(
-                f"{path} already holds a checkpoint and this save was asked not to replace one "
-                "(overwrite=False); choose another path, remove it, or pass overwrite=True "
-                "(replaced atomically once the new checkpoint is complete)"
+                f"Checkpoint already exists and overwrite=False: {path} already holds a "
+                "checkpoint and this save was asked not to replace one; choose another path, "
+                "remove it, or pass overwrite=True (replaced atomically once the new checkpoint "
+                "is complete)"
             )
     held = (f"a directory holding {', '.join(repr(e) for e in entries[:3])}"
             f"{', ...' if len(entries) > 3 else ''}" if entries else "a file or link")
