@@ -65,6 +65,17 @@ def _load_every_way(path: Path) -> Iterator[tuple[str, object]]:
     yield "gds_persist.load", gds_persist.load(path)
 
 
+def test_a_file_named_without_a_directory_loads_with_every_backend(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.chdir(tmp_path)  # "model.pt", as the README writes it: its directory is ""
+    state = {"w": torch.arange(1 << 20, dtype=torch.float32)}
+    gds_persist.save(state, "model.pt", format="torch")
+    torch.save(state, "stock.pt")
+    for name in ("model.pt", "stock.pt"):
+        for backend in ("auto", "direct", "buffered"):
+            assert torch.equal(gds_persist.load(name, backend=backend)["w"], state["w"]), name
+
+
 def test_stock_torch_load_reads_it_bit_exactly(tmp_path: Path) -> None:
     state = _state()
     info = gds_persist.save(state, tmp_path / "x.pt", format="torch")

@@ -69,6 +69,7 @@ def choose_backend(
     memory-backed filesystem); the reason is completed by :func:`read_reason` after the read."""
     from .kvikio_backend import kvikio_facts
 
+    directory = directory or "."  # a file named without a directory ("model.pt")
     if requested not in BACKEND_NAMES:
         raise BackendError(
             f"unknown backend {requested!r}; valid backends: {', '.join(BACKEND_NAMES)}"
