@@ -130,6 +130,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="how the page cache is emptied before each load: global = drop_caches "
                         "(root), per-file = posix_fadvise(DONTNEED) on the checkpoint's files; "
                         "auto (default) = global as root, else per-file")
+    p.add_argument("--warmup", type=int, default=1,
+                   help="untimed rounds (a save and a load of every method) before the timed "
+                        "ones (default 1): the process's first large allocations fault in "
+                        "fresh pages at several times the later cost, which would otherwise "
+                        "fall on whichever method runs first")
     p.add_argument("--no-check", action="store_true",
                    help="skip comparing the first load of each method with the source tensors")
     return p
@@ -189,6 +194,22 @@ def _save_and_load(m: methods.Method, ctx: methods.Context, path: str, cache_mod
             checks[m.key] = problem
             log(f"  WARNING {m.key}: {problem}")
     return s_save, s_load
+
+
+def _warm_up(args: argparse.Namespace, available: list[methods.Method], ctx: methods.Context,
+             workdir: str, cache: dict[str, Any]) -> None:
+    """``args.warmup`` untimed rounds of every method; nothing is recorded."""
+    for k in range(args.warmup):
+        log(f"warm-up {k + 1}/{args.warmup} (untimed)")
+        for m in available:
+            path = os.path.join(workdir, m.key)
+            try:
+                _save_and_load(m, ctx, path, args.cache_drop, cache, {}, {}, {}, {})
+            except Exception as e:  # noqa: BLE001 - the timed run reports the failure
+                log(f"  warm-up of {m.key} failed: {type(e).__name__}: {e}")
+            finally:
+                gc.collect()
+                methods.remove(path)
 
 
 def _timed(ctx: methods.Context, fn: Any, *args: Any) -> tuple[float, Any]:
@@ -261,6 +282,7 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
     drive_runs: list[dict[str, Any]] = []
     bar = cli_progress("bench")  # on a terminal only: bytes saved + loaded by all runs so far
     moved, to_move = 0, args.runs * len(items) * 2 * summ.payload_bytes
+    _warm_up(args, chosen.available, ctx, workdir, cache)
     for rep in range(args.runs):
         shift = rep % len(items)
         this = items[shift:] + items[:shift]
@@ -321,7 +343,8 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
         "started": started,
         "elapsed_s": elapsed,
         "argv": sys.argv,
-        "config": {"size_requested": args.size, "runs": args.runs, "dtype": args.dtype,
+        "config": {"size_requested": args.size, "runs": args.runs, "warmup": args.warmup,
+                   "dtype": args.dtype,
                    "seed": args.seed, "device": str(device), "methods": keys,
                    "dcp_threads": list(args.dcp_threads), "directory": workdir},
         "machine": facts,
@@ -408,7 +431,9 @@ def per_run_lines(per_run: list[dict[str, float]]) -> list[str]:
 
 
 def print_report(record: dict[str, Any], disk: dict[str, int]) -> None:
-    lines = report.header_lines(record)
+    warmup = record["config"].get("warmup", 0)
+    lines = report.header_lines(record, runs_note=(
+        f"{report.RUNS_NOTE}; after {warmup} untimed warm-up round(s) of every method"))
     lines.append("")
     lines += report.table_lines(record["rows"], disk)
     lines.append("")

@@ -19,7 +19,8 @@ def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
     record = bench_io.main(["--size", "4MiB", "--runs", "2", "--dir", str(tmp_path),
                             "--json", str(out_json), "--dcp-threads", "1,2"])
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
 
     expected = {"gds-buffered", "torch", "dcp", "safetensors"}
     if supports_o_direct(str(tmp_path))[0]:
@@ -27,6 +28,8 @@ def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
     data = json.loads(out_json.read_text())
     assert data["schema"] == "gds_persist-bench/1"
     assert data == json.loads(json.dumps(record, default=str))
+    assert data["config"]["warmup"] == 1 and "warm-up 1/1 (untimed)" in captured.err
+    assert all(len(s["seconds"]) == 2 for s in data["series"])  # the warm-up is not timed
     available = {m["key"] for m in data["methods"] if m["available"]}
     assert expected <= available
     assert {m["key"] for m in data["methods"]} == set(methods.REGISTRY)  # the rest listed...
