@@ -115,11 +115,12 @@ def _seal(tmp: Temporary, files: list[list[Any]]) -> None:
 
 
 def transfer(comm: Comm, outgoing: Mapping[int, str], incoming: Mapping[int, str],
-             phase: str) -> list[int]:
+             phase: str, peer_timeout_s: float | None = None) -> list[int]:
     """Send the committed directory ``outgoing[dst]`` to each rank ``dst``, and commit what each
     rank ``src`` sends here at ``incoming[src]``; every rank calls it (with empty maps if it has
-    no part). A missing source directory sends nothing (its receiver is told). Returns the
-    sources whose copies were committed here."""
+    no part). A missing source directory sends nothing (its receiver is told). Every chunk's
+    wait is bounded by ``peer_timeout_s``: a peer that died mid-copy raises
+    :class:`PeerLostError` naming it. Returns the sources whose copies were committed here."""
     mine = {str(dst): _listing(d) for dst, d in outgoing.items() if os.path.isdir(d)}
     headers = comm.all_gather_json(mine, phase)
     me = str(comm.rank)
@@ -135,7 +136,7 @@ def transfer(comm: Comm, outgoing: Mapping[int, str], incoming: Mapping[int, str
         for src, files in sources.items():
             _prepare(temps[src], files)
         for k in range(rounds):
-            _round(comm, k, outgoing, mine, sources, temps, phase)
+            _round(comm, k, outgoing, mine, sources, temps, phase, peer_timeout_s)
         for src, files in sources.items():
             _seal(temps.pop(src), files)
     finally:
@@ -145,7 +146,8 @@ def transfer(comm: Comm, outgoing: Mapping[int, str], incoming: Mapping[int, str
 
 
 def _round(comm: Comm, k: int, outgoing: Mapping[int, str], mine: dict[str, list[list[Any]]],
-           sources: dict[int, list[list[Any]]], temps: dict[int, Temporary], phase: str) -> None:
+           sources: dict[int, list[list[Any]]], temps: dict[int, Temporary], phase: str,
+           peer_timeout_s: float | None = None) -> None:
     """Round ``k``: every pair moves its stream's bytes [k*CHUNK, (k+1)*CHUNK)."""
     start = k * CHUNK
 
@@ -156,6 +158,6 @@ def _round(comm: Comm, k: int, outgoing: Mapping[int, str], mine: dict[str, list
              for dst, files in mine.items() if width(files)]
     recvs = [(src, torch.empty(width(files), dtype=torch.uint8, device=comm.device))
              for src, files in sources.items() if width(files)]
-    comm.send_recv(sends, recvs, phase)
+    comm.send_recv(sends, recvs, phase, peer_timeout_s)
     for src, buf in recvs:
         _write_chunk(temps[src].dir, sources[src], start, buf)
