@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointTimeout
+from ..errors import CheckpointError, CheckpointTimeout, PeerLostError
 from ..format import MANIFEST_NAME
 from ..parallel.distributed import Comm
 from ..parallel.topology import node_name
@@ -180,9 +180,13 @@ class Tiers:
         t1 = time.perf_counter()
         mine = self._holders[comm.rank]
         held = [r for r, hs in enumerate(self._holders) if comm.rank in hs]
-        transfer(comm, {h: tier.own_step(step) for h in mine},
-                 {r: tier.replica_step(r, step) for r in held}, f"replicas of step {step}",
-                 self._peer_timeout_s)
+        try:
+            transfer(comm, {h: tier.own_step(step) for h in mine},
+                     {r: tier.replica_step(r, step) for r in held}, f"replicas of step {step}",
+                     self._peer_timeout_s)
+        except PeerLostError as e:  # said at once: the handle raises it only at the next call
+            log.error("gds_persist.Checkpointer(%s): PeerLostError: %s", self.root, e)
+            raise
         comm.agree("memory retention", lambda: tier.retain(step, held),
                    f"memory-tier retention after step {step} under {tier.root}")
         with self._lock:
