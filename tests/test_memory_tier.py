@@ -94,15 +94,37 @@ def test_shares_split_the_state_once_over_the_ranks():
 
 
 def test_candidates_need_a_copy_of_every_share():
-    invs = [{"own": [5, 6], "replicas": {"1": [6]}}, {"own": [], "replicas": {"0": [5]}}]
-    assert recovery.candidates(invs, drive=[4]) == [6, 4]  # rank 1's share of 6 on rank 0 only
+    invs = [{"node": "a", "own": [5, 6], "replicas": {"1": [6]}},
+            {"node": "b", "own": [], "replicas": {"0": [5]}}]
+    assert recovery.candidates(invs, drive=[4]) == [6, 4]  # rank 1's share of 6 on node a only
     assert recovery.holder_of(invs, 1, 6) == 0 and recovery.holder_of(invs, 1, 5) is None
     assert recovery.candidates(invs, drive=[]) == [6]
     tier = MemoryTier("/m", 0)
-    got = recovery.assign(invs, 6, set(), tier)
-    assert got is not None and [(s.holder, s.kind) for s in got.values()] == [
-        (0, "memory"), (0, "replica")]
-    assert recovery.assign(invs, 6, {(1, 0)}, tier) is None  # its only copy failed
+    plan = recovery.plan_step(invs, 6, set(), tier)
+    assert plan is not None
+    assert [(s.node, s.kind) for s in plan.reads[0].values()] == [("a", "memory"), ("a", "replica")]
+    assert plan.reads[1] == {} and plan.sends == [(0, 0, 1), (1, 0, 1)]  # node b has nothing
+    assert recovery.plan_step(invs, 6, {(1, "a", "replica")}, tier) is None  # its only copy
+
+
+def test_plan_reads_what_each_node_holds_and_sends_only_what_it_lacks():
+    nodes = ["a", "a", "b", "b"]
+    holders = replicate.holders(nodes, 1)
+    invs = [{"node": n, "own": [3], "replicas": {}} for n in nodes]
+    for r, hs in enumerate(holders):
+        for h in hs:
+            invs[h]["replicas"][str(r)] = [3]
+    tier = MemoryTier("/m", 0)
+    plan = recovery.plan_step(invs, 3, set(), tier)
+    assert plan is not None and plan.sends == []  # 2 nodes, 1 replica: each holds every share
+    assert all(sorted(reads) == [0, 1, 2, 3] for reads in plan.reads)
+    lost = [{**inv, "own": [], "replicas": {}} if inv["node"] == "b" else inv for inv in invs]
+    plan = recovery.plan_step(lost, 3, set(), tier)  # node b's memory lost
+    assert plan is not None and all(not plan.reads[r] for r in (2, 3))
+    assert sorted((k, dst) for k, _, dst in plan.sends) == [(k, d) for k in range(4)
+                                                            for d in (2, 3)]
+    sent_by = [sum(src == r for _, src, _ in plan.sends) for r in (0, 1)]
+    assert sent_by == [4, 4]  # spread over the senders
 
 
 # ---------------------------------------------------------------- one process

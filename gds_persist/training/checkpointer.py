@@ -384,8 +384,8 @@ class Checkpointer:
 
         request = Request(kwargs["into"], kwargs["strict"], map_location,
                           {"backend": kwargs.get("backend")})
-        latest = self.latest_step()
-        got = restore(self._comm, memory, self.root, load_drive, request, step)
+        latest, peer_s = self.latest_step(), self._tiers.peer_timeout_s
+        got = restore(self._comm, memory, self.root, load_drive, request, step, peer_s)
         state, got.state = got.state, None
         self._loaded(got.step, latest, got)
         self._tiers.heal(got.heal)

@@ -92,7 +92,7 @@ class Tiers:
         self._process_group = process_group
         self._helper = helper
         self._timeout_s = timeout_s
-        self._peer_timeout_s = peer_timeout_s
+        self.peer_timeout_s = peer_timeout_s
         self._healer: threading.Thread | None = None  # rewriting a copy restored from a replica
         self._stats, self._lock = stats, lock
 
@@ -183,7 +183,7 @@ class Tiers:
         try:
             transfer(comm, {h: tier.own_step(step) for h in mine},
                      {r: tier.replica_step(r, step) for r in held}, f"replicas of step {step}",
-                     self._peer_timeout_s)
+                     self.peer_timeout_s)
         except PeerLostError as e:  # said at once: the handle raises it only at the next call
             log.error("gds_persist.Checkpointer(%s): PeerLostError: %s", self.root, e)
             raise

@@ -1,13 +1,15 @@
-"""Restore of one step from the memory tier's shares (:mod:`.shares`), as the drive load's shared
-read does it: each share is read once, by the rank whose node holds a copy of it, verified
-(every extent's CRC32C, on the reader), and the ranks then exchange the bytes
-(:func:`gds_persist.parallel.exchange.exchange`) so that every rank holds the whole state -
-in place with ``into=`` (:mod:`gds_persist.loading.destinations`).
+"""Restore of one step from the memory tier's shares (:mod:`.shares`): each rank reads, from its
+node's memory, every share that node holds a copy of (its ranks' own shares and the replicas it
+keeps), verified (every extent's CRC32C); the shares its node lacks arrive point to point from a
+rank whose node holds them (:mod:`gds_persist.parallel.pairs`), straight into its state. Every
+rank ends with the whole replicated state, in place with ``into=``
+(:mod:`gds_persist.loading.destinations`). With 2 nodes and ``replicas=1`` each node holds
+every share: nothing crosses the network unless a node lost its memory.
 
-Who reads which share, from which copy (its owner's own directory, or a replica on another node:
-the *holdings*), is the caller's (:mod:`.recovery`). A copy that is missing, cut short, holds
-another step's manifest or fails its checksums is reported by share, the same on every rank,
-so the caller can pick another copy of that share; nothing else is retried here.
+Which copy of which share each rank reads, and who sends what to whom, is the caller's plan
+(:class:`Plan`, from :mod:`.recovery`'s holdings). A copy that is missing, cut short, holds
+another step's manifest or fails its checksums is reported, the same on every rank, so the
+caller can plan again without it; nothing else is retried here.
 
 A rank whose own copy was lost receives its share's bytes like the others, straight into its
 state; :class:`Heal` then rewrites its own copy from those bytes, after training has resumed.
@@ -29,7 +31,7 @@ from ...format.tree import decode, tensor_indices
 from ...loading.destinations import Destinations, match, plan_destinations, target_device
 from ...loading.load import PieceReader, fresh_storages
 from ...parallel.distributed import Comm
-from ...parallel.exchange import exchange
+from ...parallel.pairs import move
 from ...transfer.commit import commit, make_temporary, write_manifest
 from ...transfer.opened import OpenCheckpoint, open_checkpoint
 from .shares import share_files
@@ -37,15 +39,26 @@ from .shares import share_files
 
 @dataclass(frozen=True)
 class Source:
-    """A copy of rank ``share``'s share: in the directory ``path`` on rank ``holder``'s node."""
+    """A copy of rank ``share``'s share in node ``node``'s memory: its owner's own directory
+    (``kind`` "memory") or a replica (``"replica"``); ``path`` is right on that node."""
 
     share: int
-    holder: int
+    node: str
+    kind: str
     path: str
 
     @property
-    def kind(self) -> str:
-        return "memory" if self.holder == self.share else "replica"
+    def key(self) -> tuple[int, str, str]:
+        return (self.share, self.node, self.kind)
+
+
+@dataclass
+class Plan:
+    """One attempt at a step: what each rank reads from its node's memory (share -> copy), and
+    the shares sent point to point: ``(share, sender, receiver)``."""
+
+    reads: list[dict[int, Source]]
+    sends: list[tuple[int, int, int]]
 
 
 @dataclass
@@ -92,8 +105,8 @@ class Heal:
 @dataclass
 class Outcome:
     state: Any = None
-    failures: dict[int, str] = field(default_factory=dict)  # share -> why its copy failed
-    share_bytes: dict[int, int] = field(default_factory=dict)  # share -> bytes read
+    failures: dict[tuple[int, str, str], str] = field(default_factory=dict)  # copy -> why
+    bytes_from: dict[str, int] = field(default_factory=dict)  # "memory"/"replica"/"sent"
     heal: Heal | None = None
 
 
@@ -102,40 +115,41 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:400]
 
 
-def read_step(comm: Comm, step: int, assign: dict[int, Source], req: Request,
-              own_path: str) -> Outcome:
-    """Every rank: restore ``step`` from the copies ``assign`` names (one per share, every
-    rank's share; a copy's ``path`` matters on its holder only). Returns the state, or the
-    failed copies by share (then no state; ``into`` may hold partial data, to be filled again
-    by the next attempt). ``own_path``: where this rank's own copy of the step belongs."""
+def read_step(comm: Comm, step: int, plan: Plan, req: Request, own_path: str,
+              peer_timeout_s: float | None = None) -> Outcome:
+    """Every rank: restore ``step`` as ``plan`` says. Returns the state, or the failed copies
+    (then no state; ``into`` may hold partial data, to be filled again by the next attempt).
+    ``own_path``: where this rank's own copy of the step belongs."""
     what = f"memory-tier restore of step {step} (rank {comm.rank} of {comm.size})"
-    mine = {k: s for k, s in assign.items() if s.holder == comm.rank}
+    mine = plan.reads[comm.rank]
     opened: dict[int, OpenCheckpoint] = {}
     try:
         failures, digest = _open(comm, mine, opened, what)
         if failures:
             return Outcome(failures=failures)
-        first = assign[min(assign)]
+        provider = min(r for r, reads in enumerate(plan.reads) if reads)
         raw = None
-        if comm.rank == first.holder:
+        if comm.rank == provider:
+            first = mine[min(mine)]
             with open(os.path.join(first.path, MANIFEST_NAME), "rb") as f:
                 raw = f.read()
-        raw = comm.broadcast_bytes(raw, first.holder, "memory restore manifest")
+        raw = comm.broadcast_bytes(raw, provider, "memory restore manifest")
         if hashlib.sha256(raw).hexdigest() != digest:  # replaced since it was opened
-            return Outcome(failures={first.share: "its manifest changed while being read"})
+            src = plan.reads[provider][min(plan.reads[provider])]
+            return Outcome(failures={src.key: "its manifest changed while being read"})
         m = parse_manifest(raw, f"the manifest of step {step} in the memory tier")
-        return _read(comm, m, raw, assign, opened, req, what, own_path)
+        return _read(comm, m, raw, plan, opened, req, what, own_path, peer_timeout_s)
     finally:
         for ck in opened.values():
             ck.close()
 
 
 def _open(comm: Comm, mine: dict[int, Source], opened: dict[int, OpenCheckpoint],
-          what: str) -> tuple[dict[int, str], str]:
+          what: str) -> tuple[dict[tuple[int, str, str], str], str]:
     """Open every copy this rank reads (its data file too: its size is checked); the failed
-    copies by share (every rank's), and the manifest digest the copies agree on."""
-    def step() -> dict[str, dict[str, str]]:
-        out = {}
+    copies (every rank's), and the manifest digest the copies agree on."""
+    def step() -> list[list[Any]]:
+        out: list[list[Any]] = []
         for k, src in mine.items():
             try:
                 ck = opened[k] = open_checkpoint(src.path)
@@ -146,28 +160,27 @@ def _open(comm: Comm, mine: dict[int, Source], opened: dict[int, OpenCheckpoint]
                                           f"{comm.size} ranks (saved by {saved})")
                 if k in files:
                     ck.open_files([files[k]])  # TruncatedError when cut short
-                out[str(k)] = {"digest": ck.digest}
+                out.append([*src.key, "", ck.digest])
             except (CheckpointError, OSError) as e:
-                out[str(k)] = {"error": _first_line(e)}
+                out.append([*src.key, _first_line(e), ""])
         return out
 
-    statuses = {int(k): st for got in comm.agree("memory restore open", step, what)
-                for k, st in got.items()}
-    failures = {k: st["error"] for k, st in statuses.items() if "error" in st}
-    digests = [st["digest"] for st in statuses.values() if "digest" in st]
+    statuses = [st for got in comm.agree("memory restore open", step, what) for st in got]
+    failures = {(k, n, kind): why for k, n, kind, why, _ in statuses if why}
+    digests = [d for *_, d in statuses if d]
     common = max(set(digests), key=digests.count) if digests else ""
-    for k, st in statuses.items():
-        if st.get("digest", common) != common:
-            failures[k] = "it holds another manifest of this step than the other shares"
+    for k, n, kind, _, d in statuses:
+        if d and d != common:
+            failures[(k, n, kind)] = "it holds another manifest of this step than the others"
     return failures, common
 
 
-def _read(comm: Comm, m: Manifest, raw: bytes, assign: dict[int, Source],
-          opened: dict[int, OpenCheckpoint], req: Request, what: str, own_path: str) -> Outcome:
+def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, OpenCheckpoint],
+          req: Request, what: str, own_path: str, peer_timeout_s: float | None) -> Outcome:
     cfg = settings.current(**req.io_kwargs)
     files = share_files(m)
     extents = {k: [e for e in m.extents if e.file == files[k]] if k in files else []
-               for k in assign}
+               for k in range(comm.size)}
     wanted = tensor_indices(m.tree)
     needed = sorted({m.tensors[i].storage for i in wanted})
     held: dict[str, Destinations] = {}
@@ -176,50 +189,72 @@ def _read(comm: Comm, m: Manifest, raw: bytes, assign: dict[int, Source],
         device = target_device(m.storages[s].device, req.map_location, True)
         return torch.empty(m.storages[s].nbytes, dtype=torch.uint8, device=device)
 
-    def plan() -> None:  # a state that does not fit into= raises on every rank
+    def plan_dest() -> None:  # a state that does not fit into= raises on every rank
         found = None if req.into is None else match(m, m.tree, req.into, req.strict, what)
         held["dest"] = plan_destinations(m, wanted, needed, found, allocate)
 
-    comm.agree("memory restore destinations", plan, what)
+    comm.agree("memory restore destinations", plan_dest, what)
     dest = held["dest"]
     describe = storage_descriptions(m)
     chosen: list[tuple[str, str]] = []
+    mine = plan.reads[comm.rank]
 
-    def read() -> dict[str, str]:
-        bad = {}
+    def read() -> list[list[Any]]:
+        bad = []
         for k, ck in opened.items():
             try:
                 PieceReader(ck, dest, cfg, True, describe, chosen).read(extents[k], None)
             except (CheckpointError, OSError) as e:
-                bad[str(k)] = _first_line(e)
+                bad.append([*mine[k].key, _first_line(e)])
         return bad
 
-    failures = {int(k): why for got in comm.agree("memory restore read", read, what)
-                for k, why in got.items()}
+    failures = {(k, n, kind): why for got in comm.agree("memory restore read", read, what)
+                for k, n, kind, why in got}
     if failures:
         return Outcome(failures=failures)
-    by_reader: list[list[Extent]] = [[] for _ in range(comm.size)]
-    for k in sorted(assign):
-        by_reader[assign[k].holder] += extents[k]
-    pieces = [[(p.storage, p.start, p.length) for p in dest.pieces(sub, True)[0]]
-              for sub in by_reader]
-    strategy = cfg.load_strategy if cfg.load_strategy in ("allgather", "broadcast") else "broadcast"
-    exchange(comm, strategy, pieces, dest.buffers, cfg.staging_bytes)
-    heal = _heal(m, raw, files, extents, assign, dest, comm.rank, own_path)
+    _send_missing(comm, plan, extents, dest, what, peer_timeout_s)
+    heal = _heal(m, raw, files, extents, mine, dest, comm.rank, own_path)
     dest.finish()
     state = decode(m.tree, dest.returned(m, wanted, fresh_storages(m, wanted, dest,
                                                                   req.map_location)))
-    sizes = {k: sum(e.length for e in extents[k]) for k in assign}
-    return Outcome(state=state, share_bytes=sizes, heal=heal)
+    return Outcome(state=state, bytes_from=_bytes_from(plan, extents), heal=heal)
+
+
+def _send_missing(comm: Comm, plan: Plan, extents: dict[int, list[Extent]], dest: Destinations,
+                  what: str, peer_timeout_s: float | None) -> None:
+    """The shares a rank's node lacks, from the sender the plan names, straight into place.
+    Both ends cut the share alike (at every tensor boundary), whatever their destinations."""
+    sends, recvs = [], []
+    for k, src, dst in plan.sends:
+        if comm.rank in (src, dst):
+            pieces = [(p.storage, p.start, p.length) for p in dest.pieces(extents[k], True)[0]]
+            if comm.rank == src:
+                sends += [(dst, p) for p in pieces]
+            else:
+                recvs += [(src, p) for p in pieces]
+    move(comm, sends, recvs, dest.buffers, "memory restore: shares sent", peer_timeout_s)
+    comm.agree("memory restore sent", lambda: None, what)
+
+
+def _bytes_from(plan: Plan, extents: dict[int, list[Extent]]) -> dict[str, int]:
+    """Bytes read from each kind of copy by all ranks, and sent between them."""
+    out: dict[str, int] = {}
+    size = {k: sum(e.length for e in es) for k, es in extents.items()}
+    for reads in plan.reads:
+        for k, src in reads.items():
+            out[src.kind] = out.get(src.kind, 0) + size[k]
+    for k, _, _ in plan.sends:
+        out["sent"] = out.get("sent", 0) + size[k]
+    return out
 
 
 def _heal(m: Manifest, raw: bytes, files: dict[int, int], extents: dict[int, list[Extent]],
-          assign: dict[int, Source], dest: Destinations, rank: int,
+          mine: dict[int, Source], dest: Destinations, rank: int,
           own_path: str) -> Heal | None:
-    """This rank's share came from a replica: copy its bytes now (training will change them),
-    to rewrite its own copy later (:meth:`Heal.run`)."""
-    src = assign.get(rank)
-    if src is None or src.kind == "memory":
+    """This rank's share did not come from its own copy: copy its bytes now (training will
+    change them), to rewrite its own copy later (:meth:`Heal.run`)."""
+    src = mine.get(rank)
+    if src is not None and src.kind == "memory":
         return None
     pieces = []
     for p in dest.pieces(extents[rank])[0]:

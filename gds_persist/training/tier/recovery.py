@@ -2,14 +2,15 @@
 ranks can restore, from the nearest verified copies - the shares in their nodes' memory, else
 replicas of the missing shares on other nodes, else the drive.
 
-The ranks first gather what each holds (:meth:`MemoryTier.inventory`, the *holdings*: which
-rank's node holds a copy of which rank's share of which step, and the drive's committed steps);
-:func:`candidates` lists, newest first, the steps every share of which some node holds, or that
-the drive holds. For a step, every share gets one copy to read (:func:`assign`: its owner's
-own, else the first replica after it); the ranks read and exchange them (:mod:`.reading`). A copy
-that fails (missing, cut short, corrupt) is replaced by the next copy of that share and the
-step is read again; a step whose shares cannot all be read is taken from the drive if it is
-there (all ranks read it once together), else the next older candidate is tried. A state is only
+The ranks first gather what each holds (:meth:`MemoryTier.inventory` and its node, the
+*holdings*: which node holds a copy of which rank's share of which step, and the drive's
+committed steps); :func:`candidates` lists, newest first, the steps every share of which some
+node holds, or that the drive holds. For a step, :func:`plan_step` has every rank read the
+shares its node holds and names, for each share a node lacks, the rank that sends it to each of
+that node's ranks (:mod:`.reading`). A copy that fails (missing, cut short, corrupt) is left
+out of the next plan and the step is read again; a step whose shares cannot all be read is
+taken from the drive if it is there (all ranks read it once together), else the next older
+candidate is tried. A state is only
 returned once every rank has the same step, whole.
 """
 
@@ -22,9 +23,10 @@ from typing import Any
 
 from ...errors import CheckpointError
 from ...parallel.distributed import Comm
+from ...parallel.topology import node_name
 from .. import steps as _steps
 from .memory import MemoryTier
-from .reading import Heal, Request, Source, read_step
+from .reading import Heal, Plan, Request, Source, read_step
 
 SOURCES = ("memory", "replica", "drive")
 LoadDrive = Callable[[str], tuple[Any, int]]  # path -> (state, payload bytes), ranks together
@@ -43,23 +45,29 @@ class Restored:
     heal: Heal | None = None  # this rank's own copy to rewrite (it came from a replica)
 
 
-def holders_of(invs: Inventory, share: int, step: int) -> list[int]:
-    """The ranks whose nodes hold a copy of rank ``share``'s share of ``step``: its own first,
-    then the replica holders after it (cyclically)."""
-    n = len(invs)
-    own = [share] if step in invs[share]["own"] else []
-    return own + [h for h in ((share + k) % n for k in range(1, n))
-                  if step in invs[h]["replicas"].get(str(share), [])]
+def copies(invs: Inventory, share: int, step: int, node: str) -> list[str]:
+    """The kinds of copy of rank ``share``'s share of ``step`` in node ``node``'s memory, the
+    nearest first: its owner's own ("memory", on the owner's node), then a replica."""
+    out = []
+    if invs[share]["node"] == node and step in invs[share]["own"]:
+        out.append("memory")
+    if any(inv["node"] == node and step in inv["replicas"].get(str(share), []) for inv in invs):
+        out.append("replica")
+    return out
 
 
 def holder_of(invs: Inventory, rank: int, step: int) -> int | None:
     """The first other rank (cyclically after ``rank``) holding a replica of its ``step``."""
-    found = [h for h in holders_of(invs, rank, step) if h != rank]
+    n = len(invs)
+    found = [h for h in ((rank + k) % n for k in range(1, n))
+             if step in invs[h]["replicas"].get(str(rank), [])]
     return found[0] if found else None
 
 
 def in_memory(invs: Inventory, step: int) -> bool:
-    return all(holders_of(invs, r, step) for r in range(len(invs)))
+    """Some node holds a copy of every rank's share of ``step``."""
+    nodes = {inv["node"] for inv in invs}
+    return all(any(copies(invs, k, step, n) for n in nodes) for k in range(len(invs)))
 
 
 def candidates(invs: Inventory, drive: list[int]) -> list[int]:
@@ -72,33 +80,53 @@ def candidates(invs: Inventory, drive: list[int]) -> list[int]:
     return sorted((s for s in steps if s in drive or in_memory(invs, s)), reverse=True)
 
 
-def assign(invs: Inventory, step: int, bad: set[tuple[int, int]],
-           tier: MemoryTier) -> dict[int, Source] | None:
-    """One copy per share, the first that has not failed (None: some share has none left).
-    The same on every rank but for ``path``, which is right on the holder."""
-    out = {}
-    for share in range(len(invs)):
-        left = [h for h in holders_of(invs, share, step) if (share, h) not in bad]
-        if not left:
-            return None
-        h = left[0]
-        out[share] = Source(share, h, tier.own_step(step) if h == share
-                            else tier.replica_step(share, step))
-    return out
+def plan_step(invs: Inventory, step: int, bad: set[tuple[int, str, str]],
+              tier: MemoryTier) -> Plan | None:
+    """Every rank reads the shares its node holds (the nearest copy that has not failed); the
+    shares a node lacks are sent to each of its ranks by a rank of a node that has them, the
+    least loaded first. None: some share has no copy left on any node. The same on every
+    rank but for the paths, which are right on their node."""
+    world = len(invs)
+    reads: list[dict[int, Source]] = []
+    for r in range(world):
+        node, mine = invs[r]["node"], {}
+        for k in range(world):
+            kinds = [kind for kind in copies(invs, k, step, node) if (k, node, kind) not in bad]
+            if kinds:
+                path = (_steps.step_path(tier.rank_dir(k), step) if kinds[0] == "memory"
+                        else tier.replica_step(k, step))
+                mine[k] = Source(k, node, kinds[0], path)
+        reads.append(mine)
+    load = [0] * world
+    sends = []
+    for r in range(world):
+        for k in range(world):
+            if k in reads[r]:
+                continue
+            senders = [s for s in range(world) if k in reads[s]]
+            if not senders:
+                return None
+            s = min(senders, key=lambda c: (load[c], (c - r) % world))
+            load[s] += 1
+            sends.append((k, s, r))
+    return Plan(reads, sends)
 
 
 def restore(comm: Comm, tier: MemoryTier, drive_root: str, load_drive: LoadDrive,
-            req: Request, step: int | None = None) -> Restored:
+            req: Request, step: int | None = None,
+            peer_timeout_s: float | None = None) -> Restored:
     """Every rank calls it; returns this rank's state of the newest step the ranks restore
     (``step``: that step only, from whichever tier holds it)."""
     t0 = time.perf_counter()
-    mine = {**tier.inventory(), "drive": _steps.committed_steps(drive_root)}
+    mine = {**tier.inventory(), "node": node_name(),
+            "drive": _steps.committed_steps(drive_root)}
     invs = comm.all_gather_json(mine, "memory tier inventory")
     drive = sorted(set.intersection(*(set(inv["drive"]) for inv in invs)))  # seen by every rank
     skipped: list[str] = []
     tried = [step] if step is not None else candidates(invs, drive)
     for s in tried:
-        got = _from_memory(comm, tier, invs, s, req, skipped) if in_memory(invs, s) else None
+        got = (_from_memory(comm, tier, invs, s, req, skipped, peer_timeout_s)
+               if in_memory(invs, s) else None)
         if got is None and s in drive:
             got = _from_drive(comm, drive_root, s, load_drive, skipped)
         if got is not None:
@@ -113,23 +141,19 @@ def restore(comm: Comm, tier: MemoryTier, drive_root: str, load_drive: LoadDrive
 
 
 def _from_memory(comm: Comm, tier: MemoryTier, invs: Inventory, step: int, req: Request,
-                 skipped: list[str]) -> Restored | None:
-    """Read the step's shares, another copy of a share after each failed one."""
-    bad: set[tuple[int, int]] = set()
-    while (chosen := assign(invs, step, bad, tier)) is not None:
-        out = read_step(comm, step, chosen, req, tier.own_step(step))
+                 skipped: list[str], peer_timeout_s: float | None) -> Restored | None:
+    """Read the step's shares; after a failed copy, plan again without it."""
+    bad: set[tuple[int, str, str]] = set()
+    while (plan := plan_step(invs, step, bad, tier)) is not None:
+        out = read_step(comm, step, plan, req, tier.own_step(step), peer_timeout_s)
         if not out.failures:
-            sources = [chosen[r].kind for r in range(comm.size)]
-            bytes_from: dict[str, int] = {}
-            for k, n in out.share_bytes.items():
-                bytes_from[chosen[k].kind] = bytes_from.get(chosen[k].kind, 0) + n
+            sources = [reads[r].kind if r in reads else "replica"
+                       for r, reads in enumerate(plan.reads)]
             return Restored(out.state, step, sources[comm.rank], sources,
-                            bytes_from=bytes_from, heal=out.heal)
-        for k, why in sorted(out.failures.items()):
-            src = chosen[k]
-            bad.add((k, src.holder))
-            where = "memory copy" if src.kind == "memory" else f"replica on rank {src.holder}"
-            skipped.append(f"{where} of step {step} of rank {k}: {why}")
+                            bytes_from=out.bytes_from, heal=out.heal)
+        for (k, node, kind), why in sorted(out.failures.items()):
+            bad.add((k, node, kind))
+            skipped.append(f"{kind} copy of step {step} of rank {k}: {why} (node {node})")
     skipped.append(f"step {step}: some rank's share has no verified copy in any node's memory")
     return None
 
