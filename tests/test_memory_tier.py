@@ -251,7 +251,7 @@ def test_node_loss_resumes_from_replicas(tmp_path, run):
     shutil.rmtree(first.memory_root(2))  # node n1's memory: ranks 2 and 3
     results = Job(str(tmp_path), resume=True, stop=8, into=True).wait()  # in place
     _check_restored(results, ["memory", "memory", "replica", "replica"], step=6)
-    assert [r["healed"] for r in results] == [0, 0, 1, 1]  # their own copies, rewritten
+    assert [r["healed"] for r in results] == [0, 0, 2, 2]  # own copies + replicas, rewritten
     assert results[0]["restore_bytes"]["replica"] > 0
     _finished(results, 8)
 

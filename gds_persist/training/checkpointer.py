@@ -385,10 +385,11 @@ class Checkpointer:
         request = Request(kwargs["into"], kwargs["strict"], map_location,
                           {"backend": kwargs.get("backend")})
         latest, peer_s = self.latest_step(), self._tiers.peer_timeout_s
-        got = restore(self._comm, memory, self.root, load_drive, request, step, peer_s)
+        got = restore(self._comm, memory, self.root, load_drive, request, step, peer_s,
+                      self._tiers.replica_plan)
         state, got.state = got.state, None
         self._loaded(got.step, latest, got)
-        self._tiers.heal(got.heal)
+        self._tiers.heal(got.heals)
         return state
 
     def _loaded(self, step: int, latest: int | None, got: Restored) -> None:

@@ -157,11 +157,8 @@ class Tiers:
                                       "digest": structure_digest(flat)}, "memory tier room")
         check_same_structure([f["digest"] for f in facts], step)
         nodes = [f["node"] for f in facts]
-        if self._holders is None:
-            count = self._replicas
-            if count is None:  # default: one copy elsewhere, where there is an elsewhere
-                count = min(1, len(set(nodes)) - 1)
-            self._holders = holders(nodes, count)
+        self.replica_plan(nodes)
+        assert self._holders is not None
         plan = plan_shares([st.nbytes for st in flat.storages], nodes)
         why = lacks_room(share_bytes(plan), [f["free"] for f in facts], nodes, self._holders)
         if why is not None:
@@ -198,27 +195,38 @@ class Tiers:
             s.memory_share_bytes = info.bytes_written
         return info
 
+    def replica_plan(self, nodes: list[str]) -> list[list[int]]:
+        """By rank, the ranks keeping its replicas (fixed at the first call)."""
+        if self._holders is None:
+            count = self._replicas
+            if count is None:  # default: one copy elsewhere, where there is an elsewhere
+                count = min(1, len(set(nodes)) - 1)
+            self._holders = holders(nodes, count)
+        return self._holders
+
     # ---------------------------------------------------------------- healing after a restore
 
-    def heal(self, job: Heal | None) -> None:
-        """Rewrite this rank's own memory copy (restored from a replica) in the background;
-        the next memory step waits for it (:meth:`join_heal`)."""
-        if job is None:
+    def heal(self, jobs: list[Heal]) -> None:
+        """Rewrite the memory copies this rank keeps that its node lacked at a restore (its own
+        share, the replicas it holds), from the restored bytes, in the background; the next
+        memory step waits for it (:meth:`join_heal`)."""
+        if not jobs:
             return
         self.join_heal()
 
         def run() -> None:
-            t0 = time.perf_counter()
-            try:
-                job.run()
-            except Exception as e:  # noqa: BLE001 - the copy is only a cache: log and go on
-                log.warning("gds_persist.Checkpointer(%s): healing the memory copy %s failed "
-                            "(%s: %s); the next memory step writes it anew", self.root,
-                            job.path, type(e).__name__, e)
-                return
-            with self._lock:
-                self._stats.healed += 1
-                self._stats.heal_s += time.perf_counter() - t0
+            for job in jobs:
+                t0 = time.perf_counter()
+                try:
+                    job.run()
+                except Exception as e:  # noqa: BLE001 - a copy is only a cache: log, go on
+                    log.warning("gds_persist.Checkpointer(%s): healing the memory copy %s "
+                                "failed (%s: %s); the next memory step writes it anew",
+                                self.root, job.path, type(e).__name__, e)
+                    continue
+                with self._lock:
+                    self._stats.healed += 1
+                    self._stats.heal_s += time.perf_counter() - t0
 
         self._healer = threading.Thread(target=run, name="gds_persist-heal", daemon=True)
         self._healer.start()

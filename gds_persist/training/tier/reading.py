@@ -73,8 +73,9 @@ class Request:
 
 @dataclass
 class Heal:
-    """This rank's own copy of a step, rebuilt from the bytes it restored (a replica's): the
-    share's data file and the step's manifest, committed atomically at ``path``."""
+    """A copy this rank keeps of a share (its own, or a replica it holds) that its node lacked,
+    rebuilt from the bytes it restored: the share's data file and the step's manifest,
+    committed atomically at ``path``."""
 
     path: str
     raw: bytes
@@ -107,7 +108,7 @@ class Outcome:
     state: Any = None
     failures: dict[tuple[int, str, str], str] = field(default_factory=dict)  # copy -> why
     bytes_from: dict[str, int] = field(default_factory=dict)  # "memory"/"replica"/"sent"
-    heal: Heal | None = None
+    heals: list[Heal] = field(default_factory=list)
 
 
 def _first_line(e: BaseException) -> str:
@@ -115,11 +116,12 @@ def _first_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[0] if text else ''}"[:400]
 
 
-def read_step(comm: Comm, step: int, plan: Plan, req: Request, own_path: str,
+def read_step(comm: Comm, step: int, plan: Plan, req: Request, keep: dict[int, Source],
               peer_timeout_s: float | None = None) -> Outcome:
     """Every rank: restore ``step`` as ``plan`` says. Returns the state, or the failed copies
     (then no state; ``into`` may hold partial data, to be filled again by the next attempt).
-    ``own_path``: where this rank's own copy of the step belongs."""
+    ``keep``: the copies this rank keeps (its own share, the replicas it holds), by share;
+    those its node lacked come back in ``heals``."""
     what = f"memory-tier restore of step {step} (rank {comm.rank} of {comm.size})"
     mine = plan.reads[comm.rank]
     opened: dict[int, OpenCheckpoint] = {}
@@ -138,7 +140,7 @@ def read_step(comm: Comm, step: int, plan: Plan, req: Request, own_path: str,
             src = plan.reads[provider][min(plan.reads[provider])]
             return Outcome(failures={src.key: "its manifest changed while being read"})
         m = parse_manifest(raw, f"the manifest of step {step} in the memory tier")
-        return _read(comm, m, raw, plan, opened, req, what, own_path, peer_timeout_s)
+        return _read(comm, m, raw, plan, opened, req, what, keep, peer_timeout_s)
     finally:
         for ck in opened.values():
             ck.close()
@@ -176,7 +178,8 @@ def _open(comm: Comm, mine: dict[int, Source], opened: dict[int, OpenCheckpoint]
 
 
 def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, OpenCheckpoint],
-          req: Request, what: str, own_path: str, peer_timeout_s: float | None) -> Outcome:
+          req: Request, what: str, keep: dict[int, Source],
+          peer_timeout_s: float | None) -> Outcome:
     cfg = settings.current(**req.io_kwargs)
     files = share_files(m)
     extents = {k: [e for e in m.extents if e.file == files[k]] if k in files else []
@@ -213,11 +216,12 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
     if failures:
         return Outcome(failures=failures)
     _send_missing(comm, plan, extents, dest, what, peer_timeout_s)
-    heal = _heal(m, raw, files, extents, mine, dest, comm.rank, own_path)
+    heals = [_heal(m, raw, files, extents[k], dest, src) for k, src in keep.items()
+             if mine.get(k) != src]
     dest.finish()
     state = decode(m.tree, dest.returned(m, wanted, fresh_storages(m, wanted, dest,
                                                                   req.map_location)))
-    return Outcome(state=state, bytes_from=_bytes_from(plan, extents), heal=heal)
+    return Outcome(state=state, bytes_from=_bytes_from(plan, extents), heals=heals)
 
 
 def _send_missing(comm: Comm, plan: Plan, extents: dict[int, list[Extent]], dest: Destinations,
@@ -248,19 +252,15 @@ def _bytes_from(plan: Plan, extents: dict[int, list[Extent]]) -> dict[str, int]:
     return out
 
 
-def _heal(m: Manifest, raw: bytes, files: dict[int, int], extents: dict[int, list[Extent]],
-          mine: dict[int, Source], dest: Destinations, rank: int,
-          own_path: str) -> Heal | None:
-    """This rank's share did not come from its own copy: copy its bytes now (training will
-    change them), to rewrite its own copy later (:meth:`Heal.run`)."""
-    src = mine.get(rank)
-    if src is not None and src.kind == "memory":
-        return None
+def _heal(m: Manifest, raw: bytes, files: dict[int, int], extents: list[Extent],
+          dest: Destinations, copy: Source) -> Heal:
+    """Copy the share's bytes now (training will change them), to rewrite ``copy`` later
+    (:meth:`Heal.run`)."""
     pieces = []
-    for p in dest.pieces(extents[rank])[0]:
+    for p in dest.pieces(extents)[0]:
         data = dest.buffers[p.storage][p.start : p.start + p.length]
         pieces.append((p.offset, data.to("cpu", copy=True)))
-    index = files.get(rank)
+    index = files.get(copy.share)
     name = None if index is None else m.files[index].name
     size = 0 if index is None else m.files[index].size
-    return Heal(own_path, raw, name, size, pieces)
+    return Heal(copy.path, raw, name, size, pieces)

@@ -31,6 +31,7 @@ from .reading import Heal, Plan, Request, Source, read_step
 SOURCES = ("memory", "replica", "drive")
 LoadDrive = Callable[[str], tuple[Any, int]]  # path -> (state, payload bytes), ranks together
 Inventory = list[dict[str, Any]]
+Holders = Callable[[list[str]], list[list[int]]]  # nodes by rank -> each rank's replica holders
 
 
 @dataclass
@@ -42,7 +43,7 @@ class Restored:
     skipped: list[str] = field(default_factory=list)  # copies that were tried and failed, why
     seconds: float = 0.0
     bytes_from: dict[str, int] = field(default_factory=dict)  # source -> bytes, all ranks
-    heal: Heal | None = None  # this rank's own copy to rewrite (it came from a replica)
+    heals: list[Heal] = field(default_factory=list)  # this rank's copies its node lacked
 
 
 def copies(invs: Inventory, share: int, step: int, node: str) -> list[str]:
@@ -113,10 +114,11 @@ def plan_step(invs: Inventory, step: int, bad: set[tuple[int, str, str]],
 
 
 def restore(comm: Comm, tier: MemoryTier, drive_root: str, load_drive: LoadDrive,
-            req: Request, step: int | None = None,
-            peer_timeout_s: float | None = None) -> Restored:
+            req: Request, step: int | None = None, peer_timeout_s: float | None = None,
+            holders: Holders | None = None) -> Restored:
     """Every rank calls it; returns this rank's state of the newest step the ranks restore
-    (``step``: that step only, from whichever tier holds it)."""
+    (``step``: that step only, from whichever tier holds it). ``holders(nodes)``: by rank, the
+    ranks keeping its replicas (the copies this rank rewrites when its node lacked them)."""
     t0 = time.perf_counter()
     mine = {**tier.inventory(), "node": node_name(),
             "drive": _steps.committed_steps(drive_root)}
@@ -125,7 +127,8 @@ def restore(comm: Comm, tier: MemoryTier, drive_root: str, load_drive: LoadDrive
     skipped: list[str] = []
     tried = [step] if step is not None else candidates(invs, drive)
     for s in tried:
-        got = (_from_memory(comm, tier, invs, s, req, skipped, peer_timeout_s)
+        keep = _keeps(comm.rank, tier, s, [inv["node"] for inv in invs], holders)
+        got = (_from_memory(comm, tier, invs, s, req, skipped, peer_timeout_s, keep)
                if in_memory(invs, s) else None)
         if got is None and s in drive:
             got = _from_drive(comm, drive_root, s, load_drive, skipped)
@@ -140,17 +143,29 @@ def restore(comm: Comm, tier: MemoryTier, drive_root: str, load_drive: LoadDrive
         f"be restored by every rank; tried: {'; '.join(skipped) or 'nothing committed'}")
 
 
+def _keeps(rank: int, tier: MemoryTier, step: int, nodes: list[str],
+           holders: Holders | None) -> dict[int, Source]:
+    """The copies of ``step`` this rank keeps: its own share, and the replicas it holds."""
+    node = nodes[rank]
+    out = {rank: Source(rank, node, "memory", tier.own_step(step))}
+    for k, hs in enumerate(holders(nodes) if holders is not None else []):
+        if rank in hs and k != rank:
+            out[k] = Source(k, node, "replica", tier.replica_step(k, step))
+    return out
+
+
 def _from_memory(comm: Comm, tier: MemoryTier, invs: Inventory, step: int, req: Request,
-                 skipped: list[str], peer_timeout_s: float | None) -> Restored | None:
+                 skipped: list[str], peer_timeout_s: float | None,
+                 keep: dict[int, Source]) -> Restored | None:
     """Read the step's shares; after a failed copy, plan again without it."""
     bad: set[tuple[int, str, str]] = set()
     while (plan := plan_step(invs, step, bad, tier)) is not None:
-        out = read_step(comm, step, plan, req, tier.own_step(step), peer_timeout_s)
+        out = read_step(comm, step, plan, req, keep, peer_timeout_s)
         if not out.failures:
             sources = [reads[r].kind if r in reads else "replica"
                        for r, reads in enumerate(plan.reads)]
             return Restored(out.state, step, sources[comm.rank], sources,
-                            bytes_from=out.bytes_from, heal=out.heal)
+                            bytes_from=out.bytes_from, heals=out.heals)
         for (k, node, kind), why in sorted(out.failures.items()):
             bad.add((k, node, kind))
             skipped.append(f"{kind} copy of step {step} of rank {k}: {why} (node {node})")
