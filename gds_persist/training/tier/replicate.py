@@ -1,5 +1,5 @@
-"""Copies of committed step directories between ranks over the process group: the memory tier's
-replicas on other nodes, and a replica sent back to the rank that lost its own copy.
+"""Copies of committed share directories between ranks over the process group: the memory
+tier's replicas of each rank's share, on other nodes.
 
 Who holds whose copies is pure data (:func:`holders`): rank r's ``replicas`` copies go to the
 first ranks after it (cyclically) on nodes other than r's and each other's, so that one node's
@@ -7,8 +7,9 @@ loss leaves a copy of every rank elsewhere. A transfer (:func:`transfer`) first 
 what each sends to whom (file names and sizes, one all-gather), then moves the bytes in chunks of
 at most :data:`CHUNK` per pair and round (memory in flight stays bounded, whatever the step's
 size), and commits each received directory atomically (``transfer.commit``): a kill during a copy
-leaves only a temporary directory, never a step that looks complete. Bytes are not checked here:
-every extent's CRC32C is checked when a copy is loaded.
+leaves only a temporary directory, never a step that looks complete; a peer lost mid-copy is
+named within ``peer_timeout_s`` (:class:`PeerLostError`). Bytes are not checked here: every
+extent's CRC32C is checked when a copy is read.
 """
 
 from __future__ import annotations
