@@ -64,7 +64,8 @@ def _restart(base: str, mem: str, width: int, timeout: float, into: bool) -> dic
     return {"start_to_restored_s": max(r["restored_at"] for r in results) - job.started,
             "restore_s": max(r["restore_s"] for r in results),
             "sources": results[0]["restore_sources"], "step": results[0]["restore_step"],
-            "bytes_from": results[0]["restore_bytes"]}
+            "bytes_from": results[0]["restore_bytes"],
+            "stages": [r["restore_stages"] for r in results]}  # thread-seconds, by rank
 
 
 def tier_bytes(mem: str) -> list[int]:
@@ -111,7 +112,7 @@ def summarize(rounds: list[dict[str, dict[str, Any]]]) -> dict[str, dict[str, An
                     for k in ("start_to_restored_s", "restore_s")}
         out[src].update(sources=rows[-1]["sources"], step=rows[-1]["step"],
                         samples=len(rows), cache=rows[-1].get("cache", "tmpfs"),
-                        bytes_from=rows[-1]["bytes_from"])
+                        bytes_from=rows[-1]["bytes_from"], stages=rows[-1]["stages"])
     for src, target in TARGETS.items():
         for k in ("start_to_restored_s", "restore_s"):
             out[src][f"x_drive_{k}"] = out["drive"][k] / out[src][k]

@@ -106,7 +106,12 @@ def main(cfg: dict[str, Any]) -> None:
             if cfg.get("into"):  # restore in place into the live model and optimizer
                 gds_persist.init_optimizer_state(opt)
                 into = state(model, opt, 0)
-            sd = ckpt.load(into=into)
+            from gds_persist.stages import profiling
+
+            dist.barrier(group)  # every rank starts the restore together: start skew not in it
+            with profiling() as profile:  # where the restore's time goes (bench_recovery)
+                sd = ckpt.load(into=into)
+            out["restore_stages"] = {k: round(v.seconds, 4) for k, v in profile.stages.items()}
             if into is not None:
                 assert sd["model"]["weight"] is into["model"]["weight"], "not restored in place"
             out["restored_s"] = time.perf_counter() - t0  # main() start to state restored

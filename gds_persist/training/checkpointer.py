@@ -312,8 +312,9 @@ class Checkpointer:
         return optimizer.register_step_pre_hook(wait_for_checkpoints)
 
     def wait_released(self, timeout: float | None = None) -> None:
-        """Block until every save so far has released its tensors (what ``guard`` does)."""
+        """Block until saves so far and a restore's healing no longer read the tensors (guard)."""
         self._pending.wait_released(timeout)
+        self._tiers.wait_heal_read(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed; raise the first error not yet raised.
@@ -387,9 +388,8 @@ class Checkpointer:
         latest, peer_s = self.latest_step(), self._tiers.peer_timeout_s
         got = restore(self._comm, memory, self.root, load_drive, request, step, peer_s,
                       self._tiers.replica_plan)
-        state, got.state = got.state, None
+        state, got.state = got.state, self._tiers.heal(got.heals)  # heal: reads the state
         self._loaded(got.step, latest, got)
-        self._tiers.heal(got.heals)
         return state
 
     def _loaded(self, step: int, latest: int | None, got: Restored) -> None:

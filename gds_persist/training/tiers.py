@@ -93,7 +93,8 @@ class Tiers:
         self._helper = helper
         self._timeout_s = timeout_s
         self.peer_timeout_s = peer_timeout_s
-        self._healer: threading.Thread | None = None  # rewriting a copy restored from a replica
+        self._healer: threading.Thread | None = None  # rewriting copies a restore lacked
+        self._heal_read: threading.Event | None = None  # set once they are written
         self._stats, self._lock = stats, lock
 
     # ---------------------------------------------------------------- where a step goes
@@ -208,13 +209,21 @@ class Tiers:
 
     def heal(self, jobs: list[Heal]) -> None:
         """Rewrite the memory copies this rank keeps that its node lacked at a restore (its own
-        share, the replicas it holds), from the restored bytes, in the background; the next
-        memory step waits for it (:meth:`join_heal`)."""
+        share, the replicas it holds) in the background, straight from the restored state:
+        ``guard``'s wait (:meth:`wait_heal_read`) holds the first update until they are
+        written, and the next memory step waits for them (:meth:`join_heal`)."""
         if not jobs:
             return
         self.join_heal()
+        done = self._heal_read = threading.Event()
 
         def run() -> None:
+            try:
+                _heal_all(jobs)
+            finally:
+                done.set()
+
+        def _heal_all(jobs: list[Heal]) -> None:
             for job in jobs:
                 t0 = time.perf_counter()
                 try:
@@ -235,6 +244,14 @@ class Tiers:
         if self._healer is not None:
             self._healer.join(self._timeout_s)
             self._healer = None
+
+    def wait_heal_read(self, timeout: float | None = None) -> None:
+        """Until the healing no longer reads the restored tensors (bounded; then it goes on)."""
+        done = self._heal_read
+        if done is not None and not done.wait(self._timeout_s if timeout is None else timeout):
+            log.warning("gds_persist.Checkpointer(%s): healing the memory copies still reads "
+                        "the restored state; the update goes on (the copy may fail its "
+                        "checksums and is then written anew at the next memory step)", self.root)
 
     def _write_drive(self, job: Job) -> SaveInfo:
         """The step to ``root`` (the drive): one writer, or every rank 1/N with a group."""

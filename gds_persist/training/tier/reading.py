@@ -12,7 +12,8 @@ another step's manifest or fails its checksums is reported, the same on every ra
 caller can plan again without it; nothing else is retried here.
 
 A rank whose own copy was lost receives its share's bytes like the others, straight into its
-state; :class:`Heal` then rewrites its own copy from those bytes, after training has resumed.
+state; :class:`Heal` then rewrites its own copy (and the replicas it keeps) from that state,
+while training resumes.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from ...loading.destinations import Destinations, match, plan_destinations, targ
 from ...loading.load import PieceReader, fresh_storages
 from ...parallel.distributed import Comm
 from ...parallel.pairs import move
+from ...stages import stage
 from ...transfer.commit import commit, make_temporary, write_manifest
 from ...transfer.opened import OpenCheckpoint, open_checkpoint
 from .shares import share_files
@@ -81,7 +83,7 @@ class Heal:
     raw: bytes
     name: str | None
     size: int
-    pieces: list[tuple[int, torch.Tensor]]  # (file offset, bytes), copied before training resumed
+    pieces: list[tuple[int, torch.Tensor]]  # (file offset, bytes): views of the restored state
 
     def run(self) -> None:
         tmp = make_temporary(self.path)
@@ -91,7 +93,7 @@ class Heal:
                 try:
                     os.ftruncate(fd, self.size)
                     for offset, data in self.pieces:
-                        os.pwrite(fd, memoryview(data.numpy()).cast("B"), offset)
+                        os.pwrite(fd, memoryview(data.cpu().numpy()).cast("B"), offset)
                     os.fsync(fd)
                 finally:
                     os.close(fd)
@@ -126,7 +128,8 @@ def read_step(comm: Comm, step: int, plan: Plan, req: Request, keep: dict[int, S
     mine = plan.reads[comm.rank]
     opened: dict[int, OpenCheckpoint] = {}
     try:
-        failures, digest = _open(comm, mine, opened, what)
+        with stage("tier restore: open the copies"):
+            failures, digest = _open(comm, mine, opened, what)
         if failures:
             return Outcome(failures=failures)
         provider = min(r for r, reads in enumerate(plan.reads) if reads)
@@ -196,7 +199,8 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
         found = None if req.into is None else match(m, m.tree, req.into, req.strict, what)
         held["dest"] = plan_destinations(m, wanted, needed, found, allocate)
 
-    comm.agree("memory restore destinations", plan_dest, what)
+    with stage("tier restore: destinations"):
+        comm.agree("memory restore destinations", plan_dest, what)
     dest = held["dest"]
     describe = storage_descriptions(m)
     chosen: list[tuple[str, str]] = []
@@ -211,13 +215,16 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
                 bad.append([*mine[k].key, _first_line(e)])
         return bad
 
-    failures = {(k, n, kind): why for got in comm.agree("memory restore read", read, what)
-                for k, n, kind, why in got}
+    with stage("tier restore: read the node's shares"):
+        failures = {(k, n, kind): why for got in comm.agree("memory restore read", read, what)
+                    for k, n, kind, why in got}
     if failures:
         return Outcome(failures=failures)
-    _send_missing(comm, plan, extents, dest, what, peer_timeout_s)
-    heals = [_heal(m, raw, files, extents[k], dest, src) for k, src in keep.items()
-             if mine.get(k) != src]
+    with stage("tier restore: send the missing shares"):
+        _send_missing(comm, plan, extents, dest, what, peer_timeout_s)
+    with stage("tier restore: copy what heals"):
+        heals = [_heal(m, raw, files, extents[k], dest, src) for k, src in keep.items()
+                 if mine.get(k) != src]
     dest.finish()
     state = decode(m.tree, dest.returned(m, wanted, fresh_storages(m, wanted, dest,
                                                                   req.map_location)))
@@ -254,12 +261,10 @@ def _bytes_from(plan: Plan, extents: dict[int, list[Extent]]) -> dict[str, int]:
 
 def _heal(m: Manifest, raw: bytes, files: dict[int, int], extents: list[Extent],
           dest: Destinations, copy: Source) -> Heal:
-    """Copy the share's bytes now (training will change them), to rewrite ``copy`` later
-    (:meth:`Heal.run`)."""
-    pieces = []
-    for p in dest.pieces(extents)[0]:
-        data = dest.buffers[p.storage][p.start : p.start + p.length]
-        pieces.append((p.offset, data.to("cpu", copy=True)))
+    """What rewrites ``copy`` from the restored state (:meth:`Heal.run`, before training
+    changes it: the Checkpointer's guard waits for it)."""
+    pieces = [(p.offset, dest.buffers[p.storage][p.start : p.start + p.length])
+              for p in dest.pieces(extents)[0]]  # views of the restored state: no copy
     index = files.get(copy.share)
     name = None if index is None else m.files[index].name
     size = 0 if index is None else m.files[index].size
