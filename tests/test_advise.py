@@ -308,7 +308,7 @@ def test_cli_levels_size_the_memory_tier_from_shares(capsys):
     out = capsys.readouterr().out
     # 182 GB over 4 nodes: each keeps its ranks' shares (45.5 GB) and one replica's (45.5 GB)
     assert "memory tier per node: 91 GB = (1 + 1 replicas) x checkpoint / 4 node(s)" in out
-    assert "room for 2 steps at a time" in out and ": 182 GB" in out
+    assert "tmpfs room for 2 steps: 182 GB" in out
 
 
 @pytest.mark.parametrize("extra,match", [

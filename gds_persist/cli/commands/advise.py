@@ -280,8 +280,7 @@ def _run_levels(args: argparse.Namespace) -> int:
     lines = describe_levels(a)
     if tier is not None:
         lines.append(f"memory tier per node: {tier / 1e9:.3g} GB = (1 + {replicas} replicas) x "
-                     f"checkpoint / {args.nodes} node(s) (each rank keeps its share), plus "
-                     "manifests; the tmpfs needs room for 2 steps at a time (the older is kept "
-                     f"until the newer is committed): {2 * tier / 1e9:.3g} GB")
+                     f"checkpoint / {args.nodes} node(s), plus manifests (each rank keeps its "
+                     f"share); tmpfs room for 2 steps: {2 * tier / 1e9:.3g} GB")
     return _print(args, {**a.to_dict(), "measured_gbps": measured,
                          "memory_tier_bytes_per_node": tier}, rates + lines)
