@@ -193,8 +193,9 @@ class GroupComm(Comm):
                   recvs: list[tuple[int, torch.Tensor]], phase: str,
                   peer_timeout_s: float | None = None) -> None:
         outgoing = [(d, t.to(self.device)) for d, t in sends]  # alive until waited for
-        works = [(d, "sending to", self._dist.isend(t, dst=self._global(d), group=self.group))
-                 for d, t in outgoing]
+        works: list[tuple[int, str, Any]] = [
+            (d, "sending to", self._dist.isend(t, dst=self._global(d), group=self.group))
+            for d, t in outgoing]
         works += [(s, "receiving from", self._dist.irecv(t, src=self._global(s),
                                                          group=self.group)) for s, t in recvs]
         limit = self.timeout_s if peer_timeout_s is None else peer_timeout_s

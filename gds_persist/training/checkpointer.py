@@ -388,7 +388,7 @@ class Checkpointer:
         latest, peer_s = self.latest_step(), self._tiers.peer_timeout_s
         got = restore(self._comm, memory, self.root, load_drive, request, step, peer_s,
                       self._tiers.replica_plan)
-        state, got.state = got.state, self._tiers.heal(got.heals)  # heal: reads the state
+        state = self._tiers.take(got)  # and heals this node's copies from the state
         self._loaded(got.step, latest, got)
         return state
 

@@ -30,6 +30,7 @@ from .handles import CheckpointerStats, Job, SaveHandle
 from .helper import HelperProcess
 from .tier.memory import MemoryTier, lacks_room
 from .tier.reading import Heal
+from .tier.recovery import Restored
 from .tier.replicate import holders, transfer
 from .tier.shares import (
     check_same_structure,
@@ -206,6 +207,12 @@ class Tiers:
         return self._holders
 
     # ---------------------------------------------------------------- healing after a restore
+
+    def take(self, got: Restored) -> Any:
+        """The restored state (the Restored lets go of it), its healing started."""
+        state, got.state = got.state, None
+        self.heal(got.heals)
+        return state
 
     def heal(self, jobs: list[Heal]) -> None:
         """Rewrite the memory copies this rank keeps that its node lacked at a restore (its own

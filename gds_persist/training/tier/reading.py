@@ -93,7 +93,7 @@ class Heal:
                 try:
                     os.ftruncate(fd, self.size)
                     for offset, data in self.pieces:
-                        os.pwrite(fd, memoryview(data.cpu().numpy()).cast("B"), offset)
+                        os.pwrite(fd, memoryview(data.cpu().numpy().data).cast("B"), offset)
                     os.fsync(fd)
                 finally:
                     os.close(fd)

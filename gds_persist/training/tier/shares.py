@@ -101,7 +101,7 @@ def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
                     storages=len(flat.storages), files=[f.name for f in mine])
 
 
-def _manifest(plan: DistributedPlan, flat: Flattened, reports: list[list[list[int]]],
+def _manifest(plan: DistributedPlan, flat: Flattened, reports: list[Any],
               world: int) -> Manifest:
     """The whole step's manifest, the same bytes on every rank (no host, no timing in it)."""
     extents = sorted((Extent(*e) for r in reports for e in r),
