@@ -82,6 +82,15 @@ class CollectiveTimeoutError(DistributedError):
     """A rank waited longer than ``collective_timeout_s`` for the others (one hung or died)."""
 
 
+class PeerLostError(DistributedError):
+    """A point-to-point copy (the memory tier's replicas) lost its peer: the peer rank died, or
+    sent or took nothing for ``peer_timeout_s``. ``peer`` is its rank (also in the message)."""
+
+    def __init__(self, message: str, *, peer: int, phase: str | None = None):
+        super().__init__(message, failed_ranks={peer: message}, phase=phase)
+        self.peer = peer
+
+
 class ReplicationError(DistributedError):
     """State promised to be replicated differs between ranks (structure, sizes or checksums)."""
 

@@ -299,6 +299,16 @@ def test_cli_levels_text_and_json(capsys):
                            drive_bytes=node / 2 * 1.5, budget=endurance(tbw=7000.0))
     assert data["memory"]["every"] == expect.memory.every
     assert data["drive"]["every"] == expect.drive.every
+    # the tier from shares: (1 + replicas) x checkpoint / nodes, plus a manifest per share
+    assert data["memory_tier_bytes_per_node"] == pytest.approx(3 * (node + (1 << 20)))
+
+
+def test_cli_levels_size_the_memory_tier_from_shares(capsys):
+    assert cli.main([*LEVEL_ARGS, "--nodes", "4", "--replicas", "1"]) == 0
+    out = capsys.readouterr().out
+    # 182 GB over 4 nodes: each keeps its ranks' shares (45.5 GB) and one replica's (45.5 GB)
+    assert "memory tier per node: 91 GB = (1 + 1 replicas) x checkpoint / 4 node(s)" in out
+    assert "tmpfs room for 2 steps: 182 GB" in out
 
 
 @pytest.mark.parametrize("extra,match", [

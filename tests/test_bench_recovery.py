@@ -23,6 +23,7 @@ def test_bench_recovery_tiny(tmp_path, capsys):
     assert results["drive"]["sources"] == ["drive"] * 4 and results["drive"]["cache"] == "fadvise"
     for src in bench.SOURCES:
         assert f"\n{src} " in text and results[src]["restore_s"] > 0
-    assert "target memory >= 5x the drive" in text and "target replica >= 2x" in text
+    assert "target memory >= 3x the drive" in text and "target replica >= 1.5x" in text
+    assert "tier per node after training" in text and len(report["tier_bytes_per_node"]) == 2
     assert json.loads(out.read_text())["results"].keys() == results.keys()
     assert os.listdir(drive) == [] and os.listdir(mem) == []  # everything it wrote is removed

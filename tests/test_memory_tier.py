@@ -16,13 +16,13 @@ import glob
 import os
 import random
 import shutil
+import time
 
 import pytest
 import torch
 
 import gds_persist
-from gds_persist.training.tier import memory as memory_tier
-from gds_persist.training.tier import recovery, replicate
+from gds_persist.training.tier import recovery, replicate, shares
 from gds_persist.training.tier.memory import MemoryTier, job_name, lacks_room
 from tests.tier_worker import Job, reference
 
@@ -46,6 +46,8 @@ def _check_restored(results: list[dict], sources: list[str], step: int | None = 
     assert all(r["restore_sources"] == sources for r in results)
     for r in results:
         assert r["restored"] == REF[got], f"rank {r['rank']}: state of step {got} differs"
+    print(f"restored step {got}: ranks' shares from {sources}, bytes by source "
+          f"{results[0]['restore_bytes']}, skipped {results[0]['restore_skipped']}")
     return got
 
 
@@ -74,11 +76,55 @@ def test_lacks_room_counts_a_nodes_ranks_and_replicas_together():
     assert why is not None and "node 'b'" in why and "remount" in why
 
 
-def test_candidates_need_a_copy_of_every_rank():
-    invs = [{"own": [5, 6], "replicas": {"1": [6]}}, {"own": [], "replicas": {"0": [5]}}]
-    assert recovery.candidates(invs, drive=[4]) == [6, 4]  # rank 1 has 6 via rank 0 only
+def test_shares_split_the_state_once_over_the_ranks():
+    """(1 + replicas) x state x ranks_on_node / world per node, plus a manifest per share."""
+    sizes = [100 << 20, 3 << 20, 5000, 1 << 20]
+    nodes = ["a", "a", "b", "b"]
+    plan = shares.plan_shares(sizes, nodes)
+    per_rank = plan.bytes_per_rank
+    total = sum((n + 4095) // 4096 * 4096 for n in sizes)
+    assert sum(per_rank) == total and max(per_rank) - min(per_rank) <= 4096
+    need = shares.share_bytes(plan)
+    holders = replicate.holders(nodes, 1)
+    room = 2 * total * 2 // 4 + 4 * shares.MANIFEST_SLACK  # the formula, per node
+    assert lacks_room(need, [room] * 4, nodes, holders) is None
+    assert lacks_room(need, [room - 4096] * 4, nodes, holders) is not None
+    with pytest.raises(gds_persist.CheckpointError, match="ranks \\[2\\] differs in structure"):
+        shares.check_same_structure(["x", "x", "y", "x"], 7)
+
+
+def test_candidates_need_a_copy_of_every_share():
+    invs = [{"node": "a", "own": [5, 6], "replicas": {"1": [6]}},
+            {"node": "b", "own": [], "replicas": {"0": [5]}}]
+    assert recovery.candidates(invs, drive=[4]) == [6, 4]  # rank 1's share of 6 on node a only
     assert recovery.holder_of(invs, 1, 6) == 0 and recovery.holder_of(invs, 1, 5) is None
     assert recovery.candidates(invs, drive=[]) == [6]
+    tier = MemoryTier("/m", 0)
+    plan = recovery.plan_step(invs, 6, set(), tier)
+    assert plan is not None
+    assert [(s.node, s.kind) for s in plan.reads[0].values()] == [("a", "memory"), ("a", "replica")]
+    assert plan.reads[1] == {} and plan.sends == [(0, 0, 1), (1, 0, 1)]  # node b has nothing
+    assert recovery.plan_step(invs, 6, {(1, "a", "replica")}, tier) is None  # its only copy
+
+
+def test_plan_reads_what_each_node_holds_and_sends_only_what_it_lacks():
+    nodes = ["a", "a", "b", "b"]
+    holders = replicate.holders(nodes, 1)
+    invs = [{"node": n, "own": [3], "replicas": {}} for n in nodes]
+    for r, hs in enumerate(holders):
+        for h in hs:
+            invs[h]["replicas"][str(r)] = [3]
+    tier = MemoryTier("/m", 0)
+    plan = recovery.plan_step(invs, 3, set(), tier)
+    assert plan is not None and plan.sends == []  # 2 nodes, 1 replica: each holds every share
+    assert all(sorted(reads) == [0, 1, 2, 3] for reads in plan.reads)
+    lost = [{**inv, "own": [], "replicas": {}} if inv["node"] == "b" else inv for inv in invs]
+    plan = recovery.plan_step(lost, 3, set(), tier)  # node b's memory lost
+    assert plan is not None and all(not plan.reads[r] for r in (2, 3))
+    assert sorted((k, dst) for k, _, dst in plan.sends) == [(k, d) for k in range(4)
+                                                            for d in (2, 3)]
+    sent_by = [sum(src == r for _, src, _ in plan.sends) for r in (0, 1)]
+    assert sent_by == [4, 4]  # spread over the senders
 
 
 # ---------------------------------------------------------------- one process
@@ -105,6 +151,9 @@ def test_tiers_by_interval_and_restore_from_memory(tmp_path):
         assert again.restored_from == "memory" and again.stats.restore_step == 6
         assert torch.equal(got["w"], _state(6)["w"])
         assert again.load(step=3)["step"] == 3 and again.restored_from == "drive"
+        assert again.load(step=6)["step"] == 6 and again.restored_from == "memory"
+        with pytest.raises(gds_persist.CheckpointError, match="step 5 under .* tried: step 5"):
+            again.load(step=5)  # in neither tier
 
 
 def test_corrupt_memory_copy_falls_through_to_the_drive(tmp_path):
@@ -138,12 +187,13 @@ def test_load_into_fills_the_callers_tensors_on_either_tier(tmp_path, memory):
 
 
 def test_no_room_falls_back_to_the_drive_with_the_reason(tmp_path, monkeypatch):
-    monkeypatch.setattr(memory_tier, "ROOM_SLACK", 1 << 62)  # more than any tmpfs holds
+    monkeypatch.setattr(shares, "MANIFEST_SLACK", 1 << 62)  # more than any tmpfs holds
     root, mem = tmp_path / "drive", tmp_path / "mem"
     with gds_persist.Checkpointer(root, memory_root=mem, drive_every=5, warmup=False) as ckpt:
         h = ckpt.save(1, _state(1), blocking=True)
     stats = ckpt.stats
-    assert stats.memory_fallbacks == 1 and "free but the step" in stats.memory_fallback_reason
+    assert stats.memory_fallbacks == 1 and "free but its ranks' shares" in (
+        stats.memory_fallback_reason)
     assert ckpt.steps() == [1] and h.path == os.path.join(root, "step-00000001")
 
 
@@ -170,6 +220,30 @@ def test_sigkill_of_one_rank_resumes_from_memory(tmp_path, run):
     _finished(results, kill_after + 4)
 
 
+def _tree_bytes(directory: str) -> int:
+    """What the files under ``directory`` take (holes not counted)."""
+    return sum(os.stat(os.path.join(base, n)).st_blocks * 512
+               for base, _, names in os.walk(directory) for n in names)
+
+
+def test_each_node_holds_its_ranks_shares_once_with_replicas():
+    """2 nodes x 2 ranks, replicas=1: each node's tier holds about the state once (its two
+    ranks' halves + the other node's halves), where every rank kept it whole before."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory(dir="/dev/shm") as base:  # tmpfs, as the tier is meant
+        first = Job(base, resume=False, stop=3, drive_every=3)
+        results = first.wait()
+        drive = os.path.join(base, "drive", "step-00000003")
+        state = sum(os.path.getsize(os.path.join(drive, n)) for n in os.listdir(drive)
+                    if n.startswith("data-"))
+        per_node = [_tree_bytes(first.memory_root(r)) for r in (0, 2)]
+        print(f"state {state} B; tier per node {per_node} B = "
+              f"{[round(n / state, 3) for n in per_node]} x state")
+        assert all(n <= 1.1 * state for n in per_node), (per_node, state)
+        assert sum(r["share_bytes"] for r in results) <= state + 4 * 4096
+
+
 @pytest.mark.parametrize("run", range(RUNS))
 def test_node_loss_resumes_from_replicas(tmp_path, run):
     first = Job(str(tmp_path), resume=False, stop=6)
@@ -177,6 +251,8 @@ def test_node_loss_resumes_from_replicas(tmp_path, run):
     shutil.rmtree(first.memory_root(2))  # node n1's memory: ranks 2 and 3
     results = Job(str(tmp_path), resume=True, stop=8, into=True).wait()  # in place
     _check_restored(results, ["memory", "memory", "replica", "replica"], step=6)
+    assert [r["healed"] for r in results] == [0, 0, 2, 2]  # own copies + replicas, rewritten
+    assert results[0]["restore_bytes"]["replica"] > 0
     _finished(results, 8)
 
 
@@ -195,7 +271,9 @@ def test_node_and_its_replicas_lost_resumes_from_the_drive(tmp_path, run):
 def _flip_a_byte(step_dir: str) -> None:
     """Flip one bit of a random payload byte (inside an extent, not in alignment padding)."""
     manifest = gds_persist.read_manifest(step_dir)
-    e = random.choice([e for e in manifest.extents if e.length])
+    here = [e for e in manifest.extents  # a share directory holds its own data file only
+            if e.length and os.path.exists(os.path.join(step_dir, manifest.files[e.file].name))]
+    e = random.choice(here)
     with open(os.path.join(step_dir, manifest.files[e.file].name), "r+b") as f:
         f.seek(e.offset + random.randrange(e.length))
         byte = f.read(1)
@@ -212,16 +290,24 @@ def test_corrupt_or_truncated_memory_copy_is_skipped(tmp_path, run):
     os.truncate(data, os.path.getsize(data) // 2)  # rank 3's copy cut short
     results = Job(str(tmp_path), resume=True, stop=7, into=True).wait()  # refilled in place
     _check_restored(results, ["replica", "memory", "memory", "replica"], step=6)
-    assert "ChecksumError" in results[0]["restore_skipped"][0]
-    assert "memory copy of step 6 of rank 3" in results[3]["restore_skipped"][0]
+    skipped = results[0]["restore_skipped"]
+    assert all(r["restore_skipped"] == skipped for r in results)  # every rank knows
+    assert any("memory copy of step 6 of rank 0: ChecksumError" in s for s in skipped)
+    assert any("memory copy of step 6 of rank 3: TruncatedError" in s for s in skipped)
     _finished(results, 7)
 
 
 @pytest.mark.parametrize("run", range(RUNS))
 def test_kill_during_replication_leaves_a_restorable_state(tmp_path, run):
-    job = Job(str(tmp_path), resume=False, stop=9, kill_in_replication=[2, 5])
+    job = Job(str(tmp_path), resume=False, stop=9, kill_in_replication=[2, 5],
+              peer_timeout_s=10)
     job.procs[2].wait(timeout=180)
     assert job.procs[2].returncode == -9 and "saved 5" in job.log(2)
+    t0 = time.monotonic()  # rank 0 copies to and from rank 2: it finds it lost, by name
+    while "PeerLostError" not in job.log(0) and time.monotonic() - t0 < 60:
+        time.sleep(0.1)
+    print(f"rank 0 named its lost peer after {time.monotonic() - t0:.1f} s")
+    assert "PeerLostError" in job.log(0) and "lost rank 2" in job.log(0), job.log(0)[-3000:]
     job.kill()
     left = glob.glob(os.path.join(_mem(job, 2), "replica-*", ".step-00000005.tmp-*"))
     assert left, "the kill should have left a half-copied replica"  # which is never listed

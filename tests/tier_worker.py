@@ -74,7 +74,7 @@ def _kill_in_replication(rank: int, step: int) -> None:
     original = replicate._round
 
     def killing(comm: Any, k: int, *args: Any) -> None:
-        if comm.rank == rank and k == 3 and args[-1] == f"replicas of step {step}":
+        if comm.rank == rank and k == 3 and f"replicas of step {step}" in args:
             os.kill(os.getpid(), signal.SIGKILL)
         original(comm, k, *args)
 
@@ -97,7 +97,8 @@ def main(cfg: dict[str, Any]) -> None:
     out: dict[str, Any] = {"rank": rank}
     with gds_persist.Checkpointer(cfg["drive"], process_group=group, memory_root=cfg["memory"],
                                   memory_every=1, drive_every=cfg["drive_every"], replicas=1,
-                                  keep_last=2, mode="fence", warmup=False, timeout_s=120) as ckpt:
+                                  keep_last=2, mode="fence", warmup=False, timeout_s=120,
+                                  peer_timeout_s=cfg.get("peer_timeout_s", 60.0)) as ckpt:
         ckpt.guard(opt)
         start = 0
         if cfg["resume"]:
@@ -105,7 +106,12 @@ def main(cfg: dict[str, Any]) -> None:
             if cfg.get("into"):  # restore in place into the live model and optimizer
                 gds_persist.init_optimizer_state(opt)
                 into = state(model, opt, 0)
-            sd = ckpt.load(into=into)
+            from gds_persist.stages import profiling
+
+            dist.barrier(group)  # every rank starts the restore together: start skew not in it
+            with profiling() as profile:  # where the restore's time goes (bench_recovery)
+                sd = ckpt.load(into=into)
+            out["restore_stages"] = {k: round(v.seconds, 4) for k, v in profile.stages.items()}
             if into is not None:
                 assert sd["model"]["weight"] is into["model"]["weight"], "not restored in place"
             out["restored_s"] = time.perf_counter() - t0  # main() start to state restored
@@ -117,7 +123,7 @@ def main(cfg: dict[str, Any]) -> None:
             s = ckpt.stats
             out.update(restored_from=ckpt.restored_from, restore_step=s.restore_step,
                        restore_sources=s.restore_sources, restore_skipped=s.restore_skipped,
-                       restore_s=s.restore_s)
+                       restore_s=s.restore_s, restore_bytes=s.restore_bytes)
         for step in range(start + 1, cfg["stop"] + 1):
             train_step(model, opt, step)
             ckpt.save(step, state(model, opt, step))
@@ -125,6 +131,8 @@ def main(cfg: dict[str, Any]) -> None:
         ckpt.wait()
         out["final"] = digest(state(model, opt, cfg["stop"]))
         out["holders"] = ckpt.stats.replica_holders
+        out["healed"] = ckpt.stats.healed
+        out["share_bytes"] = ckpt.stats.memory_share_bytes
     with open(cfg["out"], "w") as f:
         json.dump(out, f)
     sys.stdout.flush()
@@ -153,7 +161,7 @@ class Job:
 
     def __init__(self, base: str, *, resume: bool, stop: int, drive_every: int = 2,
                  kill_in_replication: list[int] | None = None, memory: str | None = None,
-                 width: int = WIDTH, into: bool = False):
+                 width: int = WIDTH, into: bool = False, peer_timeout_s: float = 60.0):
         import subprocess
         import uuid
 
@@ -168,7 +176,7 @@ class Job:
                    "drive": os.path.join(base, "drive"), "memory": self.memory_root(r),
                    "drive_every": drive_every, "stop": stop, "resume": resume,
                    "out": self.outs[r], "kill_in_replication": kill_in_replication,
-                   "width": width, "into": into}
+                   "width": width, "into": into, "peer_timeout_s": peer_timeout_s}
             env = {**os.environ, "GDS_PERSIST_NODE": node_of(r), "GLOO_SOCKET_IFNAME": "lo",
                    "PYTHONPATH": REPO}
             with open(self.logs[r], "w") as log:

@@ -252,3 +252,17 @@ def describe_levels(a: LevelAdvice) -> list[str]:
                                a.wear_interval_s)
     lines.append(f"waste of both levels {100 * a.waste:.3f}% of wall time")
     return lines
+
+
+TIER_SLACK = 1 << 20  # a share's manifest and lock files, generously (as the tier counts it)
+
+
+def tier_bytes_per_node(checkpoint_bytes: float, nodes: int, replicas: int,
+                        ranks_per_node: int = 1) -> float:
+    """What the memory tier needs on each node: every rank keeps its byte-range share of the
+    replicated state and each node also holds ``replicas`` copies of other nodes' shares, so
+    ``(1 + replicas) x state x ranks_on_node / world`` = ``(1 + replicas) x state / nodes``, plus
+    a manifest per share (``(1 + replicas) x ranks_per_node`` of them). The older step stays
+    until the new one is committed everywhere: the tmpfs needs room for two steps at a time."""
+    return (1 + replicas) * (checkpoint_bytes / nodes + ranks_per_node * TIER_SLACK)
+

@@ -289,7 +289,7 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
             held["dest"] = plan_destinations(
                 m, lp.wanted, lp.needed, found, allocate,
                 single_file.exact_destination if torch_file else None)
-        reading = _PieceReader(ck, held["dest"], cfg, verify, describe_storage, chosen)
+        reading = PieceReader(ck, held["dest"], cfg, verify, describe_storage, chosen)
         sub = lp.by_rank[comm.rank] if lp.share else []
         own = _own_reads(m, lp.needed, lp.replicated) if lp.share else lp.mine
         held["read_bytes"] = sum(align_up(e.stored_length) for e in sub + own)
@@ -319,8 +319,8 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
         if torch_file:
             state = single_file.rebuild(ck, lp.tree, dest, found, map_location, weights_only)
         else:
-            state = decode(lp.tree, dest.returned(m, lp.wanted, _fresh_storages(
-                m, lp, dest, map_location)))
+            state = decode(lp.tree, dest.returned(m, lp.wanted, fresh_storages(
+                m, lp.wanted, dest, map_location)))
     unique = list(dict.fromkeys(chosen))
     payload = sum(m.storages[s].nbytes for s in lp.needed)
     reasons = [r for _, r in unique] + ([single_file.UNVERIFIED] if unverified else [])
@@ -337,12 +337,12 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
     return state, info
 
 
-def _fresh_storages(m: Manifest, lp: _LoadPlan, dest: Destinations,
-                    map_location: MapLocation) -> list[torch.UntypedStorage | None]:
-    """By checkpoint storage: the fresh buffers whose tensors are returned (after a callable
-    ``map_location`` had its say)."""
+def fresh_storages(m: Manifest, wanted: list[int], dest: Destinations,
+                   map_location: MapLocation) -> list[torch.UntypedStorage | None]:
+    """By checkpoint storage: the fresh buffers whose tensors (of ``wanted``) are returned
+    (after a callable ``map_location`` had its say)."""
     storages: list[Any] = [None] * len(m.storages)
-    returned = {m.tensors[i].storage for i in lp.wanted if i not in dest.matched}
+    returned = {m.tensors[i].storage for i in wanted if i not in dest.matched}
     for s in returned:
         storage = dest.buffers[dest.fresh[s]].untyped_storage()
         if callable(map_location) and not isinstance(map_location, dict):
@@ -352,9 +352,10 @@ def _fresh_storages(m: Manifest, lp: _LoadPlan, dest: Destinations,
 
 
 @dataclass
-class _PieceReader:
+class PieceReader:
     """Reads extents into a load's :class:`Destinations`, cut into the pieces that land in
-    each destination, and checks each extent's CRC32C once its pieces are joined."""
+    each destination, and checks each extent's CRC32C once its pieces are joined (also the
+    memory tier's restore from shares, :mod:`gds_persist.training.tier.reading`)."""
 
     ck: OpenCheckpoint
     dest: Destinations

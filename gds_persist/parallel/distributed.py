@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CollectiveTimeoutError, DistributedError
+from ..errors import CollectiveTimeoutError, DistributedError, PeerLostError
 
 
 def _first_line(e: BaseException) -> str:
@@ -57,10 +57,13 @@ class Comm:
         out.copy_(inp)
 
     def send_recv(self, sends: list[tuple[int, torch.Tensor]],
-                  recvs: list[tuple[int, torch.Tensor]], phase: str) -> None:
+                  recvs: list[tuple[int, torch.Tensor]], phase: str,
+                  peer_timeout_s: float | None = None) -> None:
         """Point to point: send each ``(dst, tensor)`` and fill each ``(src, tensor)``, all posted
-        at once and then waited for (so pairs that send both ways cannot deadlock). One process
-        has no peers: only empty lists."""
+        at once and then waited for (so pairs that send both ways cannot deadlock); each wait
+        is bounded by ``peer_timeout_s`` (default ``timeout_s``), and a peer that died or does
+        not answer raises :class:`PeerLostError` naming it. One process has no peers: only
+        empty lists."""
         if sends or recvs:
             raise DistributedError(f"phase '{phase}': point-to-point transfers need a process "
                                    "group (this Checkpointer has none)", phase=phase)
@@ -187,12 +190,26 @@ class GroupComm(Comm):
         self._wait(self._gather_single(out, inp, group=self.group, async_op=True), phase)
 
     def send_recv(self, sends: list[tuple[int, torch.Tensor]],
-                  recvs: list[tuple[int, torch.Tensor]], phase: str) -> None:
+                  recvs: list[tuple[int, torch.Tensor]], phase: str,
+                  peer_timeout_s: float | None = None) -> None:
         outgoing = [(d, t.to(self.device)) for d, t in sends]  # alive until waited for
-        works = [self._dist.isend(t, dst=self._global(d), group=self.group) for d, t in outgoing]
-        works += [self._dist.irecv(t, src=self._global(s), group=self.group) for s, t in recvs]
-        for work in works:
-            self._wait(work, phase)
+        works: list[tuple[int, str, Any]] = [
+            (d, "sending to", self._dist.isend(t, dst=self._global(d), group=self.group))
+            for d, t in outgoing]
+        works += [(s, "receiving from", self._dist.irecv(t, src=self._global(s),
+                                                         group=self.group)) for s, t in recvs]
+        limit = self.timeout_s if peer_timeout_s is None else peer_timeout_s
+        for peer, doing, work in works:
+            try:
+                work.wait(timeout=timedelta(seconds=limit))
+            except RuntimeError as e:
+                raise PeerLostError(
+                    f"rank {self.rank} lost rank {peer} while {doing} it in phase '{phase}' "
+                    f"({_first_line(e)}): rank {peer} died or hung (see its log); a peer that "
+                    f"is only slow needs a larger peer_timeout_s (now {limit:g} s)",
+                    peer=peer, phase=phase) from e
+        if self.device.type == "cuda":
+            torch.cuda.current_stream().synchronize()
 
 
 def make_comm(process_group: Any, timeout_s: float) -> Comm:

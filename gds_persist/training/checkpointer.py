@@ -89,6 +89,7 @@ from .mode import ModeChoice, choose_mode, host_memory
 from .snapshot import ArenaOwner, snapshot_nbytes
 from .streams import DeviceStreams, record_events, synchronize
 from .tier.memory import MemoryTier, job_name
+from .tier.reading import Request
 from .tier.recovery import Restored, restore
 from .tiers import Tiers, check_tiers
 from .workers import Workers
@@ -130,11 +131,12 @@ class Checkpointer:
     ``"lossless"`` or ``"auto"`` as for :func:`gds_persist.save` (default: the setting).
 
     ``memory_root``: a node-local tmpfs directory (``/dev/shm/...``) for the memory tier
-    (``docs/RECOVERY.md``): every ``memory_every`` steps each rank commits its own state there
-    and copies it to ``replicas`` ranks on other nodes (default 1 where the group spans several
-    nodes, else 0; the node is ``$GDS_PERSIST_NODE`` or the host name); every ``drive_every``
-    steps the state goes to ``root`` as well. A step in neither tier is not written.
-    ``load()`` then restores from the nearest verified copy (``restored_from``).
+    (``docs/RECOVERY.md``): every ``memory_every`` steps each rank commits its byte-range share
+    of the replicated state there and copies it to ``replicas`` ranks on other nodes (default 1
+    where the group spans several nodes, else 0; the node is ``$GDS_PERSIST_NODE`` or the host
+    name), a copy bounded by ``peer_timeout_s`` per chunk (:class:`PeerLostError` names a peer
+    that died); every ``drive_every`` steps the state goes to ``root`` as well. A step in
+    neither tier is not written. ``load()`` restores from the nearest verified copies.
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -146,7 +148,8 @@ class Checkpointer:
                  allow_pickle: bool = False, warmup: bool = True,
                  incremental: bool = False, compression: str | None = None,
                  memory_root: str | os.PathLike[str] | None = None, memory_every: int = 1,
-                 drive_every: int = 1, replicas: int | None = None):
+                 drive_every: int = 1, replicas: int | None = None,
+                 peer_timeout_s: float = 60.0):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
         if writer not in WRITERS:
@@ -216,7 +219,8 @@ class Checkpointer:
             self.root, self._comm, memory, memory_every=memory_every, drive_every=drive_every,
             replicas=replicas, keep_last=keep_last, save_kwargs=save_kwargs, io_kwargs=io_kwargs,
             process_group=process_group, incremental=incremental, helper=self._helper,
-            timeout_s=self.timeout_s, stats=self._stats, lock=self._lock, base_step=latest)
+            timeout_s=self.timeout_s, stats=self._stats, lock=self._lock, base_step=latest,
+            peer_timeout_s=peer_timeout_s)
         self._warmup = BackgroundWarmup(
             self.root, backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
             io_threads=io_threads) if warmup else None
@@ -308,8 +312,9 @@ class Checkpointer:
         return optimizer.register_step_pre_hook(wait_for_checkpoints)
 
     def wait_released(self, timeout: float | None = None) -> None:
-        """Block until every save so far has released its tensors (what ``guard`` does)."""
+        """Block until saves so far and a restore's healing no longer read the tensors (guard)."""
         self._pending.wait_released(timeout)
+        self._tiers.wait_heal_read(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every save so far is committed; raise the first error not yet raised.
@@ -346,8 +351,8 @@ class Checkpointer:
         kwargs = {**self._load_kwargs, "into": into, "strict": strict}
         if self.process_group is not None:
             kwargs["process_group"] = self.process_group
-        if self._tiers.memory is not None and step is None:
-            return self._restore(map_location, verify, kwargs)
+        if self._tiers.memory is not None:
+            return self._restore(step, map_location, verify, kwargs)
         for attempt in range(_LOAD_ATTEMPTS):
             latest = self.latest_step()
             # with a process group, every rank loads the step rank 0 chose
@@ -365,24 +370,25 @@ class Checkpointer:
         self._loaded(chosen, latest, Restored(None, chosen, "drive", ["drive"] * self._comm.size))
         return state
 
-    def _restore(self, map_location: Any, verify: bool, kwargs: dict[str, Any]) -> Any:
-        """load() with a memory tier: the nearest verified copy of the newest step every rank
-        can restore (:mod:`.tier.recovery`)."""
+    def _restore(self, step: int | None, map_location: Any, verify: bool,
+                 kwargs: dict[str, Any]) -> Any:
+        """load() with a memory tier: ``step`` (default the newest every rank can restore) from
+        the nearest verified copies (:mod:`.tier.recovery`); a copy restored from replicas is
+        rewritten into this node's memory afterwards, in the background."""
         memory = self._tiers.memory
         assert memory is not None
-        alone = {k: v for k, v in kwargs.items() if k != "process_group"}
 
-        def load_alone(path: str, drive: bool) -> Any:
-            rank_local = self._comm.rank if drive and self.process_group is not None else None
-            return core_load(path, map_location=map_location, verify=True,
-                             rank_local=rank_local, **alone)
+        def load_drive(path: str) -> tuple[Any, int]:
+            state, info = core_load(path, map_location=map_location, verify=verify,
+                                    return_info=True, **kwargs)
+            return state, info.payload_bytes
 
-        def load_group(path: str) -> Any:
-            return core_load(path, map_location=map_location, verify=verify, **kwargs)
-
-        latest = self.latest_step()
-        got = restore(self._comm, memory, self.root, load_alone, load_group)
-        state, got.state = got.state, None
+        request = Request(kwargs["into"], kwargs["strict"], map_location,
+                          {"backend": kwargs.get("backend")})
+        latest, peer_s = self.latest_step(), self._tiers.peer_timeout_s
+        got = restore(self._comm, memory, self.root, load_drive, request, step, peer_s,
+                      self._tiers.replica_plan)
+        state = self._tiers.take(got)  # and heals this node's copies from the state
         self._loaded(got.step, latest, got)
         return state
 
@@ -396,6 +402,7 @@ class Checkpointer:
             s = self._stats
             s.restored_from, s.restore_step, s.restore_s = got.source, step, got.seconds
             s.restore_sources, s.restore_skipped = list(got.sources), list(got.skipped)
+            s.restore_bytes = dict(got.bytes_from)
 
     @property
     def warmup_report(self) -> WarmupReport | None:
@@ -425,6 +432,7 @@ class Checkpointer:
             self._stop_threads(join_s=0.5)  # a hung write: do not wait for it a second time
             raise
         self._stop_threads(join_s=self.timeout_s)
+        self._tiers.join_heal()
         self._pending.raise_undelivered()
 
     def __enter__(self) -> Checkpointer:
@@ -558,7 +566,7 @@ class Checkpointer:
             synchronize(job.events)
             if self._before_write is not None:
                 self._before_write(h.step)
-            info = self._tiers.write(job)
+            info = self._tiers.write(job, h._released.set)
             job.flat = None
             self._free(job)
             h._released.set()

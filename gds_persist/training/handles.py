@@ -54,12 +54,16 @@ class CheckpointerStats:
     memory_fallbacks: int = 0  # memory steps written to the drive instead (no room)
     memory_fallback_reason: str = ""
     replica_holders: list[int] = field(default_factory=list)  # ranks keeping this rank's copies
-    # the last ckpt.load(): where this rank's bytes came from, every rank's, what fell through
+    memory_share_bytes: int = 0  # this rank's share of the last memory step (data file bytes)
+    # the last ckpt.load(): where this rank's share came from, every rank's, what fell through
     restored_from: str = ""
     restore_step: int | None = None
     restore_sources: list[str] = field(default_factory=list)
     restore_skipped: list[str] = field(default_factory=list)
     restore_s: float = 0.0
+    restore_bytes: dict[str, int] = field(default_factory=dict)  # source -> bytes, all ranks
+    healed: int = 0  # own memory copies rewritten after a restore from replicas
+    heal_s: float = 0.0
 
 
 class SaveHandle:

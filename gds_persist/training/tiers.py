@@ -16,9 +16,10 @@ import operator
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-from ..errors import CheckpointError, CheckpointTimeout
+from ..errors import CheckpointError, CheckpointTimeout, PeerLostError
 from ..format import MANIFEST_NAME
 from ..parallel.distributed import Comm
 from ..parallel.topology import node_name
@@ -27,8 +28,17 @@ from ..saving.save import save as core_save
 from . import steps as _steps
 from .handles import CheckpointerStats, Job, SaveHandle
 from .helper import HelperProcess
-from .tier.memory import MemoryTier, lacks_room, step_bytes
+from .tier.memory import MemoryTier, lacks_room
+from .tier.reading import Heal
+from .tier.recovery import Restored
 from .tier.replicate import holders, transfer
+from .tier.shares import (
+    check_same_structure,
+    plan_shares,
+    save_share,
+    share_bytes,
+    structure_digest,
+)
 
 log = logging.getLogger("gds_persist")
 
@@ -67,7 +77,8 @@ class Tiers:
                  drive_every: int, replicas: int | None, keep_last: int | None,
                  save_kwargs: dict[str, Any], io_kwargs: dict[str, Any], process_group: Any,
                  incremental: bool, helper: HelperProcess | None, timeout_s: float,
-                 stats: CheckpointerStats, lock: threading.RLock, base_step: int | None):
+                 stats: CheckpointerStats, lock: threading.RLock, base_step: int | None,
+                 peer_timeout_s: float = 60.0):
         self.root = root
         self.memory = memory
         self.memory_every, self.drive_every, self._replicas = memory_every, drive_every, replicas
@@ -82,6 +93,9 @@ class Tiers:
         self._process_group = process_group
         self._helper = helper
         self._timeout_s = timeout_s
+        self.peer_timeout_s = peer_timeout_s
+        self._healer: threading.Thread | None = None  # rewriting copies a restore lacked
+        self._heal_read: threading.Event | None = None  # set once they are written
         self._stats, self._lock = stats, lock
 
     # ---------------------------------------------------------------- where a step goes
@@ -109,10 +123,12 @@ class Tiers:
 
     # ---------------------------------------------------------------- writing it there
 
-    def write(self, job: Job) -> SaveInfo:
+    def write(self, job: Job, release: Callable[[], None]) -> SaveInfo:
         """Write the job's step to its tiers (the memory tier first); the SaveInfo of the last.
-        A memory step without room adds "drive" to ``job.tiers`` and goes there."""
-        info = self._write_memory(job) if "memory" in job.tiers else None
+        A memory step without room adds "drive" to ``job.tiers`` and goes there. ``release``
+        frees the job's tensors: called once a memory-only step's share is committed, before
+        its replicas are copied (they are copied from the tmpfs)."""
+        info = self._write_memory(job, release) if "memory" in job.tiers else None
         if info is None or "drive" in job.tiers:
             info = self._write_drive(job)
         return info
@@ -132,21 +148,21 @@ class Tiers:
             self._stats.bytes_referenced += info.referenced_bytes
             self.base_step = step
 
-    def _write_memory(self, job: Job) -> SaveInfo | None:
-        """Commit the step to every rank's node memory and its replicas to their holders; None
-        (and the step goes to the drive instead) when some node's tmpfs lacks room."""
+    def _write_memory(self, job: Job, release: Callable[[], None]) -> SaveInfo | None:
+        """Commit every rank's share of the step to its node's memory and the shares' replicas
+        to their holders; None (and the step goes to the drive instead) when some node's tmpfs
+        lacks room."""
         assert self.memory is not None and job.flat is not None
         tier, flat, step, comm = self.memory, job.flat, job.handle.step, self._comm
-        facts = comm.all_gather_json({"node": node_name(), "need": step_bytes(flat),
-                                      "free": tier.free_bytes()}, "memory tier room")
+        self.join_heal()  # a restore's healing of this rank's copy ends before the next step
+        facts = comm.all_gather_json({"node": node_name(), "free": tier.free_bytes(),
+                                      "digest": structure_digest(flat)}, "memory tier room")
+        check_same_structure([f["digest"] for f in facts], step)
         nodes = [f["node"] for f in facts]
-        if self._holders is None:
-            count = self._replicas
-            if count is None:  # default: one copy elsewhere, where there is an elsewhere
-                count = min(1, len(set(nodes)) - 1)
-            self._holders = holders(nodes, count)
-        why = lacks_room([f["need"] for f in facts], [f["free"] for f in facts], nodes,
-                         self._holders)
+        self.replica_plan(nodes)
+        assert self._holders is not None
+        plan = plan_shares([st.nbytes for st in flat.storages], nodes)
+        why = lacks_room(share_bytes(plan), [f["free"] for f in facts], nodes, self._holders)
         if why is not None:
             log.warning("gds_persist.Checkpointer(%s): step %d goes to the drive: %s",
                         self.root, step, why)
@@ -157,14 +173,19 @@ class Tiers:
             job.handle.path = _steps.step_path(self.root, step)
             return None
         t0 = time.perf_counter()
-        saved: list[SaveInfo] = []
-        comm.agree("memory save", lambda: saved.append(tier.save(flat, step, self._io_kwargs)),
-                   f"memory-tier save of step {step} under {tier.root}")
+        info = save_share(comm, tier.own_step(step), flat, plan, self._io_kwargs, step)
+        if "drive" not in job.tiers:  # what follows reads only the tmpfs: training may go on
+            release()
         t1 = time.perf_counter()
         mine = self._holders[comm.rank]
         held = [r for r, hs in enumerate(self._holders) if comm.rank in hs]
-        transfer(comm, {h: tier.own_step(step) for h in mine},
-                 {r: tier.replica_step(r, step) for r in held}, f"replicas of step {step}")
+        try:
+            transfer(comm, {h: tier.own_step(step) for h in mine},
+                     {r: tier.replica_step(r, step) for r in held}, f"replicas of step {step}",
+                     self.peer_timeout_s)
+        except PeerLostError as e:  # said at once: the handle raises it only at the next call
+            log.error("gds_persist.Checkpointer(%s): PeerLostError: %s", self.root, e)
+            raise
         comm.agree("memory retention", lambda: tier.retain(step, held),
                    f"memory-tier retention after step {step} under {tier.root}")
         with self._lock:
@@ -173,7 +194,71 @@ class Tiers:
             s.memory_write_s += t1 - t0
             s.replicate_s += time.perf_counter() - t1
             s.replica_holders = list(mine)
-        return saved[0]
+            s.memory_share_bytes = info.bytes_written
+        return info
+
+    def replica_plan(self, nodes: list[str]) -> list[list[int]]:
+        """By rank, the ranks keeping its replicas (fixed at the first call)."""
+        if self._holders is None:
+            count = self._replicas
+            if count is None:  # default: one copy elsewhere, where there is an elsewhere
+                count = min(1, len(set(nodes)) - 1)
+            self._holders = holders(nodes, count)
+        return self._holders
+
+    # ---------------------------------------------------------------- healing after a restore
+
+    def take(self, got: Restored) -> Any:
+        """The restored state (the Restored lets go of it), its healing started."""
+        state, got.state = got.state, None
+        self.heal(got.heals)
+        return state
+
+    def heal(self, jobs: list[Heal]) -> None:
+        """Rewrite the memory copies this rank keeps that its node lacked at a restore (its own
+        share, the replicas it holds) in the background, straight from the restored state:
+        ``guard``'s wait (:meth:`wait_heal_read`) holds the first update until they are
+        written, and the next memory step waits for them (:meth:`join_heal`)."""
+        if not jobs:
+            return
+        self.join_heal()
+        done = self._heal_read = threading.Event()
+
+        def run() -> None:
+            try:
+                _heal_all(jobs)
+            finally:
+                done.set()
+
+        def _heal_all(jobs: list[Heal]) -> None:
+            for job in jobs:
+                t0 = time.perf_counter()
+                try:
+                    job.run()
+                except Exception as e:  # noqa: BLE001 - a copy is only a cache: log, go on
+                    log.warning("gds_persist.Checkpointer(%s): healing the memory copy %s "
+                                "failed (%s: %s); the next memory step writes it anew",
+                                self.root, job.path, type(e).__name__, e)
+                    continue
+                with self._lock:
+                    self._stats.healed += 1
+                    self._stats.heal_s += time.perf_counter() - t0
+
+        self._healer = threading.Thread(target=run, name="gds_persist-heal", daemon=True)
+        self._healer.start()
+
+    def join_heal(self) -> None:
+        if self._healer is not None:
+            self._healer.join(self._timeout_s)
+            self._healer = None
+
+    def wait_heal_read(self, timeout: float | None = None) -> None:
+        """Until the healing no longer reads the restored tensors (bounded; then it goes on)."""
+        done = self._heal_read
+        if done is not None and not done.wait(self._timeout_s if timeout is None else timeout):
+            log.warning("gds_persist.Checkpointer(%s): healing the memory copies still reads "
+                        "the restored state; the update goes on (the copy may fail its "
+                        "checksums and is then written anew at the next memory step)", self.root)
 
     def _write_drive(self, job: Job) -> SaveInfo:
         """The step to ``root`` (the drive): one writer, or every rank 1/N with a group."""

@@ -22,7 +22,7 @@ import textwrap
 
 from ... import settings
 from ...advice.interval import advise, describe
-from ...advice.levels import Failures, Tier, advise_levels, describe_levels
+from ...advice.levels import Failures, Tier, advise_levels, describe_levels, tier_bytes_per_node
 from ...advice.units import parse_duration, parse_size
 from ...advice.wear import Endurance, endurance
 from ...backends import choose_backend
@@ -275,4 +275,12 @@ def _run_levels(args: argparse.Namespace) -> int:
         replicas=replicas, drive_bytes=worn, budget=budget, wear_share=_share(args))
     rates = [f"measured: {getattr(args, f'measure_{t}')} takes {r:.3g} GB/s ({_MEASURED})"
              for t, r in measured.items()]
-    return _print(args, {**a.to_dict(), "measured_gbps": measured}, rates + describe_levels(a))
+    size = _checkpoint_bytes(args)
+    tier = None if size is None else tier_bytes_per_node(size, args.nodes, replicas)
+    lines = describe_levels(a)
+    if tier is not None:
+        lines.append(f"memory tier per node: {tier / 1e9:.3g} GB = (1 + {replicas} replicas) x "
+                     f"checkpoint / {args.nodes} node(s), plus manifests (each rank keeps its "
+                     f"share); tmpfs room for 2 steps: {2 * tier / 1e9:.3g} GB")
+    return _print(args, {**a.to_dict(), "measured_gbps": measured,
+                         "memory_tier_bytes_per_node": tier}, rates + lines)

@@ -1,20 +1,21 @@
-"""The node-memory tier of a :class:`~gds_persist.Checkpointer`: layout, room, commit, retention.
+"""The node-memory tier of a :class:`~gds_persist.Checkpointer`: layout, room, retention.
 
 ::
 
     memory_root/<job>/
-      rank-00003/step-00000042/     rank 3's own state at step 42: a committed gds_persist.save
-      replica-00001/step-00000042/  rank 1's files of step 42, copied here from another node
+      rank-00003/step-00000042/     rank 3's share of step 42 (its data file + the whole manifest)
+      replica-00001/step-00000042/  rank 1's share of step 42, copied here from another node
       replica-00001/.step-00000043.tmp-<id>/   a copy in progress (never loaded)
 
 ``memory_root`` is a tmpfs on the node (``/dev/shm/...``), so a step survives the training
 process's death and is read back at memory speed by the restarted one; ``<job>`` is
 ``$GDS_PERSIST_JOB`` or derived from the drive root, so the restarted job finds it. Each rank
-writes its own whole state (what it needs to resume, replicated or sharded alike), with the same
-atomic commit and CRC32C of every extent as the drive. Every directory keeps its latest complete
-step; the next one is written beside it and the older is removed only once every rank has
-committed the new step and its replicas (:meth:`MemoryTier.retain`), so a failure at any instant
-leaves one complete step on every rank.
+keeps its byte-range share of the replicated state (:mod:`.shares`: the drive save's split), with
+the same atomic commit and CRC32C of every extent as the drive; a node's tier thus needs
+``(1 + replicas) x state x ranks_on_node / world`` plus a manifest per share
+(:func:`lacks_room`). Every directory keeps its latest complete step; the next one is written
+beside it and the older is removed only once every rank has committed the new step and its
+replicas (:meth:`MemoryTier.retain`), so a failure at any instant leaves one complete step.
 """
 
 from __future__ import annotations
@@ -24,13 +25,9 @@ import os
 from dataclasses import dataclass
 from typing import Any
 
-from ...results import SaveInfo
-from ...saving.save import save as core_save
-from ...state.flatten import Flattened
 from .. import steps as _steps
 
 JOB_ENV = "GDS_PERSIST_JOB"
-ROOM_SLACK = 1 << 20  # manifest, alignment padding, lock files: per step, generously
 
 
 def job_name(drive_root: str) -> str:
@@ -43,16 +40,12 @@ def job_name(drive_root: str) -> str:
     return f"{os.path.basename(drive_root.rstrip(os.sep)) or 'root'}-{digest}"
 
 
-def step_bytes(flat: Flattened) -> int:
-    """What one step of ``flat`` takes on the tmpfs, at most (payload, block padding, manifest)."""
-    return sum(s.nbytes for s in flat.storages) + 4096 * len(flat.storages) + ROOM_SLACK
-
-
 def lacks_room(needs: list[int], frees: list[int], nodes: list[str],
                holders: list[list[int]]) -> str | None:
-    """Why the tier cannot take the next step (None when it can): every rank's free bytes must
-    hold its own step plus the replicas it keeps of other ranks'. Ranks on one node share its
-    tmpfs, so they are counted together there."""
+    """Why the tier cannot take the next step (None when it can): ``needs[r]`` is rank r's share
+    (:func:`.shares.share_bytes`); each node's free bytes must hold its ranks' shares plus the
+    shares it keeps as replicas of other nodes' ranks (``holders``). Ranks on one node share
+    its tmpfs, so they are counted together there."""
     want: dict[str, int] = {}
     for r, need in enumerate(needs):
         for holder in [r, *holders[r]]:
@@ -60,7 +53,8 @@ def lacks_room(needs: list[int], frees: list[int], nodes: list[str],
     for r, node in enumerate(nodes):
         if frees[r] < want[node]:
             return (f"the memory tier of node {node!r} (rank {r}) has {frees[r] / 2**20:.0f} MiB "
-                    f"free but the step and its replicas need {want[node] / 2**20:.0f} MiB there: "
+                    f"free but its ranks' shares of the step and the replicas it keeps need "
+                    f"{want[node] / 2**20:.0f} MiB there: "
                     "make the tmpfs larger (mount -o remount,size=...) or lower replicas=")
     return None
 
@@ -92,10 +86,6 @@ class MemoryTier:
         os.makedirs(self.own_dir, exist_ok=True)
         st = os.statvfs(self.own_dir)
         return st.f_bavail * st.f_frsize
-
-    def save(self, flat: Flattened, step: int, kwargs: dict[str, Any]) -> SaveInfo:
-        """Commit this rank's state of ``step`` (one writer; the older step stays)."""
-        return core_save(flat, self.own_step(step), **kwargs)
 
     def inventory(self) -> dict[str, Any]:
         """The committed steps here: this rank's own, and the replicas held by rank."""

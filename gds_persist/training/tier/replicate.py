@@ -1,5 +1,5 @@
-"""Copies of committed step directories between ranks over the process group: the memory tier's
-replicas on other nodes, and a replica sent back to the rank that lost its own copy.
+"""Copies of committed share directories between ranks over the process group: the memory
+tier's replicas of each rank's share, on other nodes.
 
 Who holds whose copies is pure data (:func:`holders`): rank r's ``replicas`` copies go to the
 first ranks after it (cyclically) on nodes other than r's and each other's, so that one node's
@@ -7,8 +7,9 @@ loss leaves a copy of every rank elsewhere. A transfer (:func:`transfer`) first 
 what each sends to whom (file names and sizes, one all-gather), then moves the bytes in chunks of
 at most :data:`CHUNK` per pair and round (memory in flight stays bounded, whatever the step's
 size), and commits each received directory atomically (``transfer.commit``): a kill during a copy
-leaves only a temporary directory, never a step that looks complete. Bytes are not checked here:
-every extent's CRC32C is checked when a copy is loaded.
+leaves only a temporary directory, never a step that looks complete; a peer lost mid-copy is
+named within ``peer_timeout_s`` (:class:`PeerLostError`). Bytes are not checked here: every
+extent's CRC32C is checked when a copy is read.
 """
 
 from __future__ import annotations
@@ -115,11 +116,12 @@ def _seal(tmp: Temporary, files: list[list[Any]]) -> None:
 
 
 def transfer(comm: Comm, outgoing: Mapping[int, str], incoming: Mapping[int, str],
-             phase: str) -> list[int]:
+             phase: str, peer_timeout_s: float | None = None) -> list[int]:
     """Send the committed directory ``outgoing[dst]`` to each rank ``dst``, and commit what each
     rank ``src`` sends here at ``incoming[src]``; every rank calls it (with empty maps if it has
-    no part). A missing source directory sends nothing (its receiver is told). Returns the
-    sources whose copies were committed here."""
+    no part). A missing source directory sends nothing (its receiver is told). Every chunk's
+    wait is bounded by ``peer_timeout_s``: a peer that died mid-copy raises
+    :class:`PeerLostError` naming it. Returns the sources whose copies were committed here."""
     mine = {str(dst): _listing(d) for dst, d in outgoing.items() if os.path.isdir(d)}
     headers = comm.all_gather_json(mine, phase)
     me = str(comm.rank)
@@ -135,7 +137,7 @@ def transfer(comm: Comm, outgoing: Mapping[int, str], incoming: Mapping[int, str
         for src, files in sources.items():
             _prepare(temps[src], files)
         for k in range(rounds):
-            _round(comm, k, outgoing, mine, sources, temps, phase)
+            _round(comm, k, outgoing, mine, sources, temps, phase, peer_timeout_s)
         for src, files in sources.items():
             _seal(temps.pop(src), files)
     finally:
@@ -145,7 +147,8 @@ def transfer(comm: Comm, outgoing: Mapping[int, str], incoming: Mapping[int, str
 
 
 def _round(comm: Comm, k: int, outgoing: Mapping[int, str], mine: dict[str, list[list[Any]]],
-           sources: dict[int, list[list[Any]]], temps: dict[int, Temporary], phase: str) -> None:
+           sources: dict[int, list[list[Any]]], temps: dict[int, Temporary], phase: str,
+           peer_timeout_s: float | None = None) -> None:
     """Round ``k``: every pair moves its stream's bytes [k*CHUNK, (k+1)*CHUNK)."""
     start = k * CHUNK
 
@@ -156,6 +159,6 @@ def _round(comm: Comm, k: int, outgoing: Mapping[int, str], mine: dict[str, list
              for dst, files in mine.items() if width(files)]
     recvs = [(src, torch.empty(width(files), dtype=torch.uint8, device=comm.device))
              for src, files in sources.items() if width(files)]
-    comm.send_recv(sends, recvs, phase)
+    comm.send_recv(sends, recvs, phase, peer_timeout_s)
     for src, buf in recvs:
         _write_chunk(temps[src].dir, sources[src], start, buf)

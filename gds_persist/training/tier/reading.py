@@ -1,0 +1,271 @@
+"""Restore of one step from the memory tier's shares (:mod:`.shares`): each rank reads, from its
+node's memory, every share that node holds a copy of (its ranks' own shares and the replicas it
+keeps), verified (every extent's CRC32C); the shares its node lacks arrive point to point from a
+rank whose node holds them (:mod:`gds_persist.parallel.pairs`), straight into its state. Every
+rank ends with the whole replicated state, in place with ``into=``
+(:mod:`gds_persist.loading.destinations`). With 2 nodes and ``replicas=1`` each node holds
+every share: nothing crosses the network unless a node lost its memory.
+
+Which copy of which share each rank reads, and who sends what to whom, is the caller's plan
+(:class:`Plan`, from :mod:`.recovery`'s holdings). A copy that is missing, cut short, holds
+another step's manifest or fails its checksums is reported, the same on every rank, so the
+caller can plan again without it; nothing else is retried here.
+
+A rank whose own copy was lost receives its share's bytes like the others, straight into its
+state; :class:`Heal` then rewrites its own copy (and the replicas it keeps) from that state,
+while training resumes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ... import settings
+from ...errors import CheckpointError
+from ...format import MANIFEST_NAME, Extent, Manifest, parse_manifest, storage_descriptions
+from ...format.tree import decode, tensor_indices
+from ...loading.destinations import Destinations, match, plan_destinations, target_device
+from ...loading.load import PieceReader, fresh_storages
+from ...parallel.distributed import Comm
+from ...parallel.pairs import move
+from ...stages import stage
+from ...transfer.commit import commit, make_temporary, write_manifest
+from ...transfer.opened import OpenCheckpoint, open_checkpoint
+from .shares import share_files
+
+
+@dataclass(frozen=True)
+class Source:
+    """A copy of rank ``share``'s share in node ``node``'s memory: its owner's own directory
+    (``kind`` "memory") or a replica (``"replica"``); ``path`` is right on that node."""
+
+    share: int
+    node: str
+    kind: str
+    path: str
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.share, self.node, self.kind)
+
+
+@dataclass
+class Plan:
+    """One attempt at a step: what each rank reads from its node's memory (share -> copy), and
+    the shares sent point to point: ``(share, sender, receiver)``."""
+
+    reads: list[dict[int, Source]]
+    sends: list[tuple[int, int, int]]
+
+
+@dataclass
+class Request:
+    """What the caller of ``Checkpointer.load`` asked for."""
+
+    into: Any = None
+    strict: bool = True
+    map_location: Any = None
+    io_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Heal:
+    """A copy this rank keeps of a share (its own, or a replica it holds) that its node lacked,
+    rebuilt from the bytes it restored: the share's data file and the step's manifest,
+    committed atomically at ``path``."""
+
+    path: str
+    raw: bytes
+    name: str | None
+    size: int
+    pieces: list[tuple[int, torch.Tensor]]  # (file offset, bytes): views of the restored state
+
+    def run(self) -> None:
+        tmp = make_temporary(self.path)
+        try:
+            if self.name is not None:
+                fd = os.open(os.path.join(tmp.dir, self.name), os.O_WRONLY | os.O_CREAT, 0o644)
+                try:
+                    os.ftruncate(fd, self.size)
+                    for offset, data in self.pieces:
+                        os.pwrite(fd, memoryview(data.cpu().numpy().data).cast("B"), offset)
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            write_manifest(tmp.dir, self.raw)
+        except BaseException:
+            tmp.finish()
+            raise
+        commit(tmp)
+        self.pieces.clear()
+
+
+@dataclass
+class Outcome:
+    state: Any = None
+    failures: dict[tuple[int, str, str], str] = field(default_factory=dict)  # copy -> why
+    bytes_from: dict[str, int] = field(default_factory=dict)  # "memory"/"replica"/"sent"
+    heals: list[Heal] = field(default_factory=list)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:400]
+
+
+def read_step(comm: Comm, step: int, plan: Plan, req: Request, keep: dict[int, Source],
+              peer_timeout_s: float | None = None) -> Outcome:
+    """Every rank: restore ``step`` as ``plan`` says. Returns the state, or the failed copies
+    (then no state; ``into`` may hold partial data, to be filled again by the next attempt).
+    ``keep``: the copies this rank keeps (its own share, the replicas it holds), by share;
+    those its node lacked come back in ``heals``."""
+    what = f"memory-tier restore of step {step} (rank {comm.rank} of {comm.size})"
+    mine = plan.reads[comm.rank]
+    opened: dict[int, OpenCheckpoint] = {}
+    try:
+        with stage("tier restore: open the copies"):
+            failures, digest = _open(comm, mine, opened, what)
+        if failures:
+            return Outcome(failures=failures)
+        provider = min(r for r, reads in enumerate(plan.reads) if reads)
+        raw = None
+        if comm.rank == provider:
+            first = mine[min(mine)]
+            with open(os.path.join(first.path, MANIFEST_NAME), "rb") as f:
+                raw = f.read()
+        raw = comm.broadcast_bytes(raw, provider, "memory restore manifest")
+        if hashlib.sha256(raw).hexdigest() != digest:  # replaced since it was opened
+            src = plan.reads[provider][min(plan.reads[provider])]
+            return Outcome(failures={src.key: "its manifest changed while being read"})
+        m = parse_manifest(raw, f"the manifest of step {step} in the memory tier")
+        return _read(comm, m, raw, plan, opened, req, what, keep, peer_timeout_s)
+    finally:
+        for ck in opened.values():
+            ck.close()
+
+
+def _open(comm: Comm, mine: dict[int, Source], opened: dict[int, OpenCheckpoint],
+          what: str) -> tuple[dict[tuple[int, str, str], str], str]:
+    """Open every copy this rank reads (its data file too: its size is checked); the failed
+    copies (every rank's), and the manifest digest the copies agree on."""
+    def step() -> list[list[Any]]:
+        out: list[list[Any]] = []
+        for k, src in mine.items():
+            try:
+                ck = opened[k] = open_checkpoint(src.path)
+                files = share_files(ck.manifest)
+                saved = ck.manifest.writer.get("world_size")
+                if not files or saved != comm.size:
+                    raise CheckpointError(f"{src.path} is not a share of a step of these "
+                                          f"{comm.size} ranks (saved by {saved})")
+                if k in files:
+                    ck.open_files([files[k]])  # TruncatedError when cut short
+                out.append([*src.key, "", ck.digest])
+            except (CheckpointError, OSError) as e:
+                out.append([*src.key, _first_line(e), ""])
+        return out
+
+    statuses = [st for got in comm.agree("memory restore open", step, what) for st in got]
+    failures = {(k, n, kind): why for k, n, kind, why, _ in statuses if why}
+    digests = [d for *_, d in statuses if d]
+    common = max(set(digests), key=digests.count) if digests else ""
+    for k, n, kind, _, d in statuses:
+        if d and d != common:
+            failures[(k, n, kind)] = "it holds another manifest of this step than the others"
+    return failures, common
+
+
+def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, OpenCheckpoint],
+          req: Request, what: str, keep: dict[int, Source],
+          peer_timeout_s: float | None) -> Outcome:
+    cfg = settings.current(**req.io_kwargs)
+    files = share_files(m)
+    extents = {k: [e for e in m.extents if e.file == files[k]] if k in files else []
+               for k in range(comm.size)}
+    wanted = tensor_indices(m.tree)
+    needed = sorted({m.tensors[i].storage for i in wanted})
+    held: dict[str, Destinations] = {}
+
+    def allocate(s: int) -> torch.Tensor:
+        device = target_device(m.storages[s].device, req.map_location, True)
+        return torch.empty(m.storages[s].nbytes, dtype=torch.uint8, device=device)
+
+    def plan_dest() -> None:  # a state that does not fit into= raises on every rank
+        found = None if req.into is None else match(m, m.tree, req.into, req.strict, what)
+        held["dest"] = plan_destinations(m, wanted, needed, found, allocate)
+
+    with stage("tier restore: destinations"):
+        comm.agree("memory restore destinations", plan_dest, what)
+    dest = held["dest"]
+    describe = storage_descriptions(m)
+    chosen: list[tuple[str, str]] = []
+    mine = plan.reads[comm.rank]
+
+    def read() -> list[list[Any]]:
+        bad = []
+        for k, ck in opened.items():
+            try:
+                PieceReader(ck, dest, cfg, True, describe, chosen).read(extents[k], None)
+            except (CheckpointError, OSError) as e:
+                bad.append([*mine[k].key, _first_line(e)])
+        return bad
+
+    with stage("tier restore: read the node's shares"):
+        failures = {(k, n, kind): why for got in comm.agree("memory restore read", read, what)
+                    for k, n, kind, why in got}
+    if failures:
+        return Outcome(failures=failures)
+    with stage("tier restore: send the missing shares"):
+        _send_missing(comm, plan, extents, dest, what, peer_timeout_s)
+    with stage("tier restore: copy what heals"):
+        heals = [_heal(m, raw, files, extents[k], dest, src) for k, src in keep.items()
+                 if mine.get(k) != src]
+    dest.finish()
+    state = decode(m.tree, dest.returned(m, wanted, fresh_storages(m, wanted, dest,
+                                                                  req.map_location)))
+    return Outcome(state=state, bytes_from=_bytes_from(plan, extents), heals=heals)
+
+
+def _send_missing(comm: Comm, plan: Plan, extents: dict[int, list[Extent]], dest: Destinations,
+                  what: str, peer_timeout_s: float | None) -> None:
+    """The shares a rank's node lacks, from the sender the plan names, straight into place.
+    Both ends cut the share alike (at every tensor boundary), whatever their destinations."""
+    sends, recvs = [], []
+    for k, src, dst in plan.sends:
+        if comm.rank in (src, dst):
+            pieces = [(p.storage, p.start, p.length) for p in dest.pieces(extents[k], True)[0]]
+            if comm.rank == src:
+                sends += [(dst, p) for p in pieces]
+            else:
+                recvs += [(src, p) for p in pieces]
+    move(comm, sends, recvs, dest.buffers, "memory restore: shares sent", peer_timeout_s)
+    comm.agree("memory restore sent", lambda: None, what)
+
+
+def _bytes_from(plan: Plan, extents: dict[int, list[Extent]]) -> dict[str, int]:
+    """Bytes read from each kind of copy by all ranks, and sent between them."""
+    out: dict[str, int] = {}
+    size = {k: sum(e.length for e in es) for k, es in extents.items()}
+    for reads in plan.reads:
+        for k, src in reads.items():
+            out[src.kind] = out.get(src.kind, 0) + size[k]
+    for k, _, _ in plan.sends:
+        out["sent"] = out.get("sent", 0) + size[k]
+    return out
+
+
+def _heal(m: Manifest, raw: bytes, files: dict[int, int], extents: list[Extent],
+          dest: Destinations, copy: Source) -> Heal:
+    """What rewrites ``copy`` from the restored state (:meth:`Heal.run`, before training
+    changes it: the Checkpointer's guard waits for it)."""
+    pieces = [(p.offset, dest.buffers[p.storage][p.start : p.start + p.length])
+              for p in dest.pieces(extents)[0]]  # views of the restored state: no copy
+    index = files.get(copy.share)
+    name = None if index is None else m.files[index].name
+    size = 0 if index is None else m.files[index].size
+    return Heal(copy.path, raw, name, size, pieces)
