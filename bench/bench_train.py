@@ -330,7 +330,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--backend", default=None, help="gds_persist backend (default auto)")
     p.add_argument("--memory-dir", default="/dev/shm", help="gds_memory: the tmpfs of its tier")
     p.add_argument("--drive-every", type=int, default=100, help="gds_memory: drive interval")
-    p.add_argument("--dir", default=None, help="where checkpoints go (default: a temp dir in .)")
+    p.add_argument("--dir", default=None,
+                   help="where checkpoints go: a temporary subdirectory of it (default "
+                        "bench/out, git-ignored)")
     p.add_argument("--json", default=None, metavar="FILE", help="also write the results as JSON")
     p.add_argument("--tiny", action="store_true", help="a seconds-long smoke run")
     args = p.parse_args(argv)
@@ -352,7 +354,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     threads_before = torch.get_num_threads()
     torch.set_num_threads(args.threads or (1 if args.device == "cpu" else threads_before))
-    root = tempfile.mkdtemp(prefix="bench_train-", dir=args.dir or ".")
+    base = args.dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+    os.makedirs(base, exist_ok=True)
+    root = tempfile.mkdtemp(prefix="bench_train-", dir=base)
     try:
         model, opt = build(args)
         train_step(model, opt, args)  # optimizer state exists from here on
