@@ -19,7 +19,7 @@ import torch
 import gds_persist
 from gds_persist.backends import read_mode
 from gds_persist.backends.adaptive import AdaptiveReadBackend
-from gds_persist.backends.posix import memory_backed, supports_o_direct
+from gds_persist.backends.posix import supports_o_direct
 from gds_persist.backends.read_mode import Plan, Timing, decide, plan, rates, ratio
 from gds_persist.transfer.staging import AlignedBuffer
 from tests.helpers import assert_tree_equal, random_tensor
@@ -59,12 +59,6 @@ def test_buffered_clearly_ahead_is_taken() -> None:
     ([], False)])  # nothing measured yet
 def test_the_median_of_recent_loads_decides(ratios: list[float], buffered: bool) -> None:
     assert decide(ratios)[0] is buffered
-
-
-def test_memory_backed_filesystem_is_not_measured() -> None:
-    buffered, reason = decide([2.0], "tmpfs")
-    assert not buffered
-    assert "not measured" in reason and "tmpfs" in reason
 
 
 @pytest.mark.parametrize(("load", "buffered_now", "expected"), [
@@ -128,8 +122,6 @@ def test_a_buffered_load_that_collapses_goes_back_to_o_direct(later_gbps: float,
 # ------------------------------------------------------------------ real files
 
 def _on_o_direct_disk(path: Path) -> None:
-    if memory_backed(str(path)):
-        pytest.skip(f"{path} is memory-backed: nothing is measured there")
     ok, why = supports_o_direct(str(path))
     if not ok:
         pytest.skip(f"{path} refuses O_DIRECT ({why})")
@@ -245,17 +237,20 @@ def _shm() -> Path:
     return Path("/dev/shm")
 
 
-def test_tmpfs_load_is_not_measured(tmp_path: Path) -> None:
+def test_tmpfs_loads_are_measured_too(tmp_path: Path) -> None:
+    # both modes copy out of the page cache there, yet buffered ran 1.02-1.32x faster on the VM
     shm = _shm() / f"gds-read-mode-{os.getpid()}"
     sd = {"big": random_tensor(torch.uint8, 40 * MiB, seed=5)}
     try:
         gds_persist.save(sd, shm)
+        dev = os.stat(shm).st_dev
+        before = len(read_mode.recent(dev))
         with gds_persist.settings.set(block_bytes=MiB, staging_bytes=8 * MiB):
             state, info = gds_persist.load(shm, backend="auto", return_info=True)
         assert_tree_equal(state, sd)
-        assert info.backend == "direct"
-        assert "reads via O_DIRECT, not measured: on tmpfs" in info.reason
-        assert read_mode.recent(os.stat(shm).st_dev) == []
+        assert info.backend in ("direct", "buffered")
+        assert "buffered / O_DIRECT read rate" in info.reason, info.reason
+        assert len(read_mode.recent(dev)) == min(before + 1, read_mode.HISTORY)
     finally:
         shutil.rmtree(shm, ignore_errors=True)
 

@@ -22,12 +22,10 @@ from .base import Backend
 from .posix import (
     BufferedBackend,
     DirectBackend,
-    memory_backed,
     o_direct_host_alignment,
     require_o_direct,
     supports_o_direct,
 )
-from .read_mode import decide as decide_read_mode
 
 
 def _direct(directory: str) -> DirectBackend:
@@ -65,8 +63,8 @@ def choose_backend(
     ``auto_kvikio`` (None: the setting in force) says when ``auto`` takes kvikio
     (:mod:`.auto`). ``read_load``: for a load, a data file there (what to open) and the bytes
     the load reads there: where ``auto`` would read with O_DIRECT, the load's own requests
-    decide between O_DIRECT and the page cache (:mod:`.adaptive`; nothing is measured on a
-    memory-backed filesystem); the reason is completed by :func:`read_reason` after the read."""
+    decide between O_DIRECT and the page cache (:mod:`.adaptive`, tmpfs included); the
+    reason is completed by :func:`read_reason` after the read."""
     from .kvikio_backend import kvikio_facts
 
     directory = directory or "."  # a file named without a directory ("model.pt")
@@ -93,8 +91,6 @@ def choose_backend(
     if read_load is None:
         return _direct(directory), reason
     source, load_bytes = read_load
-    if memory_backed(directory):
-        return _direct(directory), f"{reason}; {decide_read_mode([], 'tmpfs')[1]}"
     return AdaptiveReadBackend(o_direct_host_alignment(directory), os.stat(source).st_dev,
                                load_bytes, io_threads, block_bytes), reason
 
