@@ -19,6 +19,9 @@ runs on it, so single-process saves with rank-local parts or data directories ne
 from __future__ import annotations
 
 import json
+import logging
+import sys
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -27,10 +30,43 @@ import torch
 
 from ..errors import CollectiveTimeoutError, DistributedError, PeerLostError
 
+log = logging.getLogger("gds_persist")
+
 
 def _first_line(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     return f"{type(e).__name__}: {text[0] if text else ''}"[:500]
+
+
+# How long a finished collective may take to let go of its tensors (see _await_release).
+RELEASE_TIMEOUT_S = 5.0
+
+
+def _await_release(tensors: list[torch.Tensor], baseline: list[int]) -> None:
+    """Return once nothing but Python refers to ``tensors`` again.
+
+    A gloo worker thread drops its reference to a finished collective's tensors a moment after
+    the wait returns, and dropping it takes the GIL (torch keeps each tensor's Python object
+    alive while C++ holds the tensor). If the interpreter is shutting down by then, that thread
+    is killed while it unwinds C++ code: the process aborts with "terminate called without an
+    active exception" (pytorch/pytorch#190489). Waiting here, GIL released, until the tensors'
+    Python reference counts are back at ``baseline`` (counted before the post) means no worker
+    still holds our tensors when this returns, so none is left to race the interpreter's exit.
+    """
+    deadline = time.monotonic() + RELEASE_TIMEOUT_S
+    pause = 0.0
+    while (any(n > b for n, b in zip(_refcounts(tensors), baseline, strict=True))
+           and time.monotonic() < deadline):
+        time.sleep(pause)  # releases the GIL, which the worker needs to let go
+        pause = min(2 * pause or 1e-5, 1e-3)
+    if time.monotonic() >= deadline:
+        log.warning("gds_persist: a finished gloo collective still held its tensors after "
+                    "%g s; going on", RELEASE_TIMEOUT_S)
+
+
+def _refcounts(tensors: list[torch.Tensor]) -> list[int]:
+    """Python references to each tensor (counted the same way before and after a post)."""
+    return [sys.getrefcount(t) for t in tensors]
 
 
 class Comm:
@@ -139,6 +175,17 @@ class GroupComm(Comm):
         except (RuntimeError, ValueError, AttributeError):
             return group_rank  # the default group: group ranks are global ranks
 
+    def _collective(self, phase: str, tensors: list[torch.Tensor],
+                    post: Callable[[], Any]) -> None:
+        """Post one asynchronous collective on ``tensors`` (``post()`` returns its work), wait
+        for it (bounded), and, with gloo, until its worker has let go of the tensors."""
+        baseline = _refcounts(tensors)
+        work = post()
+        self._wait(work, phase)
+        del work
+        if self.backend == "gloo":
+            _await_release(tensors, baseline)
+
     def _wait(self, work: Any, phase: str) -> None:
         try:
             work.wait(timeout=timedelta(seconds=self.timeout_s))
@@ -159,15 +206,14 @@ class GroupComm(Comm):
     def all_gather_bytes(self, data: bytes, phase: str) -> list[bytes]:
         lengths = torch.zeros(self.size, dtype=torch.int64, device=self.device)
         mine = torch.tensor([len(data)], dtype=torch.int64, device=self.device)
-        self._wait(self._gather_single(lengths, mine, group=self.group, async_op=True), phase)
+        self.all_gather_tensor(lengths, mine, phase)
         sizes = lengths.tolist()
         width = max(sizes) or 1
         buf = torch.zeros(width, dtype=torch.uint8)
         if data:
             buf[: len(data)] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
         out = torch.empty(width * self.size, dtype=torch.uint8, device=self.device)
-        self._wait(self._gather_single(out, buf.to(self.device), group=self.group, async_op=True),
-                   phase)
+        self.all_gather_tensor(out, buf.to(self.device), phase)
         raw = out.cpu().numpy().tobytes()
         return [raw[r * width : r * width + n] for r, n in enumerate(sizes)]
 
@@ -183,16 +229,19 @@ class GroupComm(Comm):
         return buf.cpu().numpy().tobytes()[: int(n.item())]
 
     def broadcast_tensor(self, tensor: torch.Tensor, src: int, phase: str) -> None:
-        work = self._dist.broadcast(tensor, src=self._global(src), group=self.group, async_op=True)
-        self._wait(work, phase)
+        self._collective(phase, [tensor], lambda: self._dist.broadcast(
+            tensor, src=self._global(src), group=self.group, async_op=True))
 
     def all_gather_tensor(self, out: torch.Tensor, inp: torch.Tensor, phase: str) -> None:
-        self._wait(self._gather_single(out, inp, group=self.group, async_op=True), phase)
+        self._collective(phase, [out, inp], lambda: self._gather_single(
+            out, inp, group=self.group, async_op=True))
 
     def send_recv(self, sends: list[tuple[int, torch.Tensor]],
                   recvs: list[tuple[int, torch.Tensor]], phase: str,
                   peer_timeout_s: float | None = None) -> None:
         outgoing = [(d, t.to(self.device)) for d, t in sends]  # alive until waited for
+        tensors = [t for _, t in outgoing] + [t for _, t in recvs]
+        baseline = _refcounts(tensors)
         works: list[tuple[int, str, Any]] = [
             (d, "sending to", self._dist.isend(t, dst=self._global(d), group=self.group))
             for d, t in outgoing]
@@ -208,6 +257,9 @@ class GroupComm(Comm):
                     f"({_first_line(e)}): rank {peer} died or hung (see its log); a peer that "
                     f"is only slow needs a larger peer_timeout_s (now {limit:g} s)",
                     peer=peer, phase=phase) from e
+        del works, work
+        if self.backend == "gloo":
+            _await_release(tensors, baseline)
         if self.device.type == "cuda":
             torch.cuda.current_stream().synchronize()
 
