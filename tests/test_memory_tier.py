@@ -205,6 +205,11 @@ def test_tier_arguments_are_checked(tmp_path):
     with pytest.raises(ValueError, match="needs writer='thread'"):
         gds_persist.Checkpointer(tmp_path, memory_root=tmp_path / "m", mode="snapshot",
                                  writer="process")
+    with pytest.raises(ValueError, match="rank_local= marks state .* needs the ranks' "
+                                         "process_group="):
+        gds_persist.Checkpointer(tmp_path, memory_root=tmp_path / "m", rank_local="shard")
+    with pytest.raises(ValueError, match="overlap"):
+        gds_persist.Checkpointer(tmp_path, rank_local=["optim", ("optim", "state")])
 
 
 # ---------------------------------------------------------------- 4 processes, 2 nodes
@@ -317,3 +322,59 @@ def test_kill_during_replication_leaves_a_restorable_state(tmp_path, run):
     _finished(results, 9)
     for r in (0, 2):  # the leftovers are gone once their owner is
         assert not glob.glob(os.path.join(_mem(job, r), "replica-*", ".step-*"))
+
+
+# ---------------------------------------------------------------- rank-local parts (ZeRO shards)
+
+
+def _shards_ok(results: list[dict]) -> None:
+    assert all(r["shard_ok"] for r in results), [r.get("shard_ok") for r in results]
+
+
+@pytest.mark.parametrize("run", range(RUNS))
+def test_rank_local_parts_stay_per_rank_through_memory_and_node_loss(tmp_path, run):
+    """Each rank's own shard sits beside its share (and its replica); after a node loss its
+    ranks get theirs from the replica holders, in place, and heal their own copies."""
+    first = Job(str(tmp_path), resume=False, stop=6, rank_local=True)
+    first.wait()
+    own = os.path.join(_mem(first, 2), "rank-00002", "step-00000006", "local")
+    assert gds_persist.verify(own).ok  # a checkpoint of its own, in the share directory
+    assert os.path.isdir(os.path.join(_mem(first, 0), "replica-00002", "step-00000006",
+                                      "local"))  # copied with the share
+    again = Job(str(tmp_path), resume=True, stop=7, rank_local=True)
+    results = again.wait()
+    _check_restored(results, ["memory"] * 4, step=6)
+    _shards_ok(results)
+    shutil.rmtree(first.memory_root(2))  # node n1: ranks 2 and 3, and the replicas it held
+    results = Job(str(tmp_path), resume=True, stop=9, into=True, rank_local=True).wait()
+    _check_restored(results, ["memory", "memory", "replica", "replica"], step=7)
+    _shards_ok(results)
+    assert [r["healed"] for r in results] == [0, 0, 1, 1]  # own copies, with their shards
+    _finished(results, 9)
+
+
+@pytest.mark.parametrize("run", range(RUNS))
+def test_corrupt_rank_local_part_is_skipped_for_the_replica(tmp_path, run):
+    first = Job(str(tmp_path), resume=False, stop=5, rank_local=True)
+    first.wait()
+    _flip_a_byte(os.path.join(_mem(first, 0), "rank-00000", "step-00000005", "local"))
+    results = Job(str(tmp_path), resume=True, stop=6, rank_local=True).wait()
+    _check_restored(results, ["replica", "memory", "memory", "memory"], step=5)
+    _shards_ok(results)
+    assert any("memory copy of step 5 of rank 0: ChecksumError" in s
+               for s in results[0]["restore_skipped"])
+    _finished(results, 6)
+
+
+def test_rank_local_parts_from_the_drive(tmp_path):
+    """Both nodes' memory lost: every rank gets its own shard from the drive."""
+    first = Job(str(tmp_path), resume=False, stop=4, drive_every=2, rank_local=True)
+    first.wait()
+    for r in (0, 2):
+        shutil.rmtree(first.memory_root(r))
+    manifest = gds_persist.read_manifest(os.path.join(tmp_path, "drive", "step-00000004"))
+    assert sorted(sec.rank for sec in manifest.sections) == [0, 1, 2, 3]
+    results = Job(str(tmp_path), resume=True, stop=5, rank_local=True, into=True).wait()
+    _check_restored(results, ["drive"] * 4, step=4)
+    _shards_ok(results)
+    _finished(results, 5)

@@ -7,7 +7,9 @@ with ``into``) when ``resume`` is set, trains up to ``stop`` saving every step (
 step, drive every ``drive_every``), and writes what it restored and ended with to ``out``. The
 training is deterministic (:func:`reference` replays it in one process): a restored state is
 compared bit for bit with the uninterrupted run's. ``kill_in_replication`` ([rank, step]): that
-rank SIGKILLs itself in the middle of copying that step to its replica holder.
+rank SIGKILLs itself in the middle of copying that step to its replica holder. ``rank_local``:
+the state also holds a per-rank ``shard`` (as ZeRO's optimizer shards), marked
+``rank_local="shard"``; a restore checks each rank got its own, of the restored step.
 """
 
 from __future__ import annotations
@@ -43,6 +45,11 @@ def train_step(model: torch.nn.Linear, opt: torch.optim.Optimizer, step: int) ->
 
 def state(model: torch.nn.Linear, opt: torch.optim.Optimizer, step: int) -> dict[str, Any]:
     return {"model": model.state_dict(), "optim": opt.state_dict(), "step": step}
+
+
+def shard_of(rank: int, step: int) -> torch.Tensor:
+    """Rank ``rank``'s own state after ``step``: differs on every rank and at every step."""
+    return torch.arange(50_000, dtype=torch.float32) + 1e6 * rank + step
 
 
 def digest(sd: dict[str, Any]) -> str:
@@ -95,17 +102,24 @@ def main(cfg: dict[str, Any]) -> None:
     group = dist.new_group(backend="gloo")  # the Checkpointer's own group
     model, opt = build(cfg.get("width", WIDTH))
     out: dict[str, Any] = {"rank": rank}
+    local = cfg.get("rank_local", False)
+
+    def full(step: int) -> dict[str, Any]:
+        sd = state(model, opt, step)
+        return {**sd, "shard": shard_of(rank, step)} if local else sd
+
     with gds_persist.Checkpointer(cfg["drive"], process_group=group, memory_root=cfg["memory"],
                                   memory_every=1, drive_every=cfg["drive_every"], replicas=1,
                                   keep_last=2, mode="fence", warmup=False, timeout_s=120,
-                                  peer_timeout_s=cfg.get("peer_timeout_s", 60.0)) as ckpt:
+                                  peer_timeout_s=cfg.get("peer_timeout_s", 60.0),
+                                  rank_local="shard" if local else None) as ckpt:
         ckpt.guard(opt)
         start = 0
         if cfg["resume"]:
             into = None
             if cfg.get("into"):  # restore in place into the live model and optimizer
                 gds_persist.init_optimizer_state(opt)
-                into = state(model, opt, 0)
+                into = full(0)
             from gds_persist.stages import profiling
 
             dist.barrier(group)  # every rank starts the restore together: start skew not in it
@@ -114,6 +128,9 @@ def main(cfg: dict[str, Any]) -> None:
             out["restore_stages"] = {k: round(v.seconds, 4) for k, v in profile.stages.items()}
             if into is not None:
                 assert sd["model"]["weight"] is into["model"]["weight"], "not restored in place"
+                assert not local or sd["shard"] is into["shard"], "shard not restored in place"
+            if local:  # its own shard, of the step restored
+                out["shard_ok"] = torch.equal(sd["shard"], shard_of(rank, sd["step"]))
             out["restored_s"] = time.perf_counter() - t0  # main() start to state restored
             out["restored_at"] = time.time()  # the launcher knows when the process started
             out["restored"] = digest(sd)
@@ -126,7 +143,7 @@ def main(cfg: dict[str, Any]) -> None:
                        restore_s=s.restore_s, restore_bytes=s.restore_bytes)
         for step in range(start + 1, cfg["stop"] + 1):
             train_step(model, opt, step)
-            ckpt.save(step, state(model, opt, step))
+            ckpt.save(step, full(step))
             print(f"saved {step}", flush=True)
         ckpt.wait()
         out["final"] = digest(state(model, opt, cfg["stop"]))
@@ -161,7 +178,8 @@ class Job:
 
     def __init__(self, base: str, *, resume: bool, stop: int, drive_every: int = 2,
                  kill_in_replication: list[int] | None = None, memory: str | None = None,
-                 width: int = WIDTH, into: bool = False, peer_timeout_s: float = 60.0):
+                 width: int = WIDTH, into: bool = False, peer_timeout_s: float = 60.0,
+                 rank_local: bool = False):
         import subprocess
         import uuid
 
@@ -176,7 +194,8 @@ class Job:
                    "drive": os.path.join(base, "drive"), "memory": self.memory_root(r),
                    "drive_every": drive_every, "stop": stop, "resume": resume,
                    "out": self.outs[r], "kill_in_replication": kill_in_replication,
-                   "width": width, "into": into, "peer_timeout_s": peer_timeout_s}
+                   "width": width, "into": into, "peer_timeout_s": peer_timeout_s,
+                   "rank_local": rank_local}
             env = {**os.environ, "GDS_PERSIST_NODE": node_of(r), "GLOO_SOCKET_IFNAME": "lo",
                    "PYTHONPATH": REPO}
             with open(self.logs[r], "w") as log:

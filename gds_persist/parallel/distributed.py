@@ -257,7 +257,8 @@ class GroupComm(Comm):
                     f"({_first_line(e)}): rank {peer} died or hung (see its log); a peer that "
                     f"is only slow needs a larger peer_timeout_s (now {limit:g} s)",
                     peer=peer, phase=phase) from e
-        del works, work
+        works.clear()  # and the loop's last one: our references to the works go
+        work = None
         if self.backend == "gloo":
             _await_release(tensors, baseline)
         if self.device.type == "cuda":

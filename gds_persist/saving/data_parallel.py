@@ -55,7 +55,7 @@ from ..parallel.topology import gpu_affinity, node_name
 from ..progress import ByteCounter
 from ..results import DistributedSaveInfo
 from ..state.flatten import Flattened, flatten
-from ..state.rank_local import KeyPath, split_rank_local
+from ..state.rank_local import KeyPath, Split, split_rank_local
 from ..transfer.commit import Temporary, abort, begin, seal, writer_record
 from ..transfer.unit_writer import Unit
 from ..transfer.writer import write_plan
@@ -76,10 +76,11 @@ class _Prepared:
 
 
 def _prepare(state_dict: Any, paths: Sequence[KeyPath], check: str) -> _Prepared:
-    if isinstance(state_dict, Flattened):  # flattened by the caller: all of it replicated
+    if isinstance(state_dict, (Flattened, Split)):  # flattened by the caller (a Checkpointer)
         if paths:
             raise ValueError("rank_local needs the state dict itself, not a flattened one")
-        replicated, local = state_dict, flatten([])
+        replicated, local = ((state_dict.replicated, state_dict.local)
+                             if isinstance(state_dict, Split) else (state_dict, flatten([])))
     else:
         replicated, local = split_rank_local(state_dict, paths)
     return _Prepared(replicated, local, *description_of(replicated, check))

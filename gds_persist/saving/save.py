@@ -85,9 +85,10 @@ def save(
     ``progress`` then counts this rank's own bytes.
 
     Internally ``state_dict`` may also be a :class:`~gds_persist.state.flatten.Flattened` (what
-    ``flatten`` returns): it is written as is, all of it replicated. The Checkpointer flattens
-    each state dict once, when its ``save`` is called, and its snapshots are Flattened records
-    over host copies.
+    ``flatten`` returns): it is written as is, all of it replicated; or, with a process group,
+    a :class:`~gds_persist.state.rank_local.Split` (the replicated and the rank-local part, each
+    flattened). The Checkpointer flattens each state dict once, when its ``save`` is called, and
+    its snapshots are Flattened records over host copies.
 
     Leaves beyond tensors and JSON scalars (numpy arrays and scalars, bytes, pathlib paths, enums,
     dict/list/tuple subclasses, namespaces) are stored by value (format version 3,

@@ -4,6 +4,11 @@ The subtrees at the marked key paths differ per rank (ZeRO shards) and are writt
 only; the rest is replicated. :func:`split_rank_local` cuts a state dict into the two flattened
 parts: the replicated one holds a ``{"t": "local", "i": j}`` placeholder where each subtree was.
 Only the spine down to each marked path is copied; the caller's state dict is not changed.
+
+A :class:`~gds_persist.Checkpointer` flattens a state once, at ``save``, and snapshots or writes
+that one Flattened later: :func:`join` keeps both parts in one (the local part's tensors and
+storages numbered after the replicated part's), :func:`unjoin` takes them apart again, over
+whatever memory the storages are by then (a snapshot's copies).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import uuid
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 from ..format import tree as _tree
@@ -80,3 +86,68 @@ def split_rank_local(state: Any, paths: Sequence[KeyPath]) -> tuple[Flattened, F
     replicated.tree = _tree.transform(replicated.tree, placeholder)
     local = flatten([subtrees[j] for j in order]) if paths else flatten([])
     return replicated, local
+
+
+@dataclass
+class Split:
+    """A state already cut into its replicated and its rank-local part (what
+    :func:`gds_persist.save` takes in place of a state dict, with a process group)."""
+
+    replicated: Flattened
+    local: Flattened
+
+
+_JOINED = ("gds_persist-joined", "replicated", "local")  # the joined tree's keys
+
+
+def join(split: Split) -> Flattened:
+    """Both parts as one Flattened (tree: a mapping of the two trees and the replicated part's
+    counts), undone by :func:`unjoin`."""
+    rep, loc = split.replicated, split.local
+    n_t, n_s = len(rep.tensors), len(rep.storages)
+    tree = _tree.mapping(list(_JOINED), [
+        _tree.sequence([n_t, n_s]), rep.tree, _tree.shift_tensors(loc.tree, n_t)])
+    return Flattened(tree, rep.tensors + [replace(t, storage=t.storage + n_s)
+                                          for t in loc.tensors],
+                     rep.storages + loc.storages, rep.storage_objects + loc.storage_objects)
+
+
+def is_joined(flat: Flattened) -> bool:
+    return _tree.kind(flat.tree) in _tree.MAPPINGS and flat.tree.get("k") == list(_JOINED)
+
+
+def unjoin(flat: Flattened) -> Split:
+    """The two parts of a :func:`join`, over ``flat``'s storage objects."""
+    counts, rep_tree, loc_tree = flat.tree["v"]
+    n_t, n_s = counts["v"]
+    local_tensors = [replace(t, storage=t.storage - n_s) for t in flat.tensors[n_t:]]
+    return Split(
+        Flattened(rep_tree, flat.tensors[:n_t], flat.storages[:n_s], flat.storage_objects[:n_s]),
+        Flattened(_tree.shift_tensors(loc_tree, -n_t), local_tensors, flat.storages[n_s:],
+                  flat.storage_objects[n_s:]))
+
+
+def locate(tree: Any) -> dict[int, KeyPath]:
+    """Placeholder number -> its key path in a replicated tree."""
+    return {n["i"]: p for p, n in _tree.walk(tree) if _tree.kind(n) == _tree.LOCAL}
+
+
+def separate(state: Any, where: dict[int, KeyPath]) -> tuple[Any, list[Any]]:
+    """``state`` (e.g. a load's ``into=``) without its rank-local subtrees (None there), and
+    those subtrees in placeholder order; None stays None."""
+    if state is None:
+        return None, [None] * len(where)
+    parts: list[Any] = [None] * len(where)
+    for j, p in where.items():
+        try:
+            state, parts[j] = _replace_at(state, p, None, p) if p else (None, state)
+        except KeyError:  # not in into=: loaded fresh (strict=False) or refused (strict)
+            parts[j] = None
+    return state, parts
+
+
+def reunite(state: Any, where: dict[int, KeyPath], parts: Sequence[Any]) -> Any:
+    """The inverse of :func:`separate`: each rank-local subtree put back at its key path."""
+    for j, p in where.items():
+        state = _replace_at(state, p, parts[j], p)[0] if p else parts[j]
+    return state

@@ -28,34 +28,33 @@ Modes (how long the caller's tensors are borrowed):
 * ``fence``: the live tensors are written directly; no copy, no extra memory. They are
   released when the checkpoint is durable.
 * ``snapshot``: a background thread copies them into a bounded host arena (pinned where CUDA
-  exists) and releases them; the write follows from the copy. For updates that come before a
-  write could finish. The arena never grows: a snapshot waits for memory (counted in
-  :attr:`Checkpointer.stats`) and a state dict larger than the whole arena is written fence-style.
+  exists) and releases them; the write follows from the copy, for updates that come before a
+  write could finish. The arena never grows: a snapshot waits for memory (counted in ``stats``);
+  a state larger than the whole arena is written fence-style.
 
-Start-up: on construction a Checkpointer starts :func:`gds_persist.warmup` in a background thread
-(CUDA context and side streams, the staging ring, the backend probe and kvikio/cuFile start-up,
-the device CRC kernel), so that the first checkpoint is not the slow one; the writer waits for it
-(bounded) before its first write. ``warmup=False`` skips it; ``ckpt.warmup_report`` says what it
-did.
+Start-up: a new Checkpointer starts :func:`gds_persist.warmup` in a background thread (CUDA
+context and side streams, staging ring, backend probe, kvikio/cuFile start-up, device CRC kernel)
+so that the first checkpoint is not the slow one; the first write waits for it (bounded).
+``warmup=False`` skips it; ``ckpt.warmup_report`` says what it did.
 
-Either way the caller must not change the tensors of a save until its handle is released:
-``guard(optimizer)`` does it for optimizer updates; otherwise call ``handle.wait_released()``.
+The caller must not change a save's tensors until its handle is released: ``guard(optimizer)``
+holds optimizer updates until then; otherwise call ``handle.wait_released()``.
 
 Threads: one writer thread (plus a snapshot thread in snapshot mode) per Checkpointer. Their bulk
 work (``copy_``, CRC32C, ``pwrite``, ``fsync``) releases the GIL, but core ``save``'s Python
 around it does not: a training loop that is itself mostly Python waits for it (measured in
 docs/TRAINING.md). ``writer="process"`` (snapshot mode) moves the write to a helper process
-(:mod:`gds_persist.training.helper`); the training process then only copies into the shared
-arena. Every wait is bounded (``timeout_s``) and watches the threads and the helper: one that
-dies fails the save it was doing (a new one takes the next), never hangs.
+(:mod:`.helper`); training then only copies into the shared arena. Every wait is bounded
+(``timeout_s``) and watches the threads and the helper: one that dies fails the save it was
+doing (a new one takes the next), never hangs.
 
-Each state dict is flattened once, by ``save`` (so a state dict a checkpoint cannot hold raises
-there, naming the key), and that Flattened (or its snapshot) is what core ``save`` writes.
-A background error is raised by ``handle.wait()``, else by the next ``save``/``wait``/``close``.
+Each state dict is flattened once, by ``save`` (a state a checkpoint cannot hold raises there,
+naming the key), and that Flattened (or its snapshot) is what core ``save`` writes. A background
+error is raised by ``handle.wait()``, else by the next ``save``/``wait``/``close``.
 
-This module is the public API and what joins the parts: the handles, counters and bounded waits
-(:mod:`.handles`), the worker threads (:mod:`.workers`), CUDA streams and events
-(:mod:`.streams`), the snapshot arena (:mod:`.snapshot`), where each step goes (:mod:`.tiers`).
+This module is the public API and joins the parts: handles, counters and bounded waits
+(:mod:`.handles`), threads (:mod:`.workers`), CUDA streams and events (:mod:`.streams`), the
+snapshot arena (:mod:`.snapshot`), where each step goes (:mod:`.tiers`).
 """
 
 from __future__ import annotations
@@ -80,7 +79,6 @@ from ..loading.load import load as core_load
 from ..parallel.distributed import make_comm
 from ..results import WarmupReport
 from ..saving.compression import check_mode as check_compression
-from ..state.flatten import flatten
 from ..transfer.warmup import BackgroundWarmup
 from . import steps as _steps
 from .handles import CheckpointerStats, Job, Pending, SaveHandle, add_note
@@ -91,7 +89,7 @@ from .streams import DeviceStreams, record_events, synchronize
 from .tier.memory import MemoryTier, job_name
 from .tier.reading import Request
 from .tier.recovery import Restored, restore
-from .tiers import Tiers, check_tiers
+from .tiers import Tiers, check_rank_local, check_tiers
 from .workers import Workers
 
 log = logging.getLogger("gds_persist")
@@ -137,6 +135,8 @@ class Checkpointer:
     name), a copy bounded by ``peer_timeout_s`` per chunk (:class:`PeerLostError` names a peer
     that died); every ``drive_every`` steps the state goes to ``root`` as well. A step in
     neither tier is not written. ``load()`` restores from the nearest verified copies.
+    ``rank_local``: key paths of per-rank state (ZeRO shards), as :func:`gds_persist.save`;
+    needs a ``process_group``; each rank keeps its own in either tier (``docs/RECOVERY.md``).
     """
 
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
@@ -149,7 +149,7 @@ class Checkpointer:
                  incremental: bool = False, compression: str | None = None,
                  memory_root: str | os.PathLike[str] | None = None, memory_every: int = 1,
                  drive_every: int = 1, replicas: int | None = None,
-                 peer_timeout_s: float = 60.0):
+                 peer_timeout_s: float = 60.0, rank_local: Any = None):
         if mode not in MODES:
             raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
         if writer not in WRITERS:
@@ -172,6 +172,7 @@ class Checkpointer:
         if timeout_s <= 0:
             raise ValueError(f"timeout_s={timeout_s} must be positive")
         check_tiers(memory_root, memory_every, drive_every, replicas, writer)
+        local_paths = check_rank_local(rank_local, process_group)
         self.root = os.path.abspath(os.fspath(root))
         self.requested_mode = mode
         self.mode = mode  # the mode in force: "auto" only until the first save decides
@@ -220,7 +221,7 @@ class Checkpointer:
             replicas=replicas, keep_last=keep_last, save_kwargs=save_kwargs, io_kwargs=io_kwargs,
             process_group=process_group, incremental=incremental, helper=self._helper,
             timeout_s=self.timeout_s, stats=self._stats, lock=self._lock, base_step=latest,
-            peer_timeout_s=peer_timeout_s)
+            peer_timeout_s=peer_timeout_s, rank_local=local_paths)
         self._warmup = BackgroundWarmup(
             self.root, backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
             io_threads=io_threads) if warmup else None
@@ -263,7 +264,7 @@ class Checkpointer:
         if not tiers:
             return self._skip(step)
         # TypeError naming the key, here rather than in the thread
-        flat = flatten(state_dict, self.allow_pickle)
+        flat = self._tiers.flatten(state_dict, self.allow_pickle)
         if self.mode == "auto":
             self._use_mode(choose_mode(snapshot_nbytes(flat),
                                        any(s.is_cuda for s in flat.storage_objects),
@@ -337,10 +338,9 @@ class Checkpointer:
         Loading a step older than the latest marks a resume from it: the next ``save`` publishes
         it as ``latest`` again, and the newer checkpoints are removed once that save commits.
 
-        Another process may save and prune under ``root`` meanwhile (a training job while this
-        one evaluates): a step removed by retention while it is being opened is replaced by the
-        then latest one (default ``step``; a few times at most), or raises
-        :class:`CheckpointReplacedError` (an explicit ``step``). Once open, it loads whole.
+        Another process may save and prune under ``root`` meanwhile (training while this one
+        evaluates): a step removed by retention while being opened is replaced by the then
+        latest (default ``step``; a few times at most), or raises CheckpointReplacedError.
 
         ``into``, ``strict``: restore in place into the given state's tensors, as
         :func:`gds_persist.load` (every tier). With the memory tier a copy that fails its checks

@@ -25,6 +25,8 @@ from ..parallel.distributed import Comm
 from ..parallel.topology import node_name
 from ..results import SaveInfo
 from ..saving.save import save as core_save
+from ..state.flatten import Flattened, flatten
+from ..state.rank_local import KeyPath, Split, join, normalize_paths, split_rank_local, unjoin
 from . import steps as _steps
 from .handles import CheckpointerStats, Job, SaveHandle
 from .helper import HelperProcess
@@ -34,6 +36,7 @@ from .tier.recovery import Restored
 from .tier.replicate import holders, transfer
 from .tier.shares import (
     check_same_structure,
+    local_bytes,
     plan_shares,
     save_share,
     share_bytes,
@@ -62,6 +65,15 @@ def check_tiers(memory_root: Any, memory_every: int, drive_every: int, replicas:
                          "(memory_root=) needs writer='thread'")
 
 
+def check_rank_local(rank_local: Any, process_group: Any) -> list[KeyPath]:
+    """The Checkpointer's ``rank_local`` key paths, normalized (ValueError naming the fix)."""
+    paths = normalize_paths(rank_local)
+    if paths and process_group is None:
+        raise ValueError("rank_local= marks state that differs between ranks (ZeRO shards); "
+                         "it needs the ranks' process_group= as well")
+    return paths
+
+
 class Tiers:
     """The write side of one Checkpointer: which tiers a step goes to, writing it there, and
     publishing a drive step. Runs in the writer thread (but for :meth:`of`, :meth:`path` and
@@ -78,7 +90,7 @@ class Tiers:
                  save_kwargs: dict[str, Any], io_kwargs: dict[str, Any], process_group: Any,
                  incremental: bool, helper: HelperProcess | None, timeout_s: float,
                  stats: CheckpointerStats, lock: threading.RLock, base_step: int | None,
-                 peer_timeout_s: float = 60.0):
+                 peer_timeout_s: float = 60.0, rank_local: list[KeyPath] | None = None):
         self.root = root
         self.memory = memory
         self.memory_every, self.drive_every, self._replicas = memory_every, drive_every, replicas
@@ -94,9 +106,20 @@ class Tiers:
         self._helper = helper
         self._timeout_s = timeout_s
         self.peer_timeout_s = peer_timeout_s
+        self.rank_local = rank_local or []  # key paths each rank keeps for itself
         self._healer: threading.Thread | None = None  # rewriting copies a restore lacked
         self._heal_read: threading.Event | None = None  # set once they are written
         self._stats, self._lock = stats, lock
+
+    def flatten(self, state: Any, allow_pickle: bool) -> Flattened:
+        """The state as the writer takes it: with ``rank_local``, both parts joined in one."""
+        if not self.rank_local:
+            return flatten(state, allow_pickle)
+        return join(Split(*split_rank_local(state, self.rank_local)))
+
+    def _parts(self, flat: Flattened) -> Split:
+        """A job's replicated and rank-local parts (the latter empty without ``rank_local``)."""
+        return unjoin(flat) if self.rank_local else Split(flat, flatten([]))
 
     # ---------------------------------------------------------------- where a step goes
 
@@ -153,16 +176,20 @@ class Tiers:
         to their holders; None (and the step goes to the drive instead) when some node's tmpfs
         lacks room."""
         assert self.memory is not None and job.flat is not None
-        tier, flat, step, comm = self.memory, job.flat, job.handle.step, self._comm
+        tier, step, comm = self.memory, job.handle.step, self._comm
+        parts = self._parts(job.flat)
+        flat, local = parts.replicated, (parts.local if self.rank_local else None)
         self.join_heal()  # a restore's healing of this rank's copy ends before the next step
         facts = comm.all_gather_json({"node": node_name(), "free": tier.free_bytes(),
-                                      "digest": structure_digest(flat)}, "memory tier room")
+                                      "digest": structure_digest(flat),
+                                      "local": local_bytes(local)}, "memory tier room")
         check_same_structure([f["digest"] for f in facts], step)
         nodes = [f["node"] for f in facts]
         self.replica_plan(nodes)
         assert self._holders is not None
         plan = plan_shares([st.nbytes for st in flat.storages], nodes)
-        why = lacks_room(share_bytes(plan), [f["free"] for f in facts], nodes, self._holders)
+        needs = [n + f["local"] for n, f in zip(share_bytes(plan), facts, strict=True)]
+        why = lacks_room(needs, [f["free"] for f in facts], nodes, self._holders)
         if why is not None:
             log.warning("gds_persist.Checkpointer(%s): step %d goes to the drive: %s",
                         self.root, step, why)
@@ -173,7 +200,7 @@ class Tiers:
             job.handle.path = _steps.step_path(self.root, step)
             return None
         t0 = time.perf_counter()
-        info = save_share(comm, tier.own_step(step), flat, plan, self._io_kwargs, step)
+        info = save_share(comm, tier.own_step(step), flat, plan, self._io_kwargs, step, local)
         if "drive" not in job.tiers:  # what follows reads only the tmpfs: training may go on
             release()
         t1 = time.perf_counter()
@@ -281,7 +308,8 @@ class Tiers:
                                         ) from None
         else:
             assert job.flat is not None
-            info = core_save(job.flat, h.path, **kwargs)  # flattened once, at save()
+            state = self._parts(job.flat) if self.rank_local else job.flat
+            info = core_save(state, h.path, **kwargs)  # flattened once, at save()
         return info
 
     def _base_for(self, h: SaveHandle) -> str | None:

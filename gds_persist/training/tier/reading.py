@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import shutil
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,15 +29,18 @@ import torch
 from ... import settings
 from ...errors import CheckpointError
 from ...format import MANIFEST_NAME, Extent, Manifest, parse_manifest, storage_descriptions
-from ...format.tree import decode, tensor_indices
+from ...format.tree import decode, fill_locals, tensor_indices
 from ...loading.destinations import Destinations, match, plan_destinations, target_device
 from ...loading.load import PieceReader, fresh_storages
 from ...parallel.distributed import Comm
 from ...parallel.pairs import move
 from ...stages import stage
+from ...state.flatten import Flattened, flatten
+from ...state.rank_local import locate, reunite, separate
 from ...transfer.commit import commit, make_temporary, write_manifest
 from ...transfer.opened import OpenCheckpoint, open_checkpoint
-from .shares import share_files
+from .local_parts import load_part, receive_part, sender_of
+from .shares import LOCAL_DIR, save_local, share_files
 
 
 @dataclass(frozen=True)
@@ -84,6 +88,7 @@ class Heal:
     name: str | None
     size: int
     pieces: list[tuple[int, torch.Tensor]]  # (file offset, bytes): views of the restored state
+    local: Flattened | None = None  # the rank's own rank-local part, restored
 
     def run(self) -> None:
         tmp = make_temporary(self.path)
@@ -97,12 +102,15 @@ class Heal:
                     os.fsync(fd)
                 finally:
                     os.close(fd)
+            if self.local is not None:
+                save_local(tmp.dir, self.local, {})
             write_manifest(tmp.dir, self.raw)
         except BaseException:
             tmp.finish()
             raise
         commit(tmp)
         self.pieces.clear()
+        self.local = None
 
 
 @dataclass
@@ -190,13 +198,16 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
     wanted = tensor_indices(m.tree)
     needed = sorted({m.tensors[i].storage for i in wanted})
     held: dict[str, Destinations] = {}
+    where = locate(m.tree)  # rank-local placeholders: each rank restores its own part
+    into, local_into = separate(req.into, where)
+    parts: list[Any] = []  # this rank's rank-local subtrees, once read
 
     def allocate(s: int) -> torch.Tensor:
         device = target_device(m.storages[s].device, req.map_location, True)
         return torch.empty(m.storages[s].nbytes, dtype=torch.uint8, device=device)
 
     def plan_dest() -> None:  # a state that does not fit into= raises on every rank
-        found = None if req.into is None else match(m, m.tree, req.into, req.strict, what)
+        found = None if into is None else match(m, m.tree, into, req.strict, what)
         held["dest"] = plan_destinations(m, wanted, needed, found, allocate)
 
     with stage("tier restore: destinations"):
@@ -213,6 +224,9 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
                 PieceReader(ck, dest, cfg, True, describe, chosen).read(extents[k], None)
             except (CheckpointError, OSError) as e:
                 bad.append([*mine[k].key, _first_line(e)])
+        own = mine.get(comm.rank)
+        if where and own is not None and not bad:
+            bad += _read_part(own, os.path.join(own.path, LOCAL_DIR), local_into, req, parts)
         return bad
 
     with stage("tier restore: read the node's shares"):
@@ -222,13 +236,59 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
         return Outcome(failures=failures)
     with stage("tier restore: send the missing shares"):
         _send_missing(comm, plan, extents, dest, what, peer_timeout_s)
-    with stage("tier restore: copy what heals"):
-        heals = [_heal(m, raw, files, extents[k], dest, src) for k, src in keep.items()
-                 if mine.get(k) != src]
+    if where:
+        with stage("tier restore: receive the rank-local part"):
+            failures = _receive_part(comm, plan, keep, local_into, req, parts, what,
+                                     peer_timeout_s)
+        if failures:
+            return Outcome(failures=failures)
+    with stage("tier restore: copy what heals"):  # others' rank-local parts are not here
+        local = flatten(parts) if where else None
+        heals = [_heal(m, raw, files, extents[k], dest, src, local if k == comm.rank else None)
+                 for k, src in keep.items()
+                 if mine.get(k) != src and (not where or k == comm.rank)]
     dest.finish()
-    state = decode(m.tree, dest.returned(m, wanted, fresh_storages(m, wanted, dest,
-                                                                  req.map_location)))
+    state = decode(fill_locals(m.tree, lambda j: None), dest.returned(
+        m, wanted, fresh_storages(m, wanted, dest, req.map_location)))
+    state = reunite(state, where, parts) if where else state
     return Outcome(state=state, bytes_from=_bytes_from(plan, extents), heals=heals)
+
+
+def _read_part(copy: Source, path: str, into: list[Any], req: Request,
+               parts: list[Any]) -> list[list[Any]]:
+    """Load this rank's rank-local part from ``path`` into ``parts``; the failure of ``copy``
+    (the share copy it came with), if any."""
+    try:
+        parts[:] = load_part(path, into if req.into is not None else None, req)
+    except (CheckpointError, OSError) as e:
+        return [[*copy.key, _first_line(e)]]
+    return []
+
+
+def _receive_part(comm: Comm, plan: Plan, keep: dict[int, Source], into: list[Any],
+                  req: Request, parts: list[Any], what: str,
+                  peer_timeout_s: float | None) -> dict[tuple[int, str, str], str]:
+    """A rank sent its own share also receives its rank-local part from the sender (every
+    rank calls it); the failed copies, every rank's."""
+    own_dir = os.path.dirname(keep[comm.rank].path)
+    landed = receive_part(comm, plan, own_dir, "memory restore: rank-local parts sent",
+                          peer_timeout_s)
+    sender = sender_of(plan, comm.rank)
+
+    def step() -> list[list[Any]]:
+        if sender is None:
+            return []
+        copy = Source(comm.rank, plan.reads[sender][comm.rank].node,
+                      plan.reads[sender][comm.rank].kind, "")
+        try:
+            return _read_part(copy, landed or os.path.join(own_dir, "(nothing arrived)"),
+                              into, req, parts)
+        finally:
+            if landed:
+                shutil.rmtree(landed, ignore_errors=True)
+
+    return {(k, n, kind): why for got in comm.agree("memory restore rank-local", step, what)
+            for k, n, kind, why in got}
 
 
 def _send_missing(comm: Comm, plan: Plan, extents: dict[int, list[Extent]], dest: Destinations,
@@ -260,7 +320,7 @@ def _bytes_from(plan: Plan, extents: dict[int, list[Extent]]) -> dict[str, int]:
 
 
 def _heal(m: Manifest, raw: bytes, files: dict[int, int], extents: list[Extent],
-          dest: Destinations, copy: Source) -> Heal:
+          dest: Destinations, copy: Source, local: Flattened | None) -> Heal:
     """What rewrites ``copy`` from the restored state (:meth:`Heal.run`, before training
     changes it: the Checkpointer's guard waits for it)."""
     pieces = [(p.offset, dest.buffers[p.storage][p.start : p.start + p.length])
@@ -268,4 +328,4 @@ def _heal(m: Manifest, raw: bytes, files: dict[int, int], extents: list[Extent],
     index = files.get(copy.share)
     name = None if index is None else m.files[index].name
     size = 0 if index is None else m.files[index].size
-    return Heal(copy.path, raw, name, size, pieces)
+    return Heal(copy.path, raw, name, size, pieces, local)

@@ -12,12 +12,18 @@ A share directory is committed atomically like any checkpoint (temporary directo
 renamed); the manifest is built from every rank's sealed extents, byte for byte the same on every
 rank, so each share's reader can check it holds the step the others hold. It is not a complete
 checkpoint on its own: :mod:`.reading` restores a step from all shares together.
+
+With ``rank_local`` (per-rank state: ZeRO shards) the shares split the replicated part, whose
+tree holds the placeholders, and each rank's own part is a plain checkpoint of its own in its
+share directory, ``rank-r/step-N/local/``: copied to the share's replicas with it, restored by
+that rank only.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 import time
 from dataclasses import astuple
 from typing import Any
@@ -28,6 +34,7 @@ from ...format import DataFile, Extent, Manifest
 from ...parallel.distributed import Comm
 from ...parallel.schedule import DistributedPlan, RankInfo, plan_save
 from ...results import SaveInfo
+from ...saving.save import save as core_save
 from ...saving.units import backend_for
 from ...state.flatten import Flattened
 from ...transfer.commit import abort, begin, seal, writer_record
@@ -35,6 +42,7 @@ from ...transfer.writer import write_plan
 
 SHARES_MARK = "memory-shares"  # the manifests' writer record says how the step is held
 MANIFEST_SLACK = 1 << 20  # manifest, lock files, a partial last page: per share, generously
+LOCAL_DIR = "local"  # a share directory's rank-local part: a checkpoint of its own
 
 
 def plan_shares(sizes: list[int], nodes: list[str]) -> DistributedPlan:
@@ -45,6 +53,16 @@ def plan_shares(sizes: list[int], nodes: list[str]) -> DistributedPlan:
 def share_bytes(plan: DistributedPlan) -> list[int]:
     """By rank: what its share directory takes in memory, at most."""
     return [n + MANIFEST_SLACK for n in plan.bytes_per_rank]
+
+
+def local_bytes(local: Flattened | None) -> int:
+    """What a rank's rank-local part takes in memory, at most (0: none)."""
+    return 0 if local is None else sum(s.nbytes for s in local.storages) + MANIFEST_SLACK
+
+
+def save_local(share_dir: str, local: Flattened, io_kwargs: dict[str, Any]) -> None:
+    """Write a rank's rank-local part into its (uncommitted) share directory."""
+    core_save(local, os.path.join(share_dir, LOCAL_DIR), **io_kwargs)
 
 
 def structure_digest(flat: Flattened) -> str:
@@ -67,8 +85,9 @@ def check_same_structure(digests: list[str], step: int) -> None:
 
 
 def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
-               io_kwargs: dict[str, Any], step: int) -> SaveInfo:
-    """Every rank: commit its share of ``flat`` at ``path`` (its own ``rank-R/step-N``).
+               io_kwargs: dict[str, Any], step: int, local: Flattened | None = None) -> SaveInfo:
+    """Every rank: commit its share of ``flat`` at ``path`` (its own ``rank-R/step-N``), with
+    its rank-local part ``local`` beside it.
     Two agreed phases: write and fsync the share, then seal every rank's directory with the
     manifest of the whole step. A failure anywhere raises on every rank; what was committed
     stays (the previous step is kept until every rank holds the new one)."""
@@ -83,6 +102,8 @@ def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
         be, reason = backend_for(cfg, tmp.dir, flat.storage_objects)
         held["backend"] = (be.name, reason)
         sealed = write_plan(be, tmp.dir, mine, flat.storage_objects, cfg) if mine else []
+        if local is not None:
+            save_local(tmp.dir, local, io_kwargs)
         return [[e.storage, e.start, e.length, e.file, e.offset, e.crc32c] for e in sealed]
 
     try:
@@ -94,7 +115,7 @@ def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
         if "tmp" in held:
             abort(held["tmp"])
     name, reason = held.get("backend", ("none", "this rank had nothing to write"))
-    written = sum(f.size for f in mine)
+    written = sum(f.size for f in mine) + (local_bytes(local) - MANIFEST_SLACK if local else 0)
     return SaveInfo(path=path, backend=name, reason=reason, bytes_written=written,
                     payload_bytes=sum(e.length for f in mine for e in f.extents),
                     seconds=time.perf_counter() - t0, tensors=len(flat.tensors),
