@@ -112,10 +112,6 @@ def join(split: Split) -> Flattened:
                      rep.storages + loc.storages, rep.storage_objects + loc.storage_objects)
 
 
-def is_joined(flat: Flattened) -> bool:
-    return _tree.kind(flat.tree) in _tree.MAPPINGS and flat.tree.get("k") == list(_JOINED)
-
-
 def unjoin(flat: Flattened) -> Split:
     """The two parts of a :func:`join`, over ``flat``'s storage objects."""
     counts, rep_tree, loc_tree = flat.tree["v"]
@@ -132,11 +128,11 @@ def locate(tree: Any) -> dict[int, KeyPath]:
     return {n["i"]: p for p, n in _tree.walk(tree) if _tree.kind(n) == _tree.LOCAL}
 
 
-def separate(state: Any, where: dict[int, KeyPath]) -> tuple[Any, list[Any]]:
+def separate(state: Any, where: dict[int, KeyPath]) -> tuple[Any, list[Any] | None]:
     """``state`` (e.g. a load's ``into=``) without its rank-local subtrees (None there), and
-    those subtrees in placeholder order; None stays None."""
+    those subtrees in placeholder order; None gives (None, None)."""
     if state is None:
-        return None, [None] * len(where)
+        return None, None
     parts: list[Any] = [None] * len(where)
     for j, p in where.items():
         try:

@@ -117,9 +117,12 @@ class Tiers:
             return flatten(state, allow_pickle)
         return join(Split(*split_rank_local(state, self.rank_local)))
 
-    def _parts(self, flat: Flattened) -> Split:
-        """A job's replicated and rank-local parts (the latter empty without ``rank_local``)."""
-        return unjoin(flat) if self.rank_local else Split(flat, flatten([]))
+    def _parts(self, flat: Flattened) -> tuple[Flattened, Flattened | None]:
+        """A job's replicated and rank-local parts (None without ``rank_local``)."""
+        if not self.rank_local:
+            return flat, None
+        split = unjoin(flat)
+        return split.replicated, split.local
 
     # ---------------------------------------------------------------- where a step goes
 
@@ -177,8 +180,7 @@ class Tiers:
         lacks room."""
         assert self.memory is not None and job.flat is not None
         tier, step, comm = self.memory, job.handle.step, self._comm
-        parts = self._parts(job.flat)
-        flat, local = parts.replicated, (parts.local if self.rank_local else None)
+        flat, local = self._parts(job.flat)
         self.join_heal()  # a restore's healing of this rank's copy ends before the next step
         facts = comm.all_gather_json({"node": node_name(), "free": tier.free_bytes(),
                                       "digest": structure_digest(flat),
@@ -308,7 +310,7 @@ class Tiers:
                                         ) from None
         else:
             assert job.flat is not None
-            state = self._parts(job.flat) if self.rank_local else job.flat
+            state = unjoin(job.flat) if self.rank_local else job.flat
             info = core_save(state, h.path, **kwargs)  # flattened once, at save()
         return info
 

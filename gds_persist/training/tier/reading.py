@@ -254,18 +254,20 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
     return Outcome(state=state, bytes_from=_bytes_from(plan, extents), heals=heals)
 
 
-def _read_part(copy: Source, path: str, into: list[Any], req: Request,
+def _read_part(copy: Source, path: str | None, into: list[Any] | None, req: Request,
                parts: list[Any]) -> list[list[Any]]:
-    """Load this rank's rank-local part from ``path`` into ``parts``; the failure of ``copy``
-    (the share copy it came with), if any."""
+    """Load this rank's rank-local part from ``path`` (None: it never arrived) into ``parts``;
+    the failure of ``copy`` (the share copy it came with), if any."""
+    if path is None:
+        return [[*copy.key, "its rank-local part did not arrive from its sender"]]
     try:
-        parts[:] = load_part(path, into if req.into is not None else None, req)
+        parts[:] = load_part(path, into, req)
     except (CheckpointError, OSError) as e:
         return [[*copy.key, _first_line(e)]]
     return []
 
 
-def _receive_part(comm: Comm, plan: Plan, keep: dict[int, Source], into: list[Any],
+def _receive_part(comm: Comm, plan: Plan, keep: dict[int, Source], into: list[Any] | None,
                   req: Request, parts: list[Any], what: str,
                   peer_timeout_s: float | None) -> dict[tuple[int, str, str], str]:
     """A rank sent its own share also receives its rank-local part from the sender (every
@@ -281,8 +283,7 @@ def _receive_part(comm: Comm, plan: Plan, keep: dict[int, Source], into: list[An
         copy = Source(comm.rank, plan.reads[sender][comm.rank].node,
                       plan.reads[sender][comm.rank].kind, "")
         try:
-            return _read_part(copy, landed or os.path.join(own_dir, "(nothing arrived)"),
-                              into, req, parts)
+            return _read_part(copy, landed, into, req, parts)
         finally:
             if landed:
                 shutil.rmtree(landed, ignore_errors=True)

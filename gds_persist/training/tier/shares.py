@@ -60,9 +60,9 @@ def local_bytes(local: Flattened | None) -> int:
     return 0 if local is None else sum(s.nbytes for s in local.storages) + MANIFEST_SLACK
 
 
-def save_local(share_dir: str, local: Flattened, io_kwargs: dict[str, Any]) -> None:
-    """Write a rank's rank-local part into its (uncommitted) share directory."""
-    core_save(local, os.path.join(share_dir, LOCAL_DIR), **io_kwargs)
+def save_local(share_dir: str, local: Flattened, io_kwargs: dict[str, Any]) -> int:
+    """Write a rank's rank-local part into its (uncommitted) share directory; bytes written."""
+    return core_save(local, os.path.join(share_dir, LOCAL_DIR), **io_kwargs).bytes_written
 
 
 def structure_digest(flat: Flattened) -> str:
@@ -103,7 +103,7 @@ def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
         held["backend"] = (be.name, reason)
         sealed = write_plan(be, tmp.dir, mine, flat.storage_objects, cfg) if mine else []
         if local is not None:
-            save_local(tmp.dir, local, io_kwargs)
+            held["local_written"] = save_local(tmp.dir, local, io_kwargs)
         return [[e.storage, e.start, e.length, e.file, e.offset, e.crc32c] for e in sealed]
 
     try:
@@ -115,7 +115,7 @@ def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
         if "tmp" in held:
             abort(held["tmp"])
     name, reason = held.get("backend", ("none", "this rank had nothing to write"))
-    written = sum(f.size for f in mine) + (local_bytes(local) - MANIFEST_SLACK if local else 0)
+    written = sum(f.size for f in mine) + held.get("local_written", 0)
     return SaveInfo(path=path, backend=name, reason=reason, bytes_written=written,
                     payload_bytes=sum(e.length for f in mine for e in f.extents),
                     seconds=time.perf_counter() - t0, tensors=len(flat.tensors),
