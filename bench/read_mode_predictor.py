@@ -5,10 +5,11 @@
 For each directory (default: bench/out on the disk and /dev/shm/bench): one checkpoint of a
 GPT-like state (bench/state.py) is saved, then ``--runs`` times, in an order rotated every run,
 three cold plain loads of it: ``backend="auto"`` after the measured choice was forgotten (so it
-measures again, as the first load of a process does), ``backend="direct"`` (O_DIRECT) and
-``backend="buffered"`` (page cache). A choice is **right** when the mode it took loaded the
-whole checkpoint no slower than the other in the same run (a **tie** when the two are within
-``--tie``); the auto load's own time includes its sampling. The page cache is dropped before
+measures again, as the first load on a filesystem does; the on-disk history is not used
+either), ``backend="direct"`` (O_DIRECT) and ``backend="buffered"`` (page cache). A choice is
+**right** when the mode it took loaded the whole checkpoint no slower than the other in the
+same run (a **tie** when the two are within ``--tie``); the auto load's own time includes its
+sampling. The page cache is dropped before
 every load (drop_caches as root, else posix_fadvise; tmpfs pages cannot be dropped).
 """
 
@@ -28,7 +29,7 @@ import gds_persist  # noqa: E402
 from bench import machine, report  # noqa: E402
 from bench.bench_io import new_parser, work_directory  # noqa: E402
 from bench.state import make_state_dict  # noqa: E402
-from gds_persist.backends import read_mode  # noqa: E402
+from gds_persist.backends import read_history, read_mode  # noqa: E402
 
 MODES = ("auto", "direct", "buffered")
 DEFAULT_DIRS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"), "/dev/shm/bench")
@@ -36,8 +37,9 @@ DEFAULT_DIRS = (os.path.join(os.path.dirname(os.path.abspath(__file__)), "out"),
 
 def timed_load(path: str, backend: str) -> tuple[float, Any]:
     """Seconds of one cold plain load with ``backend`` and its LoadInfo."""
-    if backend == "auto":
-        read_mode.forget()  # measure again, as the first load of a process does
+    if backend == "auto":  # measure again, as the first load on a filesystem does
+        os.environ[read_history.CACHE_ENV] = ""  # nor the history earlier processes kept
+        read_mode.forget()
     machine.drop_page_cache([path])
     t0 = time.perf_counter()
     state, info = gds_persist.load(path, backend=backend, return_info=True)

@@ -18,7 +18,8 @@ measure, reads the way the median ratio of the last :data:`HISTORY` loads says: 
 :data:`BUFFERED_MARGIN` (O_DIRECT keeps the page cache clean). Memory-backed filesystems
 (tmpfs) are measured too: both modes copy out of the page cache there, yet buffered loads read
 1.02-1.32x faster than O_DIRECT ones in all 5 quiet 1 GiB runs of 2026-12-02 on the
-development VM (bench/results/2026-12-02-cpu-bench_io-tmpfs-*).
+development VM (bench/results/2026-12-02-cpu-bench_io-tmpfs-*). The ratios outlive the process
+(:mod:`.read_history`): a restarted job's first load starts from what earlier processes measured.
 """
 
 from __future__ import annotations
@@ -29,11 +30,14 @@ from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from . import read_history
+
 FRACTION = 8  # the rounds read at most 1/8 of a load
 BUFFERED_MARGIN = 1.05  # buffered must be this much faster: O_DIRECT keeps the page cache clean
 HISTORY = 5  # loads whose ratios the rule takes the median of
 
 _ratios: dict[int, deque[float]] = {}  # st_dev -> buffered / O_DIRECT rate of recent loads
+# (seeded from the on-disk history the first time this process meets the filesystem)
 _lock = threading.Lock()
 
 
@@ -130,32 +134,51 @@ def describe_rates(measured: dict[str, float], p: Plan) -> str:
             f"{p.per_round} at once) read {shown or 'nothing measurable'}")
 
 
+def _kept(dev: int) -> deque[float]:
+    """This process's ratios for ``dev`` (under ``_lock``), seeded from the on-disk history."""
+    if dev not in _ratios:
+        _ratios[dev] = deque(read_history.load(dev), maxlen=HISTORY)
+    return _ratios[dev]
+
+
 def record(dev: int, value: float) -> list[float]:
-    """Add one load's ratio for filesystem ``dev``; the recent ratios, oldest first."""
+    """Add one load's ratio for filesystem ``dev``, here and in the on-disk history; the recent
+    ratios, oldest first."""
     with _lock:
-        kept = _ratios.setdefault(dev, deque(maxlen=HISTORY))
+        kept = _kept(dev)
         kept.append(value)
-        return list(kept)
+        out = list(kept)
+    read_history.update(dev, lambda old: [*old, value][-HISTORY:])
+    return out
+
+
+def _replaced(ratios: list[float], old: float, new: float) -> list[float]:
+    """``ratios`` with its newest entry equal to ``old`` replaced by ``new``."""
+    out = list(ratios)
+    for k in range(len(out) - 1, -1, -1):
+        if out[k] == old:
+            out[k] = new
+            break
+    return out
 
 
 def amend(dev: int, old: float, new: float) -> None:
-    """Replace a load's ratio ``old`` (the newest such entry) for ``dev`` with ``new``."""
+    """Replace a load's ratio ``old`` (the newest such entry) for ``dev`` with ``new``, here and
+    on disk."""
     with _lock:
-        kept = _ratios.get(dev)
-        if kept is not None:
-            for k in range(len(kept) - 1, -1, -1):
-                if kept[k] == old:
-                    kept[k] = new
-                    return
+        if dev in _ratios:
+            _ratios[dev] = deque(_replaced(list(_ratios[dev]), old, new), maxlen=HISTORY)
+    read_history.update(dev, lambda kept: _replaced(kept, old, new))
 
 
 def recent(dev: int) -> list[float]:
     """The recent loads' ratios for filesystem ``dev``, oldest first."""
     with _lock:
-        return list(_ratios.get(dev, ()))
+        return list(_kept(dev))
 
 
 def forget() -> None:
-    """Drop what was measured (tests; a process whose storage changed)."""
+    """Drop what this process holds (tests; a process whose storage changed): the next load
+    starts again from the on-disk history (``GDS_PERSIST_CACHE_DIR=""``: from nothing)."""
     with _lock:
         _ratios.clear()
