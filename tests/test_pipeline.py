@@ -169,6 +169,30 @@ def test_filesystem_type_and_host_alignment_probes(tmp_path: Path, shm_dir: Path
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".o_direct_probe")]
 
 
+def test_o_direct_is_probed_once_per_filesystem(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """Saves and loads on a filesystem that took an O_DIRECT write once do not write a probe
+    file again (one took up to 0.2 s on the virtio disk); a directory that cannot be probed
+    says why, and is not remembered."""
+    from gds_persist.backends import posix
+
+    if not posix.supports_o_direct(str(tmp_path))[0]:
+        pytest.skip(f"{tmp_path} refuses O_DIRECT")
+    monkeypatch.setattr(posix, "_accepts_o_direct", set())
+    probes: list[str] = []
+    real = posix._probe_o_direct
+    monkeypatch.setattr(posix, "_probe_o_direct", lambda d: probes.append(d) or real(d))
+    sd = {"w": random_tensor(torch.float32, 1 << 16, seed=4)}
+    for k in range(3):
+        gds_persist.save(sd, tmp_path / f"ck{k}", backend="auto")
+        assert_tree_equal(gds_persist.load(tmp_path / f"ck{k}", backend="auto"), sd)
+    assert len(probes) == 1, probes
+    gone = tmp_path / "missing"
+    ok, why = posix.supports_o_direct(str(gone))
+    assert not ok and str(gone) in why and "No such file or directory" in why
+    assert len(posix._accepts_o_direct) == 1
+
+
 @pytest.mark.parametrize("streams", [1, 3])
 def test_one_writer_spreads_a_save_over_file_streams(tmp_path: Path, streams: int) -> None:
     """``file_streams`` data files, written at once, balanced within a block; the checkpoint loads

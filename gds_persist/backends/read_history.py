@@ -8,8 +8,8 @@ filesystem's last loads decides, whichever process measured them.
 
 The file is ``read-modes.json`` in ``$GDS_PERSIST_CACHE_DIR`` (empty: nothing is kept on disk),
 else ``$XDG_CACHE_HOME/gds_persist``, else ``~/.cache/gds_persist``. A filesystem is named by its
-type, source and mount point (``/proc/self/mountinfo``), which outlive a device number that a
-remount or reboot may change. It is a cache: a file that is missing, unreadable or malformed
+type, source and mount point (:func:`.mounts.filesystem_key`), which outlive a device number
+that a remount or reboot may change. It is a cache: a file that is missing, unreadable or malformed
 reads as empty and is rewritten; a write that fails is skipped. Processes that record at once
 take turns (``flock``), each adding its ratio to what the file holds.
 """
@@ -23,6 +23,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+from .mounts import filesystem_key
+
 CACHE_ENV = "GDS_PERSIST_CACHE_DIR"
 FILE_NAME = "read-modes.json"
 
@@ -34,21 +36,6 @@ def cache_dir() -> str | None:
         return chosen or None
     base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     return os.path.join(base, "gds_persist")
-
-
-def filesystem_key(dev: int) -> str:
-    """A name for the filesystem of device number ``dev`` that survives remounts."""
-    wanted = f"{os.major(dev)}:{os.minor(dev)}"
-    try:
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                ids, _, rest = line.partition(" - ")
-                fields, tail = ids.split(), rest.split()
-                if len(fields) >= 5 and len(tail) >= 2 and fields[2] == wanted:
-                    return f"{tail[0]} {tail[1]} {fields[4]}"
-    except OSError:
-        pass
-    return f"device {wanted}"
 
 
 def load(dev: int) -> list[float]:
