@@ -24,6 +24,8 @@ def test_bench_recovery_tiny(tmp_path, capsys):
     for src in bench.SOURCES:
         assert f"\n{src} " in text and results[src]["restore_s"] > 0
     assert "target memory >= 3x the drive" in text and "target replica >= 1.5x" in text
+    assert "\nfloor " in text and results["floor"]["restore_s"] > 0  # measured beside them
+    assert "at most" in text
     assert "tier per node after training" in text and len(report["tier_bytes_per_node"]) == 2
     assert json.loads(out.read_text())["results"].keys() == results.keys()
     assert os.listdir(drive) == [] and os.listdir(mem) == []  # everything it wrote is removed
