@@ -255,6 +255,44 @@ def test_tmpfs_loads_are_measured_too(tmp_path: Path) -> None:
         shutil.rmtree(shm, ignore_errors=True)
 
 
+def test_tmpfs_loads_are_not_watched_for_a_collapse(tmp_path: Path) -> None:
+    """On tmpfs the files are the page cache: a slow window after the rounds (the cost of fresh
+    destination pages) must not send a buffered load back to O_DIRECT; on a drive it does."""
+    from gds_persist.backends import choose_backend
+
+    shm = _shm() / f"gds-read-watch-{os.getpid()}"
+    shm.mkdir()
+    try:
+        for directory, watched in ((shm, False), (tmp_path, True)):
+            (directory / "data.bin").write_bytes(b"\0" * 4096)
+            if not supports_o_direct(str(directory))[0]:
+                continue
+            be, _ = choose_backend("auto", str(directory), False, 4, 16 * MiB,
+                                   read_load=(str(directory / "data.bin"), 1 << 30))
+            assert isinstance(be, AdaptiveReadBackend) and be.watch is watched
+    finally:
+        shutil.rmtree(shm, ignore_errors=True)
+    dev, r = 54321, 16 * MiB
+    for _ in range(4):
+        read_mode.record(dev, 2.0)
+    be = AdaptiveReadBackend(4096, dev, 1 << 30, threads=4, block_bytes=r, watch=False)
+    for k, (mode, seconds) in enumerate([("direct", 0.1), ("buffered", 0.05)]):
+        for _ in range(4):
+            be._leave(Timing(k, mode, 0.0, seconds, r))
+    assert be.name == "buffered"
+    path = tmp_path / "data.bin"
+    if supports_o_direct(str(tmp_path))[0]:
+        be._entered = be.plan.requests  # the rounds are done: what follows is the load's rest
+        handle = be.open(str(path), write=False)
+        try:
+            with AlignedBuffer(4096, pin=False) as buf:
+                for _ in range(8):
+                    assert be.pread(handle, buf.view, 0) == 4096
+        finally:
+            be.close(handle)
+        assert be._windows == {} and be.name == "buffered"
+
+
 def test_predictor_benchmark_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """bench/read_mode_predictor.py at a small size, so it cannot rot."""
     from bench import read_mode_predictor

@@ -22,6 +22,7 @@ from .base import Backend
 from .posix import (
     BufferedBackend,
     DirectBackend,
+    memory_backed,
     o_direct_host_alignment,
     require_o_direct,
     supports_o_direct,
@@ -92,7 +93,15 @@ def choose_backend(
         return _direct(directory), reason
     source, load_bytes = read_load
     return AdaptiveReadBackend(o_direct_host_alignment(directory), os.stat(source).st_dev,
-                               load_bytes, io_threads, block_bytes), reason
+                               load_bytes, io_threads, block_bytes,
+                               watch=not _in_memory(directory)), reason
+
+
+def _in_memory(directory: str) -> bool:
+    try:
+        return memory_backed(directory)
+    except OSError:  # removed meanwhile: its files are held open; watch as on a drive
+        return False
 
 
 def read_reason(backend: Backend, reason: str) -> str:

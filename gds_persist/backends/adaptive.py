@@ -11,8 +11,12 @@ own queue depth. Once the last round is done, this load's rates join the filesys
 ones and the rule picks the way for the rest of the load (requests before that continue in the
 last round's mode, the recent loads' choice). Where that is buffered, the load keeps timing its
 buffered requests and goes back to O_DIRECT if a round's worth of them falls below the rate
-O_DIRECT measured (:func:`.read_mode.collapsed`). Loads too small to measure read the way the
-recent loads say. :meth:`AdaptiveReadBackend.reason` says what was measured and why.
+O_DIRECT measured (:func:`.read_mode.collapsed`); not on a memory-backed filesystem, whose
+files are the page cache: nothing there collapses, while a window's rate swings with the cost
+of the destination's fresh pages (a tmpfs load fell back to O_DIRECT on a 1.03 GB/s window
+after measuring 1.27 with it, and ended 1.13-1.23x the faster mode's time, bench/results
+2026-12-02). Loads too small to measure read the way the recent loads say.
+:meth:`AdaptiveReadBackend.reason` says what was measured and why.
 """
 
 from __future__ import annotations
@@ -41,9 +45,10 @@ class AdaptiveReadBackend(Backend):
     """Reads only (``open(write=True)`` is refused). ``name`` is the mode the load ends in."""
 
     def __init__(self, host_alignment: int, dev: int, load_bytes: int, threads: int,
-                 block_bytes: int):
+                 block_bytes: int, watch: bool = True):
         self.host_alignment = host_alignment  # O_DIRECT's: every request may go either way
         self.dev = dev
+        self.watch = watch  # time buffered requests after the rounds (not on tmpfs: below)
         self.plan = read_mode.plan(load_bytes, threads, block_bytes,
                                    read_mode.decide(read_mode.recent(dev))[0])
         self._cond = threading.Condition()
@@ -79,7 +84,8 @@ class AdaptiveReadBackend(Backend):
         view = memoryview(buf).cast("B")
         k, mode = self._enter()
         fd = handle.buffered if mode == "buffered" else handle.direct
-        if k >= self.plan.requests and (mode == "direct" or not self.plan.requests):
+        if k >= self.plan.requests and (mode == "direct" or not self.plan.requests
+                                        or not self.watch):
             return pread_all(fd, view, offset)  # nothing to measure or watch
         start, got = time.perf_counter(), 0
         try:
