@@ -7,8 +7,8 @@
   under test live on the GPU.
 * ``small_tmpfs``: a freshly mounted 8 MiB tmpfs (root only), for disk-full and no-O_DIRECT cases.
 * every test starts with no ``GDS_PERSIST_*`` environment variables and no ``settings.set``
-  overrides, and no cached staging ring survives it; its read-mode history on disk
-  (``GDS_PERSIST_CACHE_DIR``) is its own, empty at the start.
+  overrides, and no cached staging ring survives it; its read-mode history, in memory and on
+  disk (``GDS_PERSIST_CACHE_DIR``), is its own, empty at the start.
 * on a machine with a CUDA device a ``gpu``-marked test that skips fails instead
   (``tests/strict_gpu.py``, ``--strict-gpu``).
 * every test's randomness (``random``, NumPy, torch, Hypothesis, the ``test_seed`` fixture)
@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 
 from gds_persist import settings
-from gds_persist.backends import read_history, supports_o_direct
+from gds_persist.backends import read_history, read_mode, supports_o_direct
 from gds_persist.transfer.staging import release_cached
 from tests import seeds, strict_gpu
 from tests.helpers import BackendCase, kvikio_missing
@@ -67,9 +67,11 @@ def _pristine_settings(monkeypatch: pytest.MonkeyPatch,
         monkeypatch.delenv(env, raising=False)
     # no test reads or writes the user's read-mode history, nor another test's
     monkeypatch.setenv(read_history.CACHE_ENV, str(tmp_path_factory.mktemp("cache")))
+    read_mode.forget()
     with settings._cleared():
         yield
     release_cached()
+    read_mode.forget()
 
 
 @pytest.fixture

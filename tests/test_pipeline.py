@@ -222,8 +222,7 @@ def test_auto_load_reads_the_way_that_measured_faster_and_says_so(tmp_path: Path
     from gds_persist.backends.posix import memory_backed
 
     if memory_backed(str(tmp_path)):
-        pytest.skip(f"{tmp_path} is memory-backed: nothing is measured there")
-    read_mode.forget()
+        pytest.skip(f"{tmp_path} is memory-backed: tests/test_read_mode.py measures tmpfs")
     sd = {"big": random_tensor(torch.uint8, (40 << 20) + 12345, seed=11)}  # 1 file
     gds_persist.save(sd, tmp_path / "ck")
     dev = os.stat(tmp_path / "ck").st_dev
@@ -239,4 +238,3 @@ def test_auto_load_reads_the_way_that_measured_faster_and_says_so(tmp_path: Path
         assert "median of the last 2 measured load(s)" in again.reason
     _, explicit = gds_persist.load(tmp_path / "ck", backend="direct", return_info=True)
     assert (explicit.backend, explicit.reason) == ("direct", "requested explicitly")
-    read_mode.forget()

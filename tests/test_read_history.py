@@ -24,13 +24,6 @@ REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _forget():
-    read_mode.forget()
-    yield
-    read_mode.forget()
-
-
 def _python(code: str) -> str:
     """``code`` run in a fresh interpreter (this test's environment); its stdout."""
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -28,13 +28,6 @@ GB = 1e9
 MiB = 1 << 20
 
 
-@pytest.fixture(autouse=True)
-def _forget():
-    read_mode.forget()
-    yield
-    read_mode.forget()
-
-
 # ------------------------------------------------------------------ the rule, recorded inputs
 
 def test_a_tie_keeps_o_direct() -> None:
