@@ -88,16 +88,21 @@ def test_replacing_keeps_nothing_extra(tmp_path: Path) -> None:
 # --- killed at random instants --------------------------------------------------------------
 
 # A pre-fork server: imports torch once, then forks one saver per trial, which the test
-# SIGKILLs. Each saver saves to PATH forever, printing each step once it is committed.
+# SIGKILLs. Each saver saves to PATH forever, printing each step once it is committed. A line
+# is one write(2): print() writes the text and the newline apart where stdout is unbuffered
+# (PYTHONUNBUFFERED=1), and a kill between the two once ran the step into the server's
+# "reaped" line ('4072reaped 9', seed 2110751601, a fresh clone's `make test`, 2026-12-02).
 _SERVER = textwrap.dedent("""
     import os, sys, torch, gds_persist
+    def say(*words):
+        os.write(1, (" ".join(map(str, words)) + "\\n").encode())
     for line in sys.stdin:
         path, step = line.split()
         step = int(step)
         pid = os.fork()
         if pid == 0:
             try:
-                print("pid", os.getpid(), flush=True)
+                say("pid", os.getpid())
                 while True:
                     sd = {"step": step, "big": torch.full((1 << 19,), float(step)),
                           "small": [torch.full((n,), step, dtype=torch.int64)
@@ -105,11 +110,11 @@ _SERVER = textwrap.dedent("""
                     sd["tied"] = sd["big"][7:9]
                     gds_persist.save(sd, path, block_bytes=256 << 10, staging_bytes=1 << 20,
                                      io_threads=2)
-                    print(step, flush=True)
+                    say(step)
                     step += 1
             finally:
                 os._exit(1)
-        print("reaped", os.waitpid(pid, 0)[1], flush=True)
+        say("reaped", os.waitpid(pid, 0)[1])
 """)
 
 
