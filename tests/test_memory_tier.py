@@ -44,15 +44,26 @@ def _check_restored(results: list[dict], sources: list[str], step: int | None = 
     assert [r["restored_from"] for r in results] == sources, [r["restore_skipped"]
                                                               for r in results]
     assert all(r["restore_sources"] == sources for r in results)
+    right = [r for r in results if r["restored"] == REF[got]]
     for r in results:
-        assert r["restored"] == REF[got], f"rank {r['rank']}: state of step {got} differs"
+        if r["restored"] != REF[got]:
+            other = right[0]["restored_tensors"] if right else {}
+            differ = sorted(k for k, v in r["restored_tensors"].items() if other.get(k) != v)
+            raise AssertionError(
+                f"rank {r['rank']}: state of step {got} differs from the uninterrupted run's; "
+                f"tensors unlike rank {right[0]['rank'] if right else '-'}'s: {differ}; "
+                f"stages {r['restore_stages']}; skipped {r['restore_skipped']}; "
+                f"bytes {r['restore_bytes']}")
     print(f"restored step {got}: ranks' shares from {sources}, bytes by source "
           f"{results[0]['restore_bytes']}, skipped {results[0]['restore_skipped']}")
     return got
 
 
 def _finished(results: list[dict], stop: int) -> None:
-    assert all(r["final"] == REF[stop] for r in results)
+    wrong = [r["rank"] for r in results if r["final"] != REF[stop]]
+    where = [r.get("restored_from") for r in results]
+    assert not wrong, (f"ranks {wrong} trained on to another state of step {stop} than the "
+                       f"uninterrupted run's (restored from {where})")
 
 
 # ---------------------------------------------------------------- pure rules

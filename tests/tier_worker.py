@@ -64,6 +64,16 @@ def digest(sd: dict[str, Any]) -> str:
     return h.hexdigest()
 
 
+def tensor_digests(sd: dict[str, Any]) -> dict[str, str]:
+    """A hash per tensor of ``sd``: where two ranks' states differ, which tensors do."""
+    out = {f"model.{k}": hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+           for k, t in sd["model"].items()}
+    for pid, st in sd["optim"]["state"].items():
+        for k, t in st.items():
+            out[f"optim.{pid}.{k}"] = hashlib.sha256(t.numpy().tobytes()).hexdigest()[:16]
+    return out
+
+
 def reference(steps: int) -> list[str]:
     """Digests of the uninterrupted run after each step (index 0: before training)."""
     model, opt = build()
@@ -134,6 +144,7 @@ def main(cfg: dict[str, Any]) -> None:
             out["restored_s"] = time.perf_counter() - t0  # main() start to state restored
             out["restored_at"] = time.time()  # the launcher knows when the process started
             out["restored"] = digest(sd)
+            out["restored_tensors"] = tensor_digests(sd)
             model.load_state_dict(sd["model"])
             opt.load_state_dict(sd["optim"])
             start = sd["step"]
