@@ -88,8 +88,8 @@ def _warm_libraries() -> None:
                    check=True, env={**os.environ, "PYTHONPATH": REPO})
 
 
-def run_round(base: str, mem: str, width: int, cache: str, timeout: float,
-              into: bool = False, size: int = 0) -> dict[str, dict[str, Any]]:
+def run_round(base: str, mem: str, width: int, cache: str, timeout: float, into: bool,
+              size: int) -> dict[str, dict[str, Any]]:
     """One restart per source, and the floor of a memory restore beside them (``size``: bytes
     per rank); the memory directories are as the training left them after."""
     nodes = [os.path.join(mem, "mem-n0"), os.path.join(mem, "mem-n1")]

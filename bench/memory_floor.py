@@ -20,6 +20,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 
 import crc32c
 
@@ -28,8 +29,6 @@ BLOCK = 16 << 20  # bytes per read, as the restore's block_bytes
 
 def child(path: str, size: int, into: bool) -> None:
     """One rank: wait for "go" on stdin, read and checksum the file; print the seconds."""
-    import time
-
     buf = mmap.mmap(-1, size)  # fresh pages, faulted in by the read (a bytearray is zeroed)
     if into:
         buf[::4096] = b"\1" * len(range(0, size, 4096))  # every page touched, as a live state's

@@ -198,11 +198,14 @@ def supports_o_direct(directory: str) -> tuple[bool, str]:
         return _probe_o_direct(directory)  # says why
     key = (dev, filesystem_key(dev))
     if key in _accepts_o_direct:
-        return True, f"{directory} accepts O_DIRECT"
+        return True, _ACCEPTS.format(directory)
     ok, why = _probe_o_direct(directory)
-    if ok and why.endswith(" accepts O_DIRECT"):  # written, not only read
+    if why == _ACCEPTS.format(directory):  # written, not only read
         _accepts_o_direct.add(key)
     return ok, why
+
+
+_ACCEPTS = "{} accepts O_DIRECT"  # what a probe that wrote says
 
 
 def _probe_o_direct(directory: str) -> tuple[bool, str]:
@@ -221,7 +224,7 @@ def _probe_o_direct(directory: str) -> tuple[bool, str]:
     try:
         with AlignedBuffer(4096, pin=False) as buf:
             os.pwrite(fd, buf.view, 0)
-        return True, f"{directory} accepts O_DIRECT"
+        return True, _ACCEPTS.format(directory)
     except OSError as e:
         return False, f"aligned O_DIRECT write failed on {directory}: {os.strerror(e.errno or 0)}"
     finally:
