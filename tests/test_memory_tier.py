@@ -24,7 +24,7 @@ import torch
 import gds_persist
 from gds_persist.training.tier import recovery, replicate, shares
 from gds_persist.training.tier.memory import MemoryTier, job_name, lacks_room
-from tests.tier_worker import Job, reference
+from tests.tier_worker import Job, reference, reference_tensors
 
 RUNS = int(os.environ.get("GDS_PERSIST_TIER_RUNS", "1"))
 REF = reference(40)
@@ -44,26 +44,44 @@ def _check_restored(results: list[dict], sources: list[str], step: int | None = 
     assert [r["restored_from"] for r in results] == sources, [r["restore_skipped"]
                                                               for r in results]
     assert all(r["restore_sources"] == sources for r in results)
-    right = [r for r in results if r["restored"] == REF[got]]
     for r in results:
         if r["restored"] != REF[got]:
-            other = right[0]["restored_tensors"] if right else {}
-            differ = sorted(k for k, v in r["restored_tensors"].items() if other.get(k) != v)
+            expected = reference_tensors(got)
+            differ = sorted(k for k, v in r["restored_tensors"].items() if expected.get(k) != v)
+            alike = [o["rank"] for o in results if o["restored"] == r["restored"]]
             raise AssertionError(
-                f"rank {r['rank']}: state of step {got} differs from the uninterrupted run's; "
-                f"tensors unlike rank {right[0]['rank'] if right else '-'}'s: {differ}; "
+                f"rank {r['rank']}: state of step {got} differs from the uninterrupted run's "
+                f"in tensors {differ}; ranks {alike} restored the same state; "
                 f"stages {r['restore_stages']}; skipped {r['restore_skipped']}; "
-                f"bytes {r['restore_bytes']}")
+                f"bytes {r['restore_bytes']}; steps trained otherwise than the uninterrupted "
+                f"run: {_trained_otherwise(r['base']) or 'none'}")
     print(f"restored step {got}: ranks' shares from {sources}, bytes by source "
           f"{results[0]['restore_bytes']}, skipped {results[0]['restore_skipped']}")
     return got
+
+
+def _trained_otherwise(base: str) -> list[str]:
+    """Each incarnation's ranks' training steps (their logs' digests) unlike the uninterrupted
+    run's: where a wrong state came from, if it was trained, not restored, wrong."""
+    wrong = []
+    for path in sorted(glob.glob(os.path.join(base, "log-*.txt"))):
+        with open(path) as f:
+            for line in f:
+                if line.startswith("changed while saved "):
+                    wrong.append(f"{os.path.basename(path)}: {line.strip()}")
+                if line.startswith("trained "):
+                    _, step, got = line.split()
+                    if got != REF[int(step)]:
+                        wrong.append(f"{os.path.basename(path)} step {step}")
+    return wrong
 
 
 def _finished(results: list[dict], stop: int) -> None:
     wrong = [r["rank"] for r in results if r["final"] != REF[stop]]
     where = [r.get("restored_from") for r in results]
     assert not wrong, (f"ranks {wrong} trained on to another state of step {stop} than the "
-                       f"uninterrupted run's (restored from {where})")
+                       f"uninterrupted run's (restored from {where}); steps trained otherwise: "
+                       f"{_trained_otherwise(results[0]['base'])}")
 
 
 # ---------------------------------------------------------------- pure rules

@@ -97,3 +97,26 @@ def test_gpu_warmup_does_every_step(tmp_path: Path) -> None:
     assert "checked on cuda:" in outcome["hash_kernel"]
     again = gds_persist.warmup(tmp_path)  # everything is warm now: the kernel is cached
     assert again.steps["crc_kernel"][1] < max(report.steps["crc_kernel"][1], 0.5)
+
+
+class _ReadyKernels:
+    """A device kernel set that says it is ready: _check_kernel's own steps run on the CPU."""
+
+    what = "CRC32C"
+
+    def status(self) -> tuple[bool, str]:
+        return True, ""
+
+
+def test_kernel_check_leaves_the_callers_random_stream_alone() -> None:
+    """The warm-up runs beside the caller's model init: it must not draw from the global
+    generator (a draw there changes the caller's initial weights from run to run)."""
+    from gds_persist.format.checksum import crc32c
+    from gds_persist.transfer.warmup import _check_kernel
+
+    torch.manual_seed(1234)
+    before = torch.get_rng_state()
+    host = lambda d: crc32c(d.numpy())  # noqa: E731
+    out = _check_kernel(_ReadyKernels(), torch.device("cpu"), 4096, host, host)  # type: ignore[arg-type]
+    assert out.startswith("done: device CRC32C kernel"), out
+    assert torch.equal(torch.get_rng_state(), before)

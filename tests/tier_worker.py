@@ -14,6 +14,7 @@ the state also holds a per-rank ``shard`` (as ZeRO's optimizer shards), marked
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -26,6 +27,13 @@ from typing import Any
 import torch
 
 WIDTH = 384  # 3 x 384 x 384 x 4 B (weights + Adam's two moments) ~ 1.7 MiB per rank
+# The ranks' training must be bit-identical to the reference's in another process. By default
+# MKL's sgemm is not: about 1 worker process in 100 computed the first step's forward other
+# bits than the rest (the same other bits each time, from the same initial weights, before any
+# save). MKL's conditional numerical reproducibility fixes one code path for every process and
+# thread count (read at MKL's start: the workers and the reference's process get it in their
+# environment; ignored where torch has no MKL).
+REPRODUCIBLE_ENV = {"MKL_CBWR": "AVX2,STRICT"}
 
 
 def build(width: int = WIDTH) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
@@ -74,14 +82,38 @@ def tensor_digests(sd: dict[str, Any]) -> dict[str, str]:
     return out
 
 
-def reference(steps: int) -> list[str]:
-    """Digests of the uninterrupted run after each step (index 0: before training)."""
+def _replay(steps: int) -> dict[str, list[Any]]:
+    """The uninterrupted run in this process: each step's digest and tensor digests."""
     model, opt = build()
-    out = [""]
+    out: dict[str, list[Any]] = {"digests": [""], "tensors": [{}]}
     for s in range(1, steps + 1):
         train_step(model, opt, s)
-        out.append(digest(state(model, opt, s)))
+        out["digests"].append(digest(state(model, opt, s)))
+        out["tensors"].append(tensor_digests(state(model, opt, s)))
     return out
+
+
+@functools.cache
+def _uninterrupted(steps: int) -> dict[str, list[Any]]:
+    """:func:`_replay`, run where MKL runs as in the workers (a process of its own)."""
+    if all(os.environ.get(k) == v for k, v in REPRODUCIBLE_ENV.items()):
+        return _replay(steps)
+    import subprocess
+
+    done = subprocess.run([sys.executable, WORKER, "--reference", str(steps)], check=True,
+                          capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **REPRODUCIBLE_ENV, "PYTHONPATH": REPO})
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def reference(steps: int) -> list[str]:
+    """Digests of the uninterrupted run after each step (index 0: before training)."""
+    return list(_uninterrupted(steps)["digests"])
+
+
+def reference_tensors(step: int) -> dict[str, str]:
+    """:func:`tensor_digests` of the uninterrupted run after ``step``."""
+    return dict(_uninterrupted(max(step, 40))["tensors"][step])  # 40: the tests' replay
 
 
 def _kill_in_replication(rank: int, step: int) -> None:
@@ -111,7 +143,7 @@ def main(cfg: dict[str, Any]) -> None:
                             world_size=cfg["world"], timeout=timedelta(seconds=60))
     group = dist.new_group(backend="gloo")  # the Checkpointer's own group
     model, opt = build(cfg.get("width", WIDTH))
-    out: dict[str, Any] = {"rank": rank}
+    out: dict[str, Any] = {"rank": rank, "base": os.path.dirname(cfg["out"])}
     local = cfg.get("rank_local", False)
 
     def full(step: int) -> dict[str, Any]:
@@ -152,10 +184,19 @@ def main(cfg: dict[str, Any]) -> None:
             out.update(restored_from=ckpt.restored_from, restore_step=s.restore_step,
                        restore_sources=s.restore_sources, restore_skipped=s.restore_skipped,
                        restore_s=s.restore_s, restore_bytes=s.restore_bytes)
+        saved = {"step": start, "digest": ""}
+
+        def unchanged_by_its_save(*_: Any) -> None:  # runs after the guard: tensors released
+            if saved["digest"] and digest(state(model, opt, saved["step"])) != saved["digest"]:
+                os.write(1, f"changed while saved {saved['step']}\n".encode())
+
+        opt.register_step_pre_hook(unchanged_by_its_save)
         for step in range(start + 1, cfg["stop"] + 1):
             train_step(model, opt, step)
+            saved.update(step=step, digest=digest(state(model, opt, step)))
             ckpt.save(step, full(step))
-            print(f"saved {step}", flush=True)
+            # one write(2): a SIGKILL cannot split the line (the launcher waits for it)
+            os.write(1, f"trained {step} {saved['digest']}\nsaved {step}\n".encode())
         ckpt.wait()
         out["final"] = digest(state(model, opt, cfg["stop"]))
         out["holders"] = ckpt.stats.replica_holders
@@ -169,7 +210,10 @@ def main(cfg: dict[str, Any]) -> None:
 
 
 if __name__ == "__main__":
-    main(json.loads(sys.argv[1]))
+    if sys.argv[1] == "--reference":
+        print(json.dumps(_replay(int(sys.argv[2]))))
+    else:
+        main(json.loads(sys.argv[1]))
 
 
 # ------------------------------------------------------------------ the launcher (tests, bench)
@@ -207,8 +251,8 @@ class Job:
                    "out": self.outs[r], "kill_in_replication": kill_in_replication,
                    "width": width, "into": into, "peer_timeout_s": peer_timeout_s,
                    "rank_local": rank_local}
-            env = {**os.environ, "GDS_PERSIST_NODE": node_of(r), "GLOO_SOCKET_IFNAME": "lo",
-                   "PYTHONPATH": REPO}
+            env = {**os.environ, **REPRODUCIBLE_ENV, "GDS_PERSIST_NODE": node_of(r),
+                   "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": REPO}
             with open(self.logs[r], "w") as log:
                 self.procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(cfg)],
                                                    env=env, stdout=log, stderr=log))

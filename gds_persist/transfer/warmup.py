@@ -217,7 +217,10 @@ def _check_kernel(kernels: DeviceKernels, dev: torch.device, nbytes: int,
     ok, why = kernels.status()
     if not ok:
         return f"skipped: {why}"
-    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev)
+    # a generator of our own: the warm-up runs beside the caller's code, and drawing from the
+    # global one would change the caller's random stream (model init, data order)
+    own = torch.Generator(device=dev).manual_seed(0)
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, device=dev, generator=own)
     got, want = on_device(data), on_host(data)
     if got != want:
         return (f"failed: the device {kernels.what} of {nbytes} B was {got!r}, "
