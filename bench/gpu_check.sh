@@ -6,8 +6,8 @@
 #   bash bench/gpu_check.sh [--out DIR] [--wheels DIR] [--sizes "1GiB 8GiB"] [--runs "2 1"]
 #                           [--dir DIR] [--python PY] [--budget-s 540] [--device cuda|cpu]
 #                           [--tmpfs-dir DIR] [--tmpfs-size 8GiB] [--warmup-size 1GiB]
-#                           [--train-args "..."] [--no-tests] [--no-bench] [--no-warmup]
-#                           [--no-train] [--no-tmpfs] [--no-pack]
+#                           [--train-args "..."] [--tests "PATHS"] [--no-tests] [--no-bench]
+#                           [--no-warmup] [--no-train] [--no-tmpfs] [--no-pack]
 #
 #   --out DIR      where everything goes (default: $OUT if set, else bench/results/gpu-<UTC time>):
 #                  summary.md and gpu_check.tar.gz (every other file, summary.md included), so
@@ -25,6 +25,8 @@
 #   --warmup-size  state size of the first-save-vs-next benchmark (default 1GiB)
 #   --train-args   bench/bench_train.py's model and timing (default: the 85 M-parameter GPT of the
 #                  first H200 run, 1.02 GB checkpoint, 5 iterations x 2 rounds; --tiny with cpu)
+#   --tests PATHS  what `pytest -m gpu` collects (default tests; the CPU dry run of CI narrows it,
+#                  since collecting the whole suite takes most of that run)
 #   --budget-s N   stop starting new work after N seconds (default 540)
 #   --device cpu   a dry run of this script itself on a machine without a GPU (tests it on CI):
 #                  nothing GPU-related is verified then, and the summary says so
@@ -67,6 +69,7 @@ TMPFS_DIR=/dev/shm/gds_persist-gpu_check
 TMPFS_SIZE=8GiB
 WARMUP_SIZE=1GiB
 TRAIN_ARGS=""
+TEST_PATHS="tests"
 H200_TRAIN="--d-model 1024 --layers 6 --heads 16 --vocab 8192 --seq 1024 --batch 48 --iters 5 --warmup 2 --rounds 2"
 
 usage() { sed -n '2,/^[^#]/{/^#/p}' "$0" | sed 's/^# \{0,1\}//'; }  # the header comment, whatever its length
@@ -83,6 +86,7 @@ while [ $# -gt 0 ]; do
         --tmpfs-size) TMPFS_SIZE="$2"; shift 2 ;;
         --warmup-size) WARMUP_SIZE="$2"; shift 2 ;;
         --train-args) TRAIN_ARGS="$2"; shift 2 ;;
+        --tests) TEST_PATHS="$2"; shift 2 ;;
         --no-tests) DO_TESTS=0; shift ;;
         --no-bench) DO_BENCH=0; shift ;;
         --no-warmup) DO_WARMUP=0; shift ;;
@@ -198,10 +202,11 @@ if [ "$DO_TESTS" = 1 ]; then
     # every test marked gpu: the kernel and kvikio/pinned-path tests, and the kvikio case of the
     # conformance suite (tests/conftest.py's backend fixture: CUDA tensors through kvikio).
     # --strict-gpu=on (tests/strict_gpu.py): on the GPU machine a skip is a failure.
-    log "pytest -m gpu --strict-gpu=$STRICT tests/"
+    read -r -a TEST_LIST <<< "$TEST_PATHS"
+    log "pytest -m gpu --strict-gpu=$STRICT ${TEST_LIST[*]}"
     timeout $(( $(left) > 300 ? 240 : $(left) / 2 )) "$PY" -m pytest -m gpu -p no:cacheprovider \
         --strict-gpu="$STRICT" --continue-on-collection-errors -q -rA \
-        --junitxml="$RUN_DIR/pytest-gpu.xml" tests > "$RUN_DIR/pytest-gpu.txt" 2>&1
+        --junitxml="$RUN_DIR/pytest-gpu.xml" "${TEST_LIST[@]}" > "$RUN_DIR/pytest-gpu.txt" 2>&1
     rc=$?
     tail -n 40 "$RUN_DIR/pytest-gpu.txt" | grep -E "passed|failed|error|skipped" | tail -n 1 | tee -a "$LOG"
     skipped="$("$PY" -c "

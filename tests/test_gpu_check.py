@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -88,13 +89,16 @@ def test_dry_run_on_cpu(tmp_path):
     tmpfs = (shm if shm.is_dir() and os.access(shm, os.W_OK) else tmp_path) / f"gc-{os.getpid()}"
     out = _run("--out", str(o), "--device", "cpu", "--sizes", "8MiB 16MiB", "--runs", "1 1",
                "--dir", str(tmp_path / "bench"), "--budget-s", "400", "--warmup-size", "4MiB",
-               "--tmpfs-size", "8MiB", "--tmpfs-dir", str(tmpfs), timeout=500)
+               "--tmpfs-size", "8MiB", "--tmpfs-dir", str(tmpfs),
+               "--tests", "tests/test_gpu_path.py tests/test_kernels.py", timeout=500)
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in o.iterdir()) == ["gpu_check.tar.gz", "summary.md"]  # <= 8 files
     summary = (o / "summary.md").read_text()
     assert "DRY RUN on the CPU" in summary
     assert "## pytest -m gpu --strict-gpu=off (exit 0)" in summary
     assert "GPU test(s) skipped: expected in a dry run without a GPU" in summary
+    skipped = re.search(r"\n(\d+) GPU test\(s\) skipped", summary)
+    assert skipped and int(skipped.group(1)) > 0  # the narrowed paths hold GPU tests
     assert "## bench-8MiB: 1 run(s) in " in summary and "gds_persist direct" in summary
     assert "torch.save" in summary
     assert "not run: gds_persist kvikio" in summary or "gds_persist kvikio" in summary
