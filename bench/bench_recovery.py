@@ -177,6 +177,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
     width = width_for(args.size)
     size = (width * width + width) * 4 * 3  # what a rank actually holds
+    for given in (args.dir, args.memory_dir):  # made if missing, as bench_io.py does
+        if given:
+            os.makedirs(given, exist_ok=True)
     base = tempfile.mkdtemp(prefix="gds_persist-bench-recovery-", dir=args.dir)
     mem = tempfile.mkdtemp(prefix="gds_persist-bench-recovery-", dir=args.memory_dir)
     try:

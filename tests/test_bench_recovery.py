@@ -11,9 +11,7 @@ from tests.test_bench_train import _bench_module
 def test_bench_recovery_tiny(tmp_path, capsys):
     bench = _bench_module("bench_recovery")
     out = tmp_path / "recovery.json"
-    drive, mem = tmp_path / "drive", tmp_path / "mem"
-    drive.mkdir()
-    mem.mkdir()
+    drive, mem = tmp_path / "new" / "drive", tmp_path / "new" / "mem"  # made by the benchmark
     report = bench.main(["--tiny", "--dir", str(drive), "--memory-dir", str(mem),
                          "--cache", "per-file", "--json", str(out)])
     text = capsys.readouterr().out
