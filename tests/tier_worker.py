@@ -36,11 +36,12 @@ def build(width: int = WIDTH) -> tuple[torch.nn.Linear, torch.optim.Optimizer]:
 
 
 def train_step(model: torch.nn.Linear, opt: torch.optim.Optimizer, step: int) -> None:
-    """One Adam step in which every value is elementwise. The ranks' states are compared bit for
-    bit with a replay in another process, so nothing may go through a library's reduction: the
-    former step (a linear layer's forward on a batch of 8, its backward, Adam) came out with
-    other bits, always the same ones, in 3 of 420 worker processes, on the process's first step,
-    from the same initial weights and before any save (its forward alone: 0 of 280)."""
+    """One Adam step whose gradients and updates are elementwise (the loss's sums never reach the
+    state). The ranks' states are compared bit for bit with a replay in another process, so no
+    state may go through a library's reduction: the former step (a linear layer's forward on a
+    batch of 8, its backward, Adam) came out with other bits, always the same ones, in 3 of 420
+    worker processes, on the process's first step, from the same initial weights and before any
+    save (its forward alone: 0 of 280)."""
     g = torch.Generator().manual_seed(step)
     x = torch.randn(model.weight.shape, generator=g)
     loss = (model.weight * x - x.flip(1)).square().sum() + (model.bias - x[0]).square().sum()
