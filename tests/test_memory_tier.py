@@ -12,11 +12,13 @@ target is 3: ``GDS_PERSIST_TIER_RUNS=3``).
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import random
 import shutil
 import time
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -24,6 +26,7 @@ import torch
 import gds_persist
 from gds_persist.training.tier import recovery, replicate, shares
 from gds_persist.training.tier.memory import MemoryTier, job_name, lacks_room
+from tests.forkserver import ForkServer
 from tests.tier_worker import Job, reference, reference_tensors
 
 RUNS = int(os.environ.get("GDS_PERSIST_TIER_RUNS", "1"))
@@ -244,11 +247,27 @@ def test_tier_arguments_are_checked(tmp_path):
 # ---------------------------------------------------------------- 4 processes, 2 nodes
 
 
+@pytest.fixture(scope="module")
+def forks() -> Iterator[ForkServer]:
+    """The ranks' processes, forked from a server that has imported torch (tests/forkserver.py):
+    a fresh interpreter spends seconds of CPU on that import, 4 ranks x 2-3 jobs a test."""
+    server = ForkServer()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
+def job(forks: ForkServer) -> Callable[..., Job]:
+    return functools.partial(Job, forks=forks)
+
+
 @pytest.mark.parametrize("run", range(RUNS))
-def test_sigkill_of_one_rank_resumes_from_memory(tmp_path, run):
+def test_sigkill_of_one_rank_resumes_from_memory(tmp_path, run, job):
     kill_after = random.randint(4, 9)
-    Job(str(tmp_path), resume=False, stop=40).kill_at(rank=1, step=kill_after)
-    results = Job(str(tmp_path), resume=True, stop=kill_after + 4).wait()
+    job(str(tmp_path), resume=False, stop=40).kill_at(rank=1, step=kill_after)
+    results = job(str(tmp_path), resume=True, stop=kill_after + 4).wait()
     got = _check_restored(results, ["memory"] * 4)
     assert got >= kill_after - 2  # max_pending=2: older saves had committed everywhere
     _finished(results, kill_after + 4)
@@ -260,13 +279,13 @@ def _tree_bytes(directory: str) -> int:
                for base, _, names in os.walk(directory) for n in names)
 
 
-def test_each_node_holds_its_ranks_shares_once_with_replicas():
+def test_each_node_holds_its_ranks_shares_once_with_replicas(job):
     """2 nodes x 2 ranks, replicas=1: each node's tier holds about the state once (its two
     ranks' halves + the other node's halves), where every rank kept it whole before."""
     import tempfile
 
     with tempfile.TemporaryDirectory(dir="/dev/shm") as base:  # tmpfs, as the tier is meant
-        first = Job(base, resume=False, stop=3, drive_every=3)
+        first = job(base, resume=False, stop=3, drive_every=3)
         results = first.wait()
         drive = os.path.join(base, "drive", "step-00000003")
         state = sum(os.path.getsize(os.path.join(drive, n)) for n in os.listdir(drive)
@@ -279,11 +298,11 @@ def test_each_node_holds_its_ranks_shares_once_with_replicas():
 
 
 @pytest.mark.parametrize("run", range(RUNS))
-def test_node_loss_resumes_from_replicas(tmp_path, run):
-    first = Job(str(tmp_path), resume=False, stop=6)
+def test_node_loss_resumes_from_replicas(tmp_path, run, job):
+    first = job(str(tmp_path), resume=False, stop=6)
     assert [r["holders"] for r in first.wait()] == [[2], [3], [0], [1]]
     shutil.rmtree(first.memory_root(2))  # node n1's memory: ranks 2 and 3
-    results = Job(str(tmp_path), resume=True, stop=8, into=True).wait()  # in place
+    results = job(str(tmp_path), resume=True, stop=8, into=True).wait()  # in place
     _check_restored(results, ["memory", "memory", "replica", "replica"], step=6)
     assert [r["healed"] for r in results] == [0, 0, 2, 2]  # own copies + replicas, rewritten
     assert results[0]["restore_bytes"]["replica"] > 0
@@ -291,13 +310,13 @@ def test_node_loss_resumes_from_replicas(tmp_path, run):
 
 
 @pytest.mark.parametrize("run", range(RUNS))
-def test_node_and_its_replicas_lost_resumes_from_the_drive(tmp_path, run):
-    first = Job(str(tmp_path), resume=False, stop=7, drive_every=2)
+def test_node_and_its_replicas_lost_resumes_from_the_drive(tmp_path, run, job):
+    first = job(str(tmp_path), resume=False, stop=7, drive_every=2)
     first.wait()
     shutil.rmtree(first.memory_root(2))
     for r in (2, 3):  # their copies on node n0
         shutil.rmtree(os.path.join(_mem(first, 0), f"replica-{r:05d}"))
-    results = Job(str(tmp_path), resume=True, stop=9).wait()
+    results = job(str(tmp_path), resume=True, stop=9).wait()
     _check_restored(results, ["drive"] * 4, step=6)  # the newest step on the drive
     _finished(results, 9)
 
@@ -316,13 +335,13 @@ def _flip_a_byte(step_dir: str) -> None:
 
 
 @pytest.mark.parametrize("run", range(RUNS))
-def test_corrupt_or_truncated_memory_copy_is_skipped(tmp_path, run):
-    first = Job(str(tmp_path), resume=False, stop=6)
+def test_corrupt_or_truncated_memory_copy_is_skipped(tmp_path, run, job):
+    first = job(str(tmp_path), resume=False, stop=6)
     first.wait()
     _flip_a_byte(os.path.join(_mem(first, 0), "rank-00000", "step-00000006"))
     data = glob.glob(os.path.join(_mem(first, 3), "rank-00003", "step-00000006", "data-*"))[0]
     os.truncate(data, os.path.getsize(data) // 2)  # rank 3's copy cut short
-    results = Job(str(tmp_path), resume=True, stop=7, into=True).wait()  # refilled in place
+    results = job(str(tmp_path), resume=True, stop=7, into=True).wait()  # refilled in place
     _check_restored(results, ["replica", "memory", "memory", "replica"], step=6)
     skipped = results[0]["restore_skipped"]
     assert all(r["restore_skipped"] == skipped for r in results)  # every rank knows
@@ -332,25 +351,26 @@ def test_corrupt_or_truncated_memory_copy_is_skipped(tmp_path, run):
 
 
 @pytest.mark.parametrize("run", range(RUNS))
-def test_kill_during_replication_leaves_a_restorable_state(tmp_path, run):
-    job = Job(str(tmp_path), resume=False, stop=9, kill_in_replication=[2, 5],
-              peer_timeout_s=10)
-    job.procs[2].wait(timeout=180)
-    assert job.procs[2].returncode == -9 and "saved 5" in job.log(2)
+def test_kill_during_replication_leaves_a_restorable_state(tmp_path, run, job):
+    running = job(str(tmp_path), resume=False, stop=9, kill_in_replication=[2, 5],
+                  peer_timeout_s=10)
+    running.procs[2].wait(timeout=180)
+    assert running.procs[2].returncode == -9 and "saved 5" in running.log(2)
     t0 = time.monotonic()  # rank 0 copies to and from rank 2: it finds it lost, by name
-    while "PeerLostError" not in job.log(0) and time.monotonic() - t0 < 60:
+    while "PeerLostError" not in running.log(0) and time.monotonic() - t0 < 60:
         time.sleep(0.1)
     print(f"rank 0 named its lost peer after {time.monotonic() - t0:.1f} s")
-    assert "PeerLostError" in job.log(0) and "lost rank 2" in job.log(0), job.log(0)[-3000:]
-    job.kill()
-    left = glob.glob(os.path.join(_mem(job, 2), "replica-*", ".step-00000005.tmp-*"))
+    log = running.log(0)
+    assert "PeerLostError" in log and "lost rank 2" in log, log[-3000:]
+    running.kill()
+    left = glob.glob(os.path.join(_mem(running, 2), "replica-*", ".step-00000005.tmp-*"))
     assert left, "the kill should have left a half-copied replica"  # which is never listed
-    results = Job(str(tmp_path), resume=True, stop=9).wait()
+    results = job(str(tmp_path), resume=True, stop=9).wait()
     got = _check_restored(results, ["memory"] * 4)
     assert got in (4, 5)
     _finished(results, 9)
     for r in (0, 2):  # the leftovers are gone once their owner is
-        assert not glob.glob(os.path.join(_mem(job, r), "replica-*", ".step-*"))
+        assert not glob.glob(os.path.join(_mem(running, r), "replica-*", ".step-*"))
 
 
 # ---------------------------------------------------------------- rank-local parts (ZeRO shards)
@@ -361,21 +381,21 @@ def _shards_ok(results: list[dict]) -> None:
 
 
 @pytest.mark.parametrize("run", range(RUNS))
-def test_rank_local_parts_stay_per_rank_through_memory_and_node_loss(tmp_path, run):
+def test_rank_local_parts_stay_per_rank_through_memory_and_node_loss(tmp_path, run, job):
     """Each rank's own shard sits beside its share (and its replica); after a node loss its
     ranks get theirs from the replica holders, in place, and heal their own copies."""
-    first = Job(str(tmp_path), resume=False, stop=6, rank_local=True)
+    first = job(str(tmp_path), resume=False, stop=6, rank_local=True)
     first.wait()
     own = os.path.join(_mem(first, 2), "rank-00002", "step-00000006", "local")
     assert gds_persist.verify(own).ok  # a checkpoint of its own, in the share directory
     assert os.path.isdir(os.path.join(_mem(first, 0), "replica-00002", "step-00000006",
                                       "local"))  # copied with the share
-    again = Job(str(tmp_path), resume=True, stop=7, rank_local=True)
+    again = job(str(tmp_path), resume=True, stop=7, rank_local=True)
     results = again.wait()
     _check_restored(results, ["memory"] * 4, step=6)
     _shards_ok(results)
     shutil.rmtree(first.memory_root(2))  # node n1: ranks 2 and 3, and the replicas it held
-    results = Job(str(tmp_path), resume=True, stop=9, into=True, rank_local=True).wait()
+    results = job(str(tmp_path), resume=True, stop=9, into=True, rank_local=True).wait()
     _check_restored(results, ["memory", "memory", "replica", "replica"], step=7)
     _shards_ok(results)
     assert [r["healed"] for r in results] == [0, 0, 1, 1]  # own copies, with their shards
@@ -383,11 +403,11 @@ def test_rank_local_parts_stay_per_rank_through_memory_and_node_loss(tmp_path, r
 
 
 @pytest.mark.parametrize("run", range(RUNS))
-def test_corrupt_rank_local_part_is_skipped_for_the_replica(tmp_path, run):
-    first = Job(str(tmp_path), resume=False, stop=5, rank_local=True)
+def test_corrupt_rank_local_part_is_skipped_for_the_replica(tmp_path, run, job):
+    first = job(str(tmp_path), resume=False, stop=5, rank_local=True)
     first.wait()
     _flip_a_byte(os.path.join(_mem(first, 0), "rank-00000", "step-00000005", "local"))
-    results = Job(str(tmp_path), resume=True, stop=6, rank_local=True).wait()
+    results = job(str(tmp_path), resume=True, stop=6, rank_local=True).wait()
     _check_restored(results, ["replica", "memory", "memory", "memory"], step=5)
     _shards_ok(results)
     assert any("memory copy of step 5 of rank 0: ChecksumError" in s
@@ -395,15 +415,15 @@ def test_corrupt_rank_local_part_is_skipped_for_the_replica(tmp_path, run):
     _finished(results, 6)
 
 
-def test_rank_local_parts_from_the_drive(tmp_path):
+def test_rank_local_parts_from_the_drive(tmp_path, job):
     """Both nodes' memory lost: every rank gets its own shard from the drive."""
-    first = Job(str(tmp_path), resume=False, stop=4, drive_every=2, rank_local=True)
+    first = job(str(tmp_path), resume=False, stop=4, drive_every=2, rank_local=True)
     first.wait()
     for r in (0, 2):
         shutil.rmtree(first.memory_root(r))
     manifest = gds_persist.read_manifest(os.path.join(tmp_path, "drive", "step-00000004"))
     assert sorted(sec.rank for sec in manifest.sections) == [0, 1, 2, 3]
-    results = Job(str(tmp_path), resume=True, stop=5, rank_local=True, into=True).wait()
+    results = job(str(tmp_path), resume=True, stop=5, rank_local=True, into=True).wait()
     _check_restored(results, ["drive"] * 4, step=4)
     _shards_ok(results)
     _finished(results, 5)

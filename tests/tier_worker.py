@@ -215,12 +215,14 @@ def node_of(rank: int) -> str:
 
 class Job:
     """The 4 ranks of one incarnation of the job (2 nodes x 2 ranks, a memory_root per node
-    under ``base``), started as separate processes like an elastic launcher starts them."""
+    under ``base``), started as separate processes like an elastic launcher starts them: fresh
+    interpreters, or forks of ``forks`` (a :class:`tests.forkserver.ForkServer`, which has
+    imported torch already)."""
 
     def __init__(self, base: str, *, resume: bool, stop: int, drive_every: int = 2,
                  kill_in_replication: list[int] | None = None, memory: str | None = None,
                  width: int = WIDTH, into: bool = False, peer_timeout_s: float = 60.0,
-                 rank_local: bool = False):
+                 rank_local: bool = False, forks: Any = None):
         import subprocess
         import uuid
 
@@ -239,9 +241,13 @@ class Job:
                    "rank_local": rank_local}
             env = {**os.environ, "GDS_PERSIST_NODE": node_of(r),
                    "GLOO_SOCKET_IFNAME": "lo", "PYTHONPATH": REPO}
-            with open(self.logs[r], "w") as log:
-                self.procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(cfg)],
-                                                   env=env, stdout=log, stderr=log))
+            with open(self.logs[r], "w") as log:  # exists before the rank starts: log() reads it
+                if forks is not None:
+                    self.procs.append(forks.spawn(WORKER, [json.dumps(cfg)], env=env,
+                                                  stdout=self.logs[r]))
+                else:
+                    self.procs.append(subprocess.Popen([sys.executable, WORKER, json.dumps(cfg)],
+                                                       env=env, stdout=log, stderr=log))
 
     world = NODES * PER_NODE
 
