@@ -1,8 +1,9 @@
 """A fork server: worker processes for the multi-process tests, without each importing torch.
 
 A fresh Python process spends about 4 s of CPU importing torch and gds_persist, and the
-memory tier's tests start 18 jobs of 4 ranks: on the 2-core CI machines forking them from a
-server that has imported it took those tests from 249 s to 140 s. The server
+memory tier's tests start 18 jobs of 4 ranks and the docs' examples 26 scripts: on the 2-core
+CI machines forking them from a server that has imported it took those tests from 249 s to 140 s
+and from 112 s to 57 s. The server
 (``python tests/forkserver.py MODULES_JSON``) imports those modules once and forks a worker
 for every request; the worker runs its script as ``__main__`` with its own argv, environment
 and output files, and exits through the normal interpreter shutdown (atexit, thread and gloo
@@ -61,6 +62,7 @@ def _run_child(request: dict[str, Any], reply_fd: int) -> None:
     os.close(null)
     os.chdir(request["cwd"])
     sys.argv = [request["script"], *request["argv"]]
+    sys.path[0] = os.path.dirname(request["script"])  # as `python SCRIPT` sets it
     if request["warnings_error"]:  # as `python -W error`
         warnings.simplefilter("error")
     code = 0
@@ -149,12 +151,17 @@ def serve(modules: list[str]) -> None:
 class ForkServer:
     """The server process and a thread reading its replies."""
 
-    def __init__(self, modules: list[str] | None = None) -> None:
+    def __init__(self, modules: list[str] | None = None, *, warnings_error: bool = False) -> None:
+        """Starts the server importing ``modules`` (default :data:`PRELOAD`); with
+        ``warnings_error`` it runs as ``python -W error``, its imports included, and so do its
+        workers."""
         # numpy's OpenBLAS starts a thread pool when torch imports numpy, and a forking process
         # must have one thread; no worker uses numpy's BLAS (torch computes with its own)
         env = {**os.environ, "PYTHONPATH": REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
                "OPENBLAS_NUM_THREADS": "1"}
-        self.proc = subprocess.Popen([sys.executable, SERVER, json.dumps(modules or PRELOAD)],
+        flags = ["-W", "error"] if warnings_error else []
+        self.proc = subprocess.Popen([sys.executable, *flags, SERVER,
+                                      json.dumps(modules or PRELOAD)],
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
         self._changed = threading.Condition()
         self._pids: dict[int, int] = {}  # request id -> pid
@@ -246,5 +253,4 @@ class Worker:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, REPO)
     serve(json.loads(sys.argv[1]))

@@ -1,6 +1,8 @@
 """Every ```python block of README.md and docs/*.md runs as written (issue 19).
 
-Each block runs in a fresh interpreter with warnings as errors, in an empty temporary working
+Each block runs in a process of its own with warnings as errors (forked from a server that has
+imported torch and gds_persist with warnings as errors too, tests/forkserver.py: a fresh
+interpreter would spend 4 s of CPU a block on that import), in an empty temporary working
 directory, between the hidden set-up and checks that ``tests/doc_preludes.py`` keeps for it
 (keyed by file and one line of the block). A block without an entry there fails, saying so. An
 HTML comment on the line before a block marks it (CONTRIBUTING.md, "Examples in the docs"):
@@ -16,8 +18,7 @@ from __future__ import annotations
 import glob
 import os
 import re
-import subprocess
-import sys
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +26,7 @@ import pytest
 import torch
 
 from tests.doc_preludes import PRELUDES, Prelude
+from tests.forkserver import ForkServer
 
 REPO = Path(__file__).resolve().parent.parent
 DOCS = ["README.md", *sorted(f"docs/{p.name}" for p in (REPO / "docs").glob("*.md"))]
@@ -95,20 +97,32 @@ def _param(block: Block) -> object:
     return pytest.param(block, marks=marks, id=block.where)
 
 
+@pytest.fixture(scope="module")
+def forks() -> Iterator[ForkServer]:
+    server = ForkServer(warnings_error=True)
+    try:
+        yield server
+    finally:
+        server.close()
+
+
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
-def test_doc_block_runs_as_written(block: Block, tmp_path: Path) -> None:
+def test_doc_block_runs_as_written(block: Block, tmp_path: Path, forks: ForkServer) -> None:
     if block.marker == "gpu" and not torch.cuda.is_available():
         pytest.skip(f"{block.where} is marked gpu and there is no CUDA device")
     prelude = prelude_for(block)
     script = "\n".join(["# --- hidden set-up", prelude.setup, f"# --- {block.where}", block.code,
                         "# --- hidden checks", prelude.check])
-    (tmp_path / "doc_block.py").write_text(script)
+    cwd, stderr = tmp_path / "cwd", tmp_path / "stderr"  # the block sees an empty directory
+    cwd.mkdir()
+    (cwd / "doc_block.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    r = subprocess.run([sys.executable, "-W", "error", "doc_block.py"], cwd=tmp_path, env=env,
-                       capture_output=True, text=True, timeout=TIMEOUT_S)
+    code = forks.spawn(str(cwd / "doc_block.py"), [], env=env, cwd=str(cwd),
+                       stdout=str(tmp_path / "stdout"), stderr=str(stderr),
+                       warnings_error=True).wait(TIMEOUT_S)
     numbered = "\n".join(f"{i:4} {ln}" for i, ln in enumerate(script.splitlines(), 1))
-    assert r.returncode == 0, (f"{block.where} failed (exit {r.returncode}):\n{r.stderr[-4000:]}"
-                               f"\n--- the script run (doc_block.py):\n{numbered}")
+    assert code == 0, (f"{block.where} failed (exit {code}):\n{stderr.read_text()[-4000:]}"
+                       f"\n--- the script run (doc_block.py):\n{numbered}")
 
 
 def test_every_prelude_belongs_to_one_block() -> None:

@@ -35,14 +35,15 @@ def _script(tmp_path: Path, body: str) -> str:
 def test_a_worker_gets_its_own_argv_env_cwd_and_files(forks, tmp_path):
     script = _script(tmp_path, """
         import os, sys
-        print(sys.argv[1:], os.environ["WORKER_TAG"], os.getcwd(), __name__)
+        print(sys.argv[1:], os.environ["WORKER_TAG"], os.getcwd(), __name__, sys.path[0])
         print("to stderr", file=sys.stderr)
     """)
     out, err = tmp_path / "out", tmp_path / "err"
+    (tmp_path / "elsewhere").mkdir()
     worker = forks.spawn(script, ["a", "b"], env={**os.environ, "WORKER_TAG": "t7"},
-                         cwd=str(tmp_path), stdout=str(out), stderr=str(err))
+                         cwd=str(tmp_path / "elsewhere"), stdout=str(out), stderr=str(err))
     assert worker.wait(timeout=60) == 0 and worker.returncode == 0
-    assert out.read_text() == f"['a', 'b'] t7 {tmp_path} __main__\n"
+    assert out.read_text() == f"['a', 'b'] t7 {tmp_path / 'elsewhere'} __main__ {tmp_path}\n"
     assert err.read_text() == "to stderr\n"
     assert "WORKER_TAG" not in os.environ
 
