@@ -90,6 +90,7 @@ def test_dry_run_on_cpu(tmp_path):
     out = _run("--out", str(o), "--device", "cpu", "--sizes", "8MiB 16MiB", "--runs", "1 1",
                "--dir", str(tmp_path / "bench"), "--budget-s", "400", "--warmup-size", "4MiB",
                "--tmpfs-size", "8MiB", "--tmpfs-dir", str(tmpfs),
+               "--train-args", "--tiny --modes gds_auto",  # the steps' flow, not every method
                "--tests", "tests/test_gpu_path.py tests/test_kernels.py", timeout=500)
     assert out.returncode == 0, out.stderr[-3000:]
     assert sorted(p.name for p in o.iterdir()) == ["gpu_check.tar.gz", "summary.md"]  # <= 8 files
