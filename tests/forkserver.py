@@ -1,13 +1,13 @@
 """A fork server: worker processes for the multi-process tests, without each importing torch.
 
-A fresh Python process spends about 4 s of CPU importing torch and gds_persist, and the
-memory tier's tests start 18 jobs of 4 ranks and the docs' examples 26 scripts: on the 2-core
-CI machines forking them from a server that has imported it took those tests from 249 s to 140 s
-and from 112 s to 57 s. The server
-(``python tests/forkserver.py MODULES_JSON``) imports those modules once and forks a worker
-for every request; the worker runs its script as ``__main__`` with its own argv, environment
-and output files, and exits through the normal interpreter shutdown (atexit, thread and gloo
-teardown), as a fresh process does.
+A fresh Python process spends about 4 s of CPU importing torch and gds_persist, and 2-4 s more
+on torch._dynamo, which the first optimizer imports. The memory tier's tests start 18 jobs of 4
+ranks and the docs' examples 26 scripts: on the 2-core CI machines forking them from a server
+that has imported all of it took those tests from 249 s to 30 s and from 112 s to 44 s. The
+server (``python tests/forkserver.py MODULES_JSON``) imports those modules once and forks a
+worker for every request; the worker runs its script as ``__main__`` with its own argv,
+environment and output files, and exits through the normal interpreter shutdown (atexit, thread
+and gloo teardown), as a fresh process does.
 
 A forked worker is not a fresh process in every timing: tests/test_exit_after_collectives.py
 starts fresh interpreters, because without its fix the exit race it guards against aborts
@@ -39,7 +39,9 @@ from typing import Any
 
 SERVER = os.path.abspath(__file__)
 REPO = os.path.dirname(os.path.dirname(SERVER))
-PRELOAD = ["torch", "torch.distributed", "gds_persist"]  # what every worker script imports
+# what the workers import; torch._dynamo comes with the first optimizer (torch._disable_dynamo),
+# 800 modules and 2-4 s of CPU a process
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "gds_persist"]
 
 
 # ------------------------------------------------------------------ the server process
