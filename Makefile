@@ -17,8 +17,8 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[gpu,test,bench]'
 	touch $@
 
-# The suite starts hundreds of Python processes; where PYTHONDONTWRITEBYTECODE is set (as on the
-# CI machines) each would compile gds_persist's ~100 modules again (~0.3 s of CPU): compiled once here
+# The suite starts about 200 Python interpreters; where PYTHONDONTWRITEBYTECODE is set (as on the
+# development VMs) each compiled gds_persist's ~100 modules again (0.3-0.5 s of CPU): once here
 test: venv
 	$(PY) -m compileall -q gds_persist tests bench >/dev/null
 	$(PY) -m pytest -q

@@ -67,16 +67,16 @@ def _run_child(request: dict[str, Any], reply_fd: int) -> None:
     sys.path[0] = os.path.dirname(request["script"])  # as `python SCRIPT` sets it
     if request["warnings_error"]:  # as `python -W error`
         warnings.simplefilter("error")
-    code = 0
+    # every way out is a SystemExit, which unwinds out of serve() (the child never returns to
+    # the server's loop): the interpreter's own shutdown follows
     try:
         _exec_as_main(request["script"])
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except SystemExit:
+        raise
     except BaseException:  # noqa: BLE001 - reported as a fresh interpreter would
         traceback.print_exc()
-        code = 1
-    sys.stdout.flush()
-    raise SystemExit(code)  # unwinds out of serve(): the interpreter's own shutdown follows
+        raise SystemExit(1) from None
+    raise SystemExit(0)
 
 
 def _exec_as_main(script: str) -> None:
@@ -213,6 +213,12 @@ class ForkServer:
         if ident not in self._pids:
             raise RuntimeError(f"fork server did not start {script} (exit {self.proc.poll()})")
         return Worker(self, self._pids[ident], [script, *argv])
+
+    def __enter__(self) -> ForkServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def close(self) -> None:
         """Ends the server, which SIGKILLs and reaps the workers still running."""

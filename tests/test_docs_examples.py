@@ -99,11 +99,8 @@ def _param(block: Block) -> object:
 
 @pytest.fixture(scope="module")
 def forks() -> Iterator[ForkServer]:
-    server = ForkServer(warnings_error=True)
-    try:
+    with ForkServer(warnings_error=True) as server:  # its workers too: `python -W error`
         yield server
-    finally:
-        server.close()
 
 
 @pytest.mark.parametrize("block", [_param(b) for b in BLOCKS])
@@ -118,8 +115,7 @@ def test_doc_block_runs_as_written(block: Block, tmp_path: Path, forks: ForkServ
     (cwd / "doc_block.py").write_text(script)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     code = forks.spawn(str(cwd / "doc_block.py"), [], env=env, cwd=str(cwd),
-                       stdout=str(tmp_path / "stdout"), stderr=str(stderr),
-                       warnings_error=True).wait(TIMEOUT_S)
+                       stdout=str(tmp_path / "stdout"), stderr=str(stderr)).wait(TIMEOUT_S)
     numbered = "\n".join(f"{i:4} {ln}" for i, ln in enumerate(script.splitlines(), 1))
     assert code == 0, (f"{block.where} failed (exit {code}):\n{stderr.read_text()[-4000:]}"
                        f"\n--- the script run (doc_block.py):\n{numbered}")

@@ -1,4 +1,4 @@
-"""tests/forkserver.py, the fork server the memory tier's fault tests start their ranks from:
+"""tests/forkserver.py, the fork server the memory tier's ranks and the docs' examples run in:
 a forked worker gets its own argv, environment, directory and output files, reports its exit as
 ``subprocess.Popen`` does (a traceback exits 1, a signal -N), and shuts down as an interpreter
 does, with its script's globals alive until then."""
@@ -19,11 +19,8 @@ from tests.forkserver import ForkServer
 
 @pytest.fixture(scope="module")
 def forks() -> Iterator[ForkServer]:
-    server = ForkServer(["json"])  # nothing heavy: these workers import nothing else
-    try:
+    with ForkServer(["json"]) as server:  # nothing heavy: these workers import nothing else
         yield server
-    finally:
-        server.close()
 
 
 def _script(tmp_path: Path, body: str) -> str:

@@ -251,11 +251,8 @@ def test_tier_arguments_are_checked(tmp_path):
 def forks() -> Iterator[ForkServer]:
     """The ranks' processes, forked from a server that has imported torch (tests/forkserver.py):
     a fresh interpreter spends seconds of CPU on that import, 4 ranks x 2-3 jobs a test."""
-    server = ForkServer()
-    try:
+    with ForkServer() as server:
         yield server
-    finally:
-        server.close()
 
 
 @pytest.fixture

@@ -22,9 +22,12 @@ import signal
 import sys
 import time
 from datetime import timedelta
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from tests.forkserver import ForkServer
 
 WIDTH = 384  # 3 x 384 x 384 x 4 B (weights + Adam's two moments) ~ 1.7 MiB per rank
 
@@ -222,7 +225,7 @@ class Job:
     def __init__(self, base: str, *, resume: bool, stop: int, drive_every: int = 2,
                  kill_in_replication: list[int] | None = None, memory: str | None = None,
                  width: int = WIDTH, into: bool = False, peer_timeout_s: float = 60.0,
-                 rank_local: bool = False, forks: Any = None):
+                 rank_local: bool = False, forks: ForkServer | None = None):
         import subprocess
         import uuid
 
