@@ -20,7 +20,7 @@ import torch
 from helpers import assert_tree_equal, flip_byte, random_tensor, rewrite_manifest
 
 import gds_persist
-from gds_persist.format import codec
+from gds_persist.format import base_names, codec, parse_manifest
 from gds_persist.format.hashing import EMPTY, content_hash
 from gds_persist.training import steps as _steps
 
@@ -425,6 +425,23 @@ def test_checkpointer_incremental_keeps_what_kept_steps_refer_to(tmp_path, mode)
         info = ckpt.save(5, {"frozen": frozen, "trained": torch.ones(50_000), "step": 5},
                          blocking=True).wait()
         assert info.referenced_bytes == frozen.numel() * 2
+
+
+def test_retention_reads_the_bases_of_a_damaged_manifest_too(tmp_path):
+    """Retention reads only a kept step's ``bases`` (format.base_names, not a full parse): the
+    names a valid manifest gives, those a damaged one still names, none from garbage."""
+    frozen = torch.randn(100_000)
+    with gds_persist.Checkpointer(tmp_path, keep_last=3, incremental=True) as ckpt:
+        _train_steps(ckpt, 2, frozen)
+    raw = (tmp_path / "step-00000002" / "manifest.json").read_bytes()
+    parsed = gds_persist.read_manifest(_steps.step_path(str(tmp_path), 2))
+    assert base_names(raw) == {b.name for b in parsed.bases} == {"step-00000001"}
+    damaged = raw.replace(b'"body_crc32c": ', b'"body_crc32c": 1')  # fails the full parse
+    with pytest.raises(gds_persist.ManifestError):
+        parse_manifest(damaged, "damaged")
+    assert base_names(damaged) == {"step-00000001"}
+    for garbage in (b"", b"{", b"[]", b'{"body": []}', b'{"body": {"bases": [1, {"name": 2}]}}'):
+        assert base_names(garbage) == set(), garbage
 
 
 def test_checkpointer_helper_process_writes_incrementally(tmp_path):

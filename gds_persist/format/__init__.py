@@ -36,6 +36,7 @@ from .manifest import (
     storage_descriptions,
     storage_keys,
 )
+from .peek import base_names
 from .records import (
     ALIGNMENT,
     CODEC_BLOSC2,
@@ -85,6 +86,7 @@ __all__ = [
     "TensorRecord",
     "align_up",
     "base_dir_path",
+    "base_names",
     "canonical",
     "codec",
     "content_hash",

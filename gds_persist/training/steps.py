@@ -32,8 +32,8 @@ import re
 import shutil
 import uuid
 
-from ..errors import ManifestError, NotACheckpointDirectoryError, NotCommittedError
-from ..format import MANIFEST_NAME, parse_manifest
+from ..errors import NotACheckpointDirectoryError, NotCommittedError
+from ..format import MANIFEST_NAME, base_names
 from ..transfer.commit import fsync_path, remove_stale_temporaries, remove_tree
 from ..transfer.locks import STALE_UNLOCKED_S, untouched_for
 
@@ -185,13 +185,12 @@ def apply_retention(root: str, newest: int, keep_last: int | None) -> list[int]:
 
 def references(root: str, step: int) -> set[str]:
     """Names of the checkpoints whose data files step ``step`` refers to (its manifest's
-    ``bases``); empty when it has none or its manifest cannot be read (such a step cannot be
-    loaded anyway)."""
+    ``bases``, as far as they can be read); empty when it has none or its manifest cannot be
+    read (such a step cannot be loaded anyway)."""
     try:
         with open(os.path.join(step_path(root, step), MANIFEST_NAME), "rb") as f:
-            raw = f.read()
-        return {b.name for b in parse_manifest(raw, step_name(step)).bases}
-    except (OSError, ManifestError):
+            return base_names(f.read())
+    except OSError:
         return set()
 
 
