@@ -1,8 +1,10 @@
 """The least work a memory-tier restore does, measured on this machine: ``ranks`` processes at once,
-each reading ``size`` bytes from a file in the memory directory (tmpfs) into its own memory and
-checksumming them (CRC32C), as every rank of a restore from memory must at the least. Into fresh
-memory (a restore into new tensors: every page faulted in and zeroed first) or into memory
-touched beforehand (``into``: a restore in place into the live state).
+each reading ``size`` bytes from a file of its own in the memory directory (tmpfs) into its own
+memory and checksumming them (CRC32C), as every rank of a restore from memory must at the least,
+with a restore's queue depth. Into fresh private memory (a restore into new tensors: every page
+faulted in and zeroed first) or into memory touched beforehand (``into``: a restore in place
+into the live state). Until 2026-12-03 the processes read one shared file into shared (shmem)
+pages, which made this "floor" 0.72-0.80 s where a real memory restore took 0.68 s.
 
 No restore from memory can be faster than this floor, so ``drive restore / floor`` bounds how
 many times faster than the drive a memory restore can be on this machine
@@ -21,49 +23,70 @@ import subprocess
 import sys
 import tempfile
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import crc32c
 
 BLOCK = 16 << 20  # bytes per read, as the restore's block_bytes
 
 
-def child(path: str, size: int, into: bool) -> None:
-    """One rank: wait for "go" on stdin, read and checksum the file; print the seconds."""
-    buf = mmap.mmap(-1, size)  # fresh pages, faulted in by the read (a bytearray is zeroed)
+def child(path: str, size: int, into: bool, threads: int) -> None:
+    """One rank: wait for "go" on stdin, read and checksum the file in ``BLOCK`` requests,
+    ``threads`` at once (a restore's own queue depth: on a VM, other threads run while one
+    waits for the host to back a fresh page); print the seconds."""
+    # fresh private pages, as a tensor's (mmap's default, MAP_SHARED, is shmem: its page faults
+    # took 1.4x as long as torch.empty's here, and the floor came out above a real restore)
+    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     if into:
         buf[::4096] = b"\1" * len(range(0, size, 4096))  # every page touched, as a live state's
     view = memoryview(buf)
     fd = os.open(path, os.O_RDONLY)
+
+    def block(offset: int) -> int:
+        piece = view[offset : offset + BLOCK]
+        got = os.preadv(fd, [piece], offset)
+        return crc32c.crc32c(piece[:got])
+
     print("ready", flush=True)
     sys.stdin.readline()
     start = time.perf_counter()
-    crc, done = 0, 0
-    while done < size:
-        got = os.preadv(fd, [view[done : done + BLOCK]], done)
-        crc = crc32c.crc32c(view[done : done + got], crc)
-        done += got
+    with ThreadPoolExecutor(threads) as pool:
+        crcs = list(pool.map(block, range(0, size, BLOCK)))
     seconds = time.perf_counter() - start
     os.close(fd)
     view.release()
-    print(f"{seconds:.6f} {crc}", flush=True)
+    print(f"{seconds:.6f} {sum(crcs)}", flush=True)
 
 
-def measure(directory: str, size: int, ranks: int, into: bool, rounds: int = 3) -> float:
-    """The slowest rank's seconds, median over ``rounds`` (a round: ``ranks`` at once)."""
-    fd, path = tempfile.mkstemp(prefix="gds_persist-floor-", dir=directory)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            for _ in range(0, size, BLOCK):
-                f.write(os.urandom(min(BLOCK, size - f.tell())))
-        return statistics.median(_round(path, size, ranks, into) for _ in range(rounds))
+def measure(directory: str, size: int, ranks: int, into: bool, rounds: int = 3,
+            threads: int | None = None) -> float:
+    """The slowest rank's seconds, median over ``rounds`` (a round: ``ranks`` at once), each
+    reading ``threads`` requests at once (default: a restore's, ``settings.io_threads``)."""
+    if threads is None:
+        from gds_persist import settings
+
+        threads = settings.current().io_threads
+    paths = [_random_file(directory, size) for _ in range(ranks)]  # a copy each, as a node's
+    try:  # shares are (two ranks of a node read the same file: one file for all was slower)
+        return statistics.median(_round(paths, size, into, threads) for _ in range(rounds))
     finally:
-        os.unlink(path)
+        for path in paths:
+            os.unlink(path)
 
 
-def _round(path: str, size: int, ranks: int, into: bool) -> float:
-    args = [sys.executable, os.path.abspath(__file__), "--child", path, "--size", str(size)]
-    procs = [subprocess.Popen(args + (["--into"] if into else []), stdin=subprocess.PIPE,
-                              stdout=subprocess.PIPE, text=True) for _ in range(ranks)]
+def _random_file(directory: str, size: int) -> str:
+    fd, path = tempfile.mkstemp(prefix="gds_persist-floor-", dir=directory)
+    with os.fdopen(fd, "wb") as f:
+        for _ in range(0, size, BLOCK):
+            f.write(os.urandom(min(BLOCK, size - f.tell())))
+    return path
+
+
+def _round(paths: list[str], size: int, into: bool, threads: int) -> float:
+    procs = [subprocess.Popen([sys.executable, os.path.abspath(__file__), "--child", path,
+                               "--size", str(size), "--threads", str(threads)]
+                              + (["--into"] if into else []), stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True) for path in paths]
     try:
         for p in procs:
             assert p.stdout is not None and p.stdout.readline().strip() == "ready"
@@ -89,8 +112,10 @@ def main(argv: list[str] | None = None) -> float:
     p.add_argument("--into", action="store_true")
     p.add_argument("--dir", default="/dev/shm")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, help="requests at once per process (default: the "
+                   "restore's, gds_persist.settings io_threads)")
     args = p.parse_args(argv)
-    seconds = measure(args.dir, args.size, args.ranks, args.into, args.rounds)
+    seconds = measure(args.dir, args.size, args.ranks, args.into, args.rounds, args.threads)
     print(f"{args.ranks} processes x {args.size / 2**20:.0f} MiB from {args.dir} into "
           f"{'touched' if args.into else 'fresh'} memory + CRC32C: {seconds:.3f} s")
     return seconds
@@ -98,7 +123,7 @@ def main(argv: list[str] | None = None) -> float:
 
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--child"]:
-        child(sys.argv[2], int(sys.argv[4]), "--into" in sys.argv)
+        child(sys.argv[2], int(sys.argv[4]), "--into" in sys.argv, int(sys.argv[6]))
     else:
         sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         main()
