@@ -4,7 +4,7 @@ memory and checksumming them (CRC32C), as every rank of a restore from memory mu
 with a restore's queue depth. Into fresh private memory (a restore into new tensors: every page
 faulted in and zeroed first) or into memory touched beforehand (``into``: a restore in place
 into the live state). Until 2026-12-03 the processes read one shared file into shared (shmem)
-pages, which made this "floor" 0.72-0.80 s where a real memory restore took 0.68 s.
+pages, which made this "floor" 0.63-0.80 s where a real memory restore took 0.68 s.
 
 No restore from memory can be faster than this floor, so ``drive restore / floor`` bounds how
 many times faster than the drive a memory restore can be on this machine
@@ -32,8 +32,8 @@ BLOCK = 16 << 20  # bytes per read, as the restore's block_bytes
 
 def child(path: str, size: int, into: bool, threads: int) -> None:
     """One rank: wait for "go" on stdin, read and checksum the file in ``BLOCK`` requests,
-    ``threads`` at once (a restore's own queue depth: on a VM, other threads run while one
-    waits for the host to back a fresh page); print the seconds."""
+    ``threads`` at once (a restore's own queue depth: no faster on 2 cores, but where cores are
+    many a restore's threads read in parallel, and so must its floor's); print the seconds."""
     # fresh private pages, as a tensor's (mmap's default, MAP_SHARED, is shmem: its page faults
     # took 1.4x as long as torch.empty's here, and the floor came out above a real restore)
     buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
@@ -55,7 +55,7 @@ def child(path: str, size: int, into: bool, threads: int) -> None:
     seconds = time.perf_counter() - start
     os.close(fd)
     view.release()
-    print(f"{seconds:.6f} {sum(crcs)}", flush=True)
+    print(f"{seconds:.6f} {sum(crcs)}", flush=True)  # the CRCs printed: computed, not skipped
 
 
 def measure(directory: str, size: int, ranks: int, into: bool, rounds: int = 3,
