@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,6 +23,8 @@ from gds_persist.stages import profiling
 from gds_persist.transfer.reader import DIRECT_MIN
 from gds_persist.transfer.segments import cut, extent_spans
 from tests.helpers import assert_tree_equal, random_tensor
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 def _layout(lengths: list[int]) -> tuple[list[Extent], int]:
@@ -167,6 +171,35 @@ def test_filesystem_type_and_host_alignment_probes(tmp_path: Path, shm_dir: Path
     assert o_direct_host_alignment(str(shm_dir)) == 64
     assert o_direct_host_alignment(str(tmp_path)) in (64, 512, 4096)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".o_direct_probe")]
+
+
+REMOVED_DURING_PROBE = """
+import os, shutil, sys
+from gds_persist.backends import posix
+directory, other = sys.argv[1:]
+fired = []
+def cleaner(event, args):  # a newer save removes the directory, the probe file with it
+    if event == "os.remove" and ".o_direct_probe" in str(args[0]) and not fired:
+        fired.append(args[0])
+        shutil.rmtree(directory)
+sys.addaudithook(cleaner)
+first = posix.o_direct_host_alignment(directory)
+print(first, bool(fired), os.path.exists(directory), posix.o_direct_host_alignment(other))
+"""
+
+
+def test_host_alignment_probe_survives_its_directory_being_removed(shm_dir: Path) -> None:
+    """A load's alignment probe in a data directory that a newer save removes meanwhile gives
+    its answer; it failed the load with FileNotFoundError (the contention harness, data-dirs
+    mode, seed 2295578827). The removal is placed exactly: an audit hook removes the directory
+    when the probe is about to be unlinked."""
+    directory, other = shm_dir / "stripe", shm_dir / "other"
+    directory.mkdir()
+    other.mkdir()
+    out = subprocess.run([sys.executable, "-c", REMOVED_DURING_PROBE, str(directory), str(other)],
+                         capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["64", "True", "False", "64"]  # tmpfs takes 64-byte buffers
 
 
 def test_o_direct_is_probed_once_per_filesystem(tmp_path: Path,
