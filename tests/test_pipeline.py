@@ -21,7 +21,7 @@ from gds_persist.backends.posix import filesystem_type, o_direct_host_alignment
 from gds_persist.format import ALIGNMENT, Extent, align_up
 from gds_persist.stages import profiling
 from gds_persist.transfer.reader import DIRECT_MIN
-from gds_persist.transfer.segments import cut, extent_spans
+from gds_persist.transfer.segments import cut, extent_spans, split_head
 from tests.helpers import assert_tree_equal, random_tensor
 
 REPO = Path(__file__).resolve().parent.parent
@@ -79,6 +79,33 @@ def test_read_cut_covers_exactly_the_wanted_extents(lengths, pick):
     assert got == {e.storage: e.length for e in wanted}
     read = sum(seg.nbytes for seg in segments)
     assert read == sum(align_up(e.length) for e in wanted)  # nothing between them is read
+
+
+@settings(max_examples=200, deadline=None)
+@given(lengths=lengths_st, blocks=st.integers(1, 4), head=st.integers(1, 4),
+       direct=st.lists(st.booleans(), min_size=12, max_size=12))
+def test_split_head_keeps_every_piece_once(lengths, blocks, head, direct):
+    """A request cut into its head (a probe) and tail moves the same bytes as the request."""
+    extents, size = _layout(lengths)
+
+    def direct_bytes(e: Extent) -> int:
+        return e.length - e.length % ALIGNMENT if direct[e.storage] else 0
+
+    for seg in cut(extents, [(0, size)], blocks * ALIGNMENT, direct_bytes):
+        first, rest = split_head(seg, head * ALIGNMENT)
+        if rest is None:
+            assert first == seg and seg.nbytes <= head * ALIGNMENT
+            continue
+        assert (first.lo, first.hi, rest.lo, rest.hi) == (seg.lo, seg.lo + head * ALIGNMENT,
+                                                          seg.lo + head * ALIGNMENT, seg.hi)
+        assert first.direct == rest.direct == seg.direct
+        moved = [(k, lo, hi) for part in (first, rest) for k, lo, hi in part.pieces]
+        assert all(part.lo <= lo < hi <= part.hi for part in (first, rest)
+                   for _, lo, hi in part.pieces)
+        joined: dict[int, int] = {}
+        for k, lo, hi in moved:
+            joined[k] = joined.get(k, 0) + hi - lo
+        assert joined == {k: hi - lo for k, lo, hi in seg.pieces}
 
 
 @pytest.fixture

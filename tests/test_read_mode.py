@@ -21,6 +21,7 @@ from gds_persist.backends import read_mode
 from gds_persist.backends.adaptive import AdaptiveReadBackend
 from gds_persist.backends.posix import supports_o_direct
 from gds_persist.backends.read_mode import Plan, Timing, decide, plan, rates, ratio
+from gds_persist.loading import extents as extents_module
 from gds_persist.transfer.staging import AlignedBuffer
 from tests.helpers import assert_tree_equal, random_tensor
 
@@ -61,7 +62,7 @@ def test_the_median_of_recent_loads_decides(ratios: list[float], buffered: bool)
     (256 * MiB, True, Plan(("direct", "buffered"), 1)),
     (128 * MiB, False, read_mode.NO_PLAN)])  # not even one request a round
 def test_plan(load: int, buffered_now: bool, expected: Plan) -> None:
-    got = plan(load, threads=4, block_bytes=16 * MiB, buffered_now=buffered_now)
+    got = plan(load, threads=4, request_bytes=16 * MiB, buffered_now=buffered_now)
     assert got == expected
     assert got.requests * 16 * MiB <= load // read_mode.FRACTION
 
@@ -165,7 +166,8 @@ def test_every_request_lands_its_bytes_either_way(tmp_path: Path) -> None:
     first_direct = min(t.start for t in be._timings if t.mode == "direct")
     assert all(t.end <= first_direct for t in be._timings if t.mode == "buffered")  # apart
     assert len(read_mode.recent(be.dev)) == 1  # this load's ratio is kept
-    assert "this load's first 4 requests (2 rounds BD of 2 at once) read direct" in be.reason()
+    assert ("this load's first 4 requests (2 rounds BD of 2 at once, at most 1 MiB each) read "
+            "direct") in be.reason()
     with pytest.raises(gds_persist.BackendError, match="only reads"):
         be.open(str(path), write=True)
 
@@ -204,8 +206,42 @@ def test_auto_load_measures_on_its_own_requests(tmp_path: Path, history: list[fl
     # 4 I/O threads, ~33 MiB in 1 MiB requests: 2 at once in rounds within 1/8 of it; the
     # mode the recent loads did not choose goes first
     order = "DB" if decide(history)[0] else "BD"
-    assert f"this load's first 4 requests (2 rounds {order} of 2 at once)" in info.reason
+    assert (f"this load's first 4 requests (2 rounds {order} of 2 at once, at most 1 MiB "
+            "each)") in info.reason
     assert "median of the last" in info.reason
+
+
+def test_measuring_requests_are_cut_to_the_probe_size(tmp_path: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """A load in 4 MiB requests times only the heads of its first requests (PROBE_BYTES, cut
+    here from 4 MiB to 1 MiB to keep the file small): every timed request holds at most the
+    probe, the tails and the rest follow, and every byte is read once, into its place."""
+    _on_o_direct_disk(tmp_path)
+    monkeypatch.setattr(read_mode, "PROBE_BYTES", MiB)
+    sd = {"a": random_tensor(torch.float32, 6 * MiB, seed=3),  # 24 MiB, read straight in
+          "small": [random_tensor(torch.int64, 1000 + k, seed=k) for k in range(40)],
+          "b": random_tensor(torch.uint8, 14 * MiB + 123, seed=4)}
+    gds_persist.save(sd, tmp_path / "ck")
+    backends: list[object] = []
+    chosen = extents_module._read_backend
+
+    def keep(*args: object, **kwargs: object) -> object:  # the real backend, kept to look at
+        got = chosen(*args, **kwargs)  # type: ignore[arg-type]
+        backends.append(got[0])
+        return got
+
+    monkeypatch.setattr(extents_module, "_read_backend", keep)
+    with gds_persist.settings.set(block_bytes=4 * MiB, staging_bytes=16 * MiB):
+        before = _rchar()
+        state, info = gds_persist.load(tmp_path / "ck", backend="auto", return_info=True)
+        read = _rchar() - before
+    assert_tree_equal(state, sd)
+    assert info.payload_bytes <= read <= info.bytes_read + MiB  # nothing read twice
+    (be,) = backends
+    assert isinstance(be, AdaptiveReadBackend) and be.plan.requests == 4  # 2 rounds of 2
+    sizes = [t.nbytes for t in be._timings]
+    assert len(sizes) == 4 and max(sizes) == MiB, sizes  # heads of 4 MiB requests
+    assert "(2 rounds BD of 2 at once, at most 1 MiB each)" in info.reason
 
 
 def test_small_load_reads_as_recent_loads_say(tmp_path: Path) -> None:

@@ -49,7 +49,8 @@ class AdaptiveReadBackend(Backend):
         self.host_alignment = host_alignment  # O_DIRECT's: every request may go either way
         self.dev = dev
         self.watch = watch  # time buffered requests after the rounds (not on tmpfs: below)
-        self.plan = read_mode.plan(load_bytes, threads, block_bytes,
+        self.probe_bytes = min(block_bytes, read_mode.PROBE_BYTES)
+        self.plan = read_mode.plan(load_bytes, threads, self.probe_bytes,
                                    read_mode.decide(read_mode.recent(dev))[0])
         self._cond = threading.Condition()
         self._entered = 0  # requests that have begun, in order
@@ -62,6 +63,12 @@ class AdaptiveReadBackend(Backend):
         self._fell: float | None = None  # the buffered rate that sent the load back to O_DIRECT
         if not self.plan.requests:
             self._decision = read_mode.decide(read_mode.recent(dev))
+
+    @property
+    def probe_requests(self) -> int:  # type: ignore[override]
+        """The measuring requests not yet begun: the reader cuts them to ``probe_bytes``."""
+        with self._cond:
+            return max(0, self.plan.requests - self._entered)
 
     @property
     def name(self) -> str:  # type: ignore[override]
@@ -159,7 +166,8 @@ class AdaptiveReadBackend(Backend):
                 return f"{decision[1]} (this load is too small to measure)"
             if not self._measured:
                 return f"{decision[1]} (this load ended before its measuring rounds)"
-            return f"{decision[1]}; {read_mode.describe_rates(self._measured, self.plan)}"
+            rates = read_mode.describe_rates(self._measured, self.plan, self.probe_bytes)
+            return f"{decision[1]}; {rates}"
 
     def sync(self, handle: Any) -> None:
         pass

@@ -41,6 +41,10 @@ class Backend(ABC):
     # The address alignment host memory given to pwrite/pread needs (offsets and lengths always
     # need ``alignment``); None: hand it only staging buffers, never a tensor's own memory.
     host_alignment: int | None = 4096
+    # A backend that times a load's first requests to choose how to read the rest: how many
+    # more it times, and the bytes each should hold (the reader sends those first, cut to that)
+    probe_requests: int = 0
+    probe_bytes: int = 0
 
     @abstractmethod
     def open(self, path: str, *, write: bool, size: int = 0, create: bool = True) -> Any: ...

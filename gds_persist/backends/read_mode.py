@@ -12,7 +12,11 @@ choose (buffered on a filesystem's first load), then the chosen one, which the r
 continues without a pause (measuring costs one round in the slower mode and one wait between the
 rounds; rounds ordered O_DIRECT, buffered, buffered, O_DIRECT on a first load and alternating
 on later ones made 1 GiB loads 1.13-1.21x the faster mode's time on the virtio disk,
-bench/results/2026-12-02-cpu-bench_io-disk-50417ca-b.txt). Each load's rates give a ratio
+bench/results/2026-12-02-cpu-bench_io-disk-50417ca-b.txt). The measuring requests are the heads
+of the load's first requests, :data:`PROBE_BYTES` each (the reader sends their tails after
+them): rounds of whole 16 MiB requests cost 2 GiB loads 3-4% where buffered reads ran at half
+O_DIRECT's rate (auto 1.259 s, direct 1.223 s, medians of 8 paired loads), 4 MiB heads a
+quarter of that. Each load's rates give a ratio
 (buffered / O_DIRECT) kept per filesystem; the rest of the load, and every load too small to
 measure, reads the way the median ratio of the last :data:`HISTORY` loads says: buffered only above
 :data:`BUFFERED_MARGIN` (O_DIRECT keeps the page cache clean). Memory-backed filesystems
@@ -33,6 +37,7 @@ from dataclasses import dataclass
 from . import read_history
 
 FRACTION = 8  # the rounds read at most 1/8 of a load
+PROBE_BYTES = 4 << 20  # each measuring request's bytes (the reader cuts the load's first ones)
 BUFFERED_MARGIN = 1.05  # buffered must be this much faster: O_DIRECT keeps the page cache clean
 HISTORY = 5  # loads whose ratios the rule takes the median of
 
@@ -56,14 +61,14 @@ class Plan:
 NO_PLAN = Plan((), 0)
 
 
-def plan(load_bytes: int, threads: int, block_bytes: int, buffered_now: bool) -> Plan:
-    """The rounds of a load of ``load_bytes`` read in ``block_bytes`` requests by ``threads``
-    threads, where the recent loads chose buffered reads (``buffered_now``) or not: the other
-    mode first, then the chosen one; a round is ``threads`` requests where the load is large
-    enough for both to stay within 1 / ``FRACTION`` of it, else fewer; none where not even one
-    request per round fits."""
+def plan(load_bytes: int, threads: int, request_bytes: int, buffered_now: bool) -> Plan:
+    """The rounds of a load of ``load_bytes`` whose measuring requests hold ``request_bytes``
+    each, read by ``threads`` threads, where the recent loads chose buffered reads
+    (``buffered_now``) or not: the other mode first, then the chosen one; a round is
+    ``threads`` requests where the load is large enough for both to stay within 1 /
+    ``FRACTION`` of it, else fewer; none where not even one request per round fits."""
     rounds = ("direct", "buffered") if buffered_now else ("buffered", "direct")
-    per_round = min(threads, load_bytes // (FRACTION * len(rounds) * max(block_bytes, 1)))
+    per_round = min(threads, load_bytes // (FRACTION * len(rounds) * max(request_bytes, 1)))
     return Plan(rounds, per_round) if per_round >= 1 else NO_PLAN
 
 
@@ -125,13 +130,14 @@ def collapsed(buffered_rate: float, direct_rate: float) -> bool:
     return direct_rate > 0 and buffered_rate * BUFFERED_MARGIN < direct_rate
 
 
-def describe_rates(measured: dict[str, float], p: Plan) -> str:
+def describe_rates(measured: dict[str, float], p: Plan, request_bytes: int) -> str:
     """What this load's own rounds measured, for the reason."""
     shown = ", ".join(f"{m} {measured[m] / 1e9:.2f} GB/s" for m in ("direct", "buffered")
                       if m in measured)
     order = "".join("D" if m == "direct" else "B" for m in p.rounds)
     return (f"this load's first {p.requests} requests ({len(p.rounds)} rounds {order} of "
-            f"{p.per_round} at once) read {shown or 'nothing measurable'}")
+            f"{p.per_round} at once, at most {request_bytes / 2**20:g} MiB each) read "
+            f"{shown or 'nothing measurable'}")
 
 
 def _kept(dev: int) -> deque[float]:

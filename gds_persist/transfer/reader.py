@@ -50,7 +50,7 @@ from ..stages import stage
 from .crc import device_crc32c_many, device_crc32c_or_none
 from .cuda_copy import StreamCopier, copier_for
 from .pipeline import FilePipeline, PieceCrc, copy_and_checksum, join_piece_crcs
-from .segments import Segment, cut, extent_spans, whole_blocks
+from .segments import Segment, cut, extent_spans, split_head, whole_blocks
 from .staging import AlignedBuffer
 
 Describe = Callable[[int], str]  # storage index -> the key path(s) of its tensors
@@ -191,8 +191,9 @@ class FileReader(FilePipeline):
         copier = copier_for(cuda)
         on_device = self.checksums and bool(cuda) and device_crc32c_or_none(
             [cuda[0][:1]]) is not None  # the kernel runs: CUDA pieces are checked there
-        segments = sorted([(f, seg) for f in files for seg in self._segments(f, hosts)],
-                          key=lambda r: r[1].lo)  # every file at once
+        segments = self._probes_first(sorted(
+            [(f, seg) for f in files for seg in self._segments(f, hosts)],
+            key=lambda r: r[1].lo))  # every file at once
         encoded = sorted([(f, e) for f in files for e in f.encoded], key=lambda r: r[1].offset)
         requests: list[tuple[_OpenFile, Segment | Extent]] = [*segments, *encoded]
 
@@ -205,6 +206,20 @@ class FileReader(FilePipeline):
         self.run_requests(requests, submit, f"reading {files[0].path}")
         for f in files:
             self._check_extents(f, dests, on_device)
+
+    def _probes_first(self, segments: list[tuple[_OpenFile, Segment]]
+                      ) -> list[tuple[_OpenFile, Segment]]:
+        """Where the backend times the load's first requests (``probe_requests``), those go
+        first, each cut to its ``probe_bytes`` head; their tails follow, then the rest."""
+        count, head_bytes = self.backend.probe_requests, self.backend.probe_bytes
+        heads: list[tuple[_OpenFile, Segment]] = []
+        tails: list[tuple[_OpenFile, Segment]] = []
+        for f, seg in segments[:count]:
+            head, tail = split_head(seg, head_bytes)
+            heads.append((f, head))
+            if tail is not None:
+                tails.append((f, tail))
+        return heads + tails + segments[count:]
 
     def _segments(self, f: _OpenFile, hosts: Sequence[np.ndarray | None]) -> list[Segment]:
         align = self.backend.host_alignment

@@ -105,6 +105,17 @@ def _staged(extents: Sequence[Extent], lo: int, hi: int, block_bytes: int,
     return out
 
 
+def split_head(seg: Segment, head_bytes: int) -> tuple[Segment, Segment | None]:
+    """``seg`` as two requests: its first ``head_bytes`` (a multiple of ``ALIGNMENT``) and the
+    rest (None where ``seg`` is no longer than that); pieces are cut where the head ends."""
+    mid = seg.lo + head_bytes
+    if mid >= seg.hi:
+        return seg, None
+    head = tuple((k, a, min(b, mid)) for k, a, b in seg.pieces if a < mid)
+    tail = tuple((k, max(a, mid), b) for k, a, b in seg.pieces if b > mid)
+    return (Segment(seg.lo, mid, head, seg.direct), Segment(mid, seg.hi, tail, seg.direct))
+
+
 def whole_blocks(nbytes: int) -> int:
     """The bytes of ``nbytes`` that fill whole ``ALIGNMENT`` blocks."""
     return nbytes - nbytes % ALIGNMENT
