@@ -52,6 +52,10 @@ class Settings:
     file_streams: int = 0  # data files one writer spreads a save over; 0: one per I/O thread
     # for large saves (gds_persist.format.layout.file_streams says why and when)
     compression: str = "none"  # none | lossless | auto; see COMPRESSIONS
+    # threads that write a memory-tier step into the node's tmpfs: those writes are copies, and
+    # each thread is a core taken from training (on 2 cores, 4 threads made the training thread
+    # wait 21 ms a step for a core, 1 thread none: bench/results/2026-12-03-cpu-tier-threads.txt)
+    memory_io_threads: int = 1
 
     @property
     def ring_buffers(self) -> int:
@@ -87,8 +91,9 @@ def _validate(s: Settings) -> Settings:
             f"setting staging_bytes={s.staging_bytes} must hold at least two blocks of "
             f"block_bytes={s.block_bytes} (double buffering); raise it or lower block_bytes"
         )
-    if s.io_threads < 1:
-        raise ValueError(f"setting io_threads={s.io_threads} must be at least 1")
+    for name in ("io_threads", "memory_io_threads"):
+        if getattr(s, name) < 1:
+            raise ValueError(f"setting {name}={getattr(s, name)} must be at least 1")
     if s.file_streams < 0:
         raise ValueError(f"setting file_streams={s.file_streams} must be 0 (automatic) or a "
                          "number of data files")

@@ -8,6 +8,8 @@ import json
 import os
 import sys
 
+import pytest
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -32,6 +34,10 @@ def test_bench_train_tiny(tmp_path, capsys):
     assert auto["mode"] == "fence" and auto["mode_reason"].startswith("auto: CPU-only state")
     assert "chose fence" in text and "gds_auto: auto: CPU-only state" in text
     assert "overhead_pct" in report["results"]["torch_save"] and "write_s" in report
+    for r in report["results"].values():  # one round: the paired overhead is that round's
+        assert r["paired_overhead_pct"] == pytest.approx(r["overhead_pct"])
+        assert r["runq_s_per_iter"] >= 0
+    assert "core ms" in text and "gds_memory - gds_snapshot: " in text
     assert "machine:" in text and "checkpoint (model + AdamW + step)" in text
     assert json.loads(out.read_text())["results"].keys() == report["results"].keys()
     assert os.listdir(tmp_path) == ["bench.json"]  # its checkpoints are removed

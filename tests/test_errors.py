@@ -548,6 +548,7 @@ _ALL_SETTING_VALUES: dict[str, tuple[Any, Any, Any]] = {
     "auto_kvikio": ("always", "never", "always"),
     "file_streams": (2, 3, 5),
     "compression": ("lossless", "auto", "lossless"),  # issue 13: gds_persist.saving.compression
+    "memory_io_threads": (2, 3, 5),  # issue 25: the memory tier's writes
 }
 SETTING_VALUES = {k: v for k, v in _ALL_SETTING_VALUES.items() if k in settings.ENV_VARS}
 
@@ -689,6 +690,7 @@ def test_unknown_setting_lists_valid_ones() -> None:
     ({"block_bytes": 1 << 20, "staging_bytes": (1 << 20) + 4096}, r"at least two blocks"),
     ({"io_threads": 0}, r"io_threads=0 must be at least 1"),
     ({"io_threads": 2.5}, r"io_threads=2.5 must be a int"),
+    ({"memory_io_threads": 0}, r"memory_io_threads=0 must be at least 1"),
     ({"io_timeout_s": 0}, r"io_timeout_s=0.0 must be positive"),
     ({"io_timeout_s": -1}, r"io_timeout_s=-1.0 must be positive"),
     ({"io_timeout_s": float("nan")}, r"io_timeout_s=nan must be positive"),

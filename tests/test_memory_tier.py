@@ -17,6 +17,7 @@ import glob
 import os
 import random
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator
 
@@ -227,6 +228,36 @@ def test_no_room_falls_back_to_the_drive_with_the_reason(tmp_path, monkeypatch):
     assert stats.memory_fallbacks == 1 and "free but its ranks' shares" in (
         stats.memory_fallback_reason)
     assert ckpt.steps() == [1] and h.path == os.path.join(root, "step-00000001")
+
+
+def test_memory_tier_writes_on_its_own_thread_count(tmp_path, monkeypatch):
+    """The tier's tmpfs writes are copies, each thread a core taken from training: one I/O
+    thread unless ``memory_io_threads`` says otherwise; the drive's writes keep io_threads."""
+    from gds_persist.backends import posix
+
+    root, mem = tmp_path / "drive", tmp_path / "mem"
+    seen: dict[str, set[str]] = {"memory": set(), "drive": set()}
+    real = posix.PosixBackend.pwrite
+
+    def spy(self, handle, buf, offset):
+        where = "memory" if os.readlink(f"/proc/self/fd/{handle}").startswith(str(mem)) else "drive"
+        seen[where].add(threading.current_thread().name)
+        real(self, handle, buf, offset)
+
+    monkeypatch.setattr(posix.PosixBackend, "pwrite", spy)
+    state = {"w": torch.arange(64 << 11, dtype=torch.float32)}  # 512 KiB: 64 blocks of 8 KiB
+    io = {"block_bytes": 8192, "staging_bytes": 8 * 8192, "io_threads": 4}
+    with gds_persist.Checkpointer(root, memory_root=mem, drive_every=2, warmup=False,
+                                  **io) as ckpt:
+        ckpt.save(1, state, blocking=True)
+        ckpt.save(2, state, blocking=True)
+    assert len(seen["memory"]) == 1 and 1 <= len(seen["drive"]) <= 4, seen
+    seen["memory"].clear()
+    with gds_persist.settings.set(memory_io_threads=3), gds_persist.Checkpointer(
+            root, memory_root=mem, warmup=False, **io) as ckpt:
+        ckpt.save(3, state, blocking=True)
+    assert 1 <= len(seen["memory"]) <= 3, seen
+    assert all(name.startswith("gds_persist-io") for names in seen.values() for name in names)
 
 
 def test_tier_arguments_are_checked(tmp_path):

@@ -93,6 +93,8 @@ def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
     manifest of the whole step. A failure anywhere raises on every rank; what was committed
     stays (the previous step is kept until every rank holds the new one)."""
     t0 = time.perf_counter()
+    # tmpfs writes are copies, off the training thread's path: the tier's own thread count
+    io_kwargs = {**io_kwargs, "io_threads": settings.current().memory_io_threads}
     cfg = settings.current(**io_kwargs)
     mine = [plan.files[i].plan for i in plan.files_of(comm.rank)]
     what = f"memory-tier save of step {step} at {path}"
