@@ -340,3 +340,21 @@ def test_predictor_benchmark_runs_small(tmp_path: Path, capsys: pytest.CaptureFi
     assert "reads via" in run["reason"]
     assert f"{run['verdict']}" in printed and "auto load time / the faster mode's" in printed
     assert list(tmp_path.iterdir()) == []  # the checkpoint is removed
+
+
+def test_placebo_benchmark_runs_small(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """bench/read_mode_placebo.py at a small size, so it cannot rot."""
+    from bench import read_mode_placebo
+
+    _on_o_direct_disk(tmp_path)
+    record = read_mode_placebo.main(["--size", "80MiB", "--runs", "2", "--dir", str(tmp_path)])
+    printed = capsys.readouterr().out
+    (result,) = record["results"]
+    assert len(result["runs"]) == 2
+    for run in result["runs"]:
+        assert sorted(run["order"]) == sorted(read_mode_placebo.LOADS)
+        assert all(s > 0 for s in run["seconds"].values())
+        faster = min(run["seconds"]["direct"], run["seconds"]["buffered"])
+        assert run["placebo_ratio"] == pytest.approx(run["seconds"]["placebo"] / faster)
+    assert "placebo / the faster of direct and buffered: median" in printed
+    assert list(tmp_path.iterdir()) == []  # the checkpoint is removed
