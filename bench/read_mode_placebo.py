@@ -30,9 +30,9 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import gds_persist  # noqa: E402
-from bench import machine, report  # noqa: E402
-from bench.bench_io import new_parser, work_directory  # noqa: E402
-from bench.read_mode_predictor import DEFAULT_DIRS  # noqa: E402
+from bench import machine  # noqa: E402
+from bench.bench_io import work_directory  # noqa: E402
+from bench.read_mode_predictor import build_parser, run_dirs  # noqa: E402
 from bench.state import make_state_dict  # noqa: E402
 
 LOADS = ("auto", "direct", "buffered", "placebo")  # the placebo is a second direct load
@@ -90,31 +90,9 @@ def report_lines(result: dict[str, Any]) -> list[str]:
     return lines
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = new_parser("read_mode_placebo.py", __doc__, "checkpoint size")
-    p.add_argument("--runs", type=int, default=8, help="runs per directory (default 8)")
-    p.add_argument("--dir", dest="dirs", action="append", default=None,
-                   help="a directory to measure in (repeatable; default bench/out and "
-                        "/dev/shm/bench)")
-    p.add_argument("--json", dest="json_out", default=None, help="write every timing here")
-    return p
-
-
 def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
-    cache = machine.drop_page_cache([], "auto")
-    record: dict[str, Any] = {
-        "schema": "gds_persist-read-mode-placebo/1", "argv": sys.argv,
-        "machine": machine.describe(os.path.dirname(os.path.abspath(__file__))),
-        "cache": cache[1], "results": [measure_dir(d, args) for d in args.dirs or DEFAULT_DIRS]}
-    print(f"read-mode placebo: {record['machine']['cpu']}, "
-          f"{record['machine']['cores']['usable']} cores; cold loads: {cache[1]}; "
-          f"gds_persist git {record['machine']['versions'].get('gds_persist_git')}")
-    for result in record["results"]:
-        print("\n".join(report_lines(result)))
-    if args.json_out:
-        report.to_json(record, args.json_out)
-    return record
+    args = build_parser("read_mode_placebo.py", __doc__, runs=8).parse_args(argv)
+    return run_dirs(args, "read-mode placebo", measure_dir, report_lines)
 
 
 if __name__ == "__main__":

@@ -20,6 +20,7 @@ import gc
 import os
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
@@ -107,33 +108,45 @@ def report_lines(result: dict[str, Any], tie: float) -> list[str]:
     return lines
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = new_parser("read_mode_predictor.py", __doc__, "checkpoint size")
-    p.add_argument("--runs", type=int, default=5, help="runs per directory (default 5)")
+def build_parser(prog: str = "read_mode_predictor.py", doc: str | None = __doc__,
+                 runs: int = 5) -> argparse.ArgumentParser:
+    """The options of this script and of bench/read_mode_placebo.py."""
+    p = new_parser(prog, doc, "checkpoint size")
+    p.add_argument("--runs", type=int, default=runs, help=f"runs per directory (default {runs})")
     p.add_argument("--dir", dest="dirs", action="append", default=None,
                    help="a directory to measure in (repeatable; default bench/out and "
                         "/dev/shm/bench)")
-    p.add_argument("--tie", type=float, default=0.05,
-                   help="relative difference under which both modes count as equal (0.05)")
     p.add_argument("--json", dest="json_out", default=None, help="write every timing here")
     return p
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
-    args = build_parser().parse_args(argv)
+def run_dirs(args: argparse.Namespace, name: str,
+             measure: Callable[[str, argparse.Namespace], dict[str, Any]],
+             lines: Callable[[dict[str, Any]], list[str]]) -> dict[str, Any]:
+    """``measure`` every directory of ``args`` with cold loads; print ``lines`` of each result
+    under a header naming the machine; the record (also to ``--json``)."""
     cache = machine.drop_page_cache([], "auto")
     record: dict[str, Any] = {
-        "schema": "gds_persist-read-mode-predictor/1", "argv": sys.argv,
+        "schema": f"gds_persist-{name.replace(' ', '-')}/1", "argv": sys.argv,
         "machine": machine.describe(os.path.dirname(os.path.abspath(__file__))),
-        "cache": cache[1], "results": [measure_dir(d, args) for d in args.dirs or DEFAULT_DIRS]}
-    print(f"read-mode predictor: {record['machine']['cpu']}, "
+        "cache": cache[1], "results": [measure(d, args) for d in args.dirs or DEFAULT_DIRS]}
+    print(f"{name}: {record['machine']['cpu']}, "
           f"{record['machine']['cores']['usable']} cores; cold loads: {cache[1]}; "
           f"gds_persist git {record['machine']['versions'].get('gds_persist_git')}")
     for result in record["results"]:
-        print("\n".join(report_lines(result, args.tie)))
+        print("\n".join(lines(result)))
     if args.json_out:
         report.to_json(record, args.json_out)
     return record
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    p = build_parser()
+    p.add_argument("--tie", type=float, default=0.05,
+                   help="relative difference under which both modes count as equal (0.05)")
+    args = p.parse_args(argv)
+    return run_dirs(args, "read-mode predictor", measure_dir,
+                    lambda result: report_lines(result, args.tie))
 
 
 if __name__ == "__main__":
