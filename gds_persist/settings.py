@@ -54,7 +54,8 @@ class Settings:
     compression: str = "none"  # none | lossless | auto; see COMPRESSIONS
     # threads that write a memory-tier step into the node's tmpfs: those writes are copies, and
     # each thread is a core taken from training (on 2 cores, 4 threads made the training thread
-    # wait 21 ms a step for a core, 1 thread none: bench/results/2026-12-03-cpu-tier-threads.txt)
+    # wait 14.1 ms an iteration for a core, 1 thread 1.3 ms:
+    # bench/results/2026-12-03-cpu-tier-threads.txt)
     memory_io_threads: int = 1
 
     @property

@@ -211,7 +211,8 @@ class FileReader(FilePipeline):
                       ) -> list[tuple[_OpenFile, Segment]]:
         """Where the backend times the load's first requests (``probe_requests``), those go
         first, each cut to its ``probe_bytes`` head; their tails follow, then the rest."""
-        count, head_bytes = self.backend.probe_requests, self.backend.probe_bytes
+        head_bytes = self.backend.probe_bytes
+        count = self.backend.probe_requests if head_bytes else 0
         heads: list[tuple[_OpenFile, Segment]] = []
         tails: list[tuple[_OpenFile, Segment]] = []
         for f, seg in segments[:count]:
