@@ -338,6 +338,7 @@ def test_predictor_benchmark_runs_small(tmp_path: Path, capsys: pytest.CaptureFi
     assert all(s > 0 for s in run["seconds"].values())
     assert run["chosen"] in ("direct", "buffered") and run["verdict"] in ("right", "tie", "wrong")
     assert "reads via" in run["reason"]
+    assert "at most 4 MiB each" in run["reason"]  # the default probe: heads of 16 MiB requests
     assert f"{run['verdict']}" in printed and "auto load time / the faster mode's" in printed
     assert list(tmp_path.iterdir()) == []  # the checkpoint is removed
 
