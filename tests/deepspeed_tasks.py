@@ -17,7 +17,7 @@ STEPS_BEFORE, STEPS_AFTER = 3, 2
 def _deepspeed(ctx: Any) -> Any:
     """DeepSpeed on this rank of the gang's (already initialized) gloo group."""
     for key, value in {"RANK": ctx.rank, "LOCAL_RANK": ctx.rank, "WORLD_SIZE": ctx.world,
-                       "LOCAL_WORLD_SIZE": ctx.world}.items():
+                       "LOCAL_WORLD_SIZE": ctx.world, "CROSS_SIZE": 1, "CROSS_RANK": 0}.items():
         os.environ[key] = str(value)
     import deepspeed
 
@@ -27,14 +27,19 @@ def _deepspeed(ctx: Any) -> Any:
     return deepspeed
 
 
-def _engine(ds: Any, stage: int, seed: int) -> Any:
+# DeepSpeed's own decoupled checkpoint writer, as a user turns it on (its data-parallel writer
+# config needs "data_parallel" set and the launcher's CROSS_SIZE / CROSS_RANK in 0.19.8)
+DECOUPLED_CONFIG = {"checkpoint": {"writer": {"decoupled": True, "data_parallel": "replica"}}}
+
+
+def _engine(ds: Any, stage: int, seed: int, extra: dict[str, Any] | None = None) -> Any:
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(HIDDEN, 2 * HIDDEN), torch.nn.ReLU(),
                                 torch.nn.Linear(2 * HIDDEN, HIDDEN))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.9)
     config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": stage},
-              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9, **(extra or {})}
     engine, _, _, _ = ds.initialize(model=model, optimizer=opt, lr_scheduler=sched,
                                     config=config)
     return engine
@@ -209,4 +214,44 @@ def _digests(directory: str) -> dict[str, str]:
     for name in sorted(os.listdir(directory)):
         with open(os.path.join(directory, name), "rb") as f:
             out[name] = hashlib.sha256(f.read()).hexdigest()
+    return out
+
+
+def edges(ctx: Any, root: str, decoupled: bool) -> dict[str, Any]:
+    """``attach(engine)`` with its defaults (not decoupled: the config does not ask for it) or
+    ``attach(engine, decoupled=True)``: what a script sees right after ``save_checkpoint``,
+    after ``flush``, and from ``load_checkpoint`` right after a second save. (A config asking
+    for decoupled checkpointing makes DeepSpeed start a process, which a gang's daemonic ranks
+    cannot: deepspeed_exit_worker.py runs that one.)"""
+    from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    import gds_persist
+    from gds_persist.integrations.deepspeed import attach, flush
+
+    ds = _deepspeed(ctx)
+    save_dir = os.path.join(root, f"edges-{'decoupled' if decoupled else 'default'}")
+    engine = _engine(ds, 1, seed=0)
+    ours = attach(engine, decoupled=True) if decoupled else attach(engine)
+    out: dict[str, Any] = {"decoupled": ours.decoupled, "reason": ours.decoupled_reason}
+    _step(engine, 0, ctx.rank)
+    master = _master(engine)
+    engine.save_checkpoint(save_dir, tag="t1")
+    out["latest_after_save"] = _latest(save_dir)
+    if not decoupled and ctx.rank == 0:  # what a tool finds once save_checkpoint returned
+        out["zero_to_fp32"] = _same(master, dict(get_fp32_state_dict_from_zero_checkpoint(
+            save_dir)))
+    flush(engine)
+    out["latest_after_flush"] = _latest(save_dir)
+    tag_dir = os.path.join(save_dir, "t1")
+    out["verified"] = sorted((n, gds_persist.verify(os.path.join(tag_dir, n)).ok)
+                             for n in os.listdir(tag_dir))
+    _step(engine, 1, ctx.rank)
+    at_t2 = _params(ds, engine, 1)
+    engine.save_checkpoint(save_dir, tag="t2")
+    _step(engine, 2, ctx.rank)  # the state moves on; the load must bring t2 back
+    path, _ = engine.load_checkpoint(save_dir)
+    out["loaded"] = os.path.basename(os.path.dirname(path or ""))
+    out["params"] = _same(at_t2, _params(ds, engine, 1))
+    engine.destroy()
+    torch.distributed.barrier()
     return out

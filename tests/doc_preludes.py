@@ -134,6 +134,17 @@ with gds_persist.Checkpointer("ckpt", process_group=dist.group.WORLD, **MEMORY_T
 pg = dist.group.WORLD
 """
 
+DEEPSPEED_ENGINE = GLOO_WORLD_OF_ONE + """
+import deepspeed
+deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no C++ build: gloo is enough
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
+optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9}
+batch = lambda: torch.randn(4, 8)
+"""
+
 PRELUDES: dict[tuple[str, str], Prelude] = {
     # README.md
     ("README.md", 'state = gds_persist.load("checkpoints/step-1000", map_location="cuda")   '
@@ -261,16 +272,7 @@ for key in ("w", "b", "t"):
               "assert all(torch.equal(got[k], v) for k, v in want.items()), got\n"),
     ("docs/INTEGRATIONS.md", "gds_deepspeed.attach(engine)        # on every rank, right after "
                              "deepspeed.initialize"): Prelude(
-        setup=GLOO_WORLD_OF_ONE + """
-import deepspeed
-deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no C++ build: gloo is enough
-deepspeed.init_distributed(dist_backend="gloo")
-torch.manual_seed(0)
-model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 8))
-optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
-config = {"train_micro_batch_size_per_gpu": 4, "steps_per_print": 10**9}
-batch = lambda: torch.randn(4, 8)
-""",
+        setup=DEEPSPEED_ENGINE,
         check="""
 assert open("checkpoints/latest").read() == "step-4"
 assert resumed.global_steps == 4, resumed.global_steps
@@ -278,6 +280,17 @@ for tag in ("step-2", "step-4"):
     path = f"checkpoints/{tag}/mp_rank_00_model_states.pt"
     assert gds_persist.verify(path).ok and gds_persist.verify(path).checksum == "crc32c"
     assert torch.load(path, weights_only=True)["global_steps"] == int(tag[-1])
+"""),
+    ("docs/INTEGRATIONS.md", "gds_deepspeed.flush(engine)     # on every rank: step-6 durable "
+                             "and `latest` naming it"): Prelude(
+        setup=DEEPSPEED_ENGINE + """
+from gds_persist.integrations import deepspeed as gds_deepspeed
+engine, _, _, _ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
+""",
+        check="""
+assert open("checkpoints/latest").read() == "step-6"
+assert engine.checkpoint_engine.decoupled
+assert gds_persist.verify("checkpoints/step-6/mp_rank_00_model_states.pt").ok
 """),
     # docs/TRAINING.md
     ("docs/TRAINING.md", "for step in range(start + 1, total_steps + 1):"): Prelude(

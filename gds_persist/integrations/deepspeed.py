@@ -8,7 +8,8 @@
     engine, optimizer, _, scheduler = deepspeed.initialize(model=model, optimizer=opt,
                                                            config=config)
     gds_deepspeed.attach(engine)                 # every rank, right after initialize
-    engine.save_checkpoint("ckpt", tag="step-100")   # returns once the writes are queued
+    engine.save_checkpoint("ckpt", tag="step-100")   # committed (decoupled: queued)
+    gds_deepspeed.flush(engine)                      # decoupled: wait until it is committed
     engine.load_checkpoint("ckpt")                   # the tag ``latest`` names
 
 :func:`attach` replaces ``engine.checkpoint_engine`` with a :class:`GdsPersistCheckpointEngine`.
@@ -23,19 +24,20 @@ Trust: DeepSpeed's states hold Python objects beyond tensors (``LossScaler``,
 (``allow_pickle=True``) and :meth:`~GdsPersistCheckpointEngine.load` unpickles them
 (``weights_only=False``), as DeepSpeed's own engines do. Load trusted checkpoints only.
 
-Decoupled (``decoupled=True``, the default), like DeepSpeed's DecoupledCheckpointEngine:
-``save`` pickles the state's Python objects at once (later changes to them are not saved) and
-queues the write of its tensors on one background thread, straight from the live tensors (no
-copy: memory stays ``staging_bytes``). ``save_checkpoint`` returns; the writes overlap the
-forward and backward of the next step; DeepSpeed calls :meth:`commit` in that step's
-``engine.step()`` before the optimizer changes any tensor, and it waits until every rank's
-files are durable, then (rank 0) writes ``latest`` atomically; only then does DeepSpeed write
-``latest`` (the same tag) and run the update. Between ``save_checkpoint`` and the next
-``engine.step()`` nothing else may change the saved tensors (``wait()`` first). A new
-``save_checkpoint``, ``load_checkpoint`` and ``engine.destroy()`` commit or wait first, so the
-last save of a run is committed by ``engine.destroy()``. Every wait is bounded (``timeout_s``
-for this rank's writes, ``collective_timeout_s`` for the other ranks). ``decoupled=False``
-commits at the end of ``save_checkpoint``.
+Decoupled or not: :func:`attach` follows the engine's own configuration unless told
+otherwise (``decoupled=None``, the default): decoupled where the DeepSpeed config sets
+``checkpoint.writer.decoupled``, else not, as stock DeepSpeed saves. Not decoupled,
+``save_checkpoint`` returns once every rank's files are durable and ``latest`` names the tag,
+as with stock DeepSpeed. Decoupled, ``save`` pickles the state's Python objects at once and
+queues the write of its tensors on one background thread; when
+``save_checkpoint`` returns, the commit (every rank's files durable, then ``latest`` written
+atomically by rank 0) is queued behind the writes, so the checkpoint becomes visible as soon
+as its bytes are durable, while the next step runs. The next ``engine.step()`` waits for that
+commit before the optimizer changes a tensor. :func:`flush` waits for it explicitly (every
+rank); ``load_checkpoint``, ``engine.destroy()``, the next ``save_checkpoint`` and a normal
+interpreter exit flush first, so the last checkpoint of a run is never lost. Every wait is
+bounded (``timeout_s`` for this rank's writes, ``collective_timeout_s`` for the other ranks).
+A SIGKILL at any instant leaves ``latest`` naming a tag whose files are complete.
 
 A failure anywhere (a write, a full disk, a dead peer) is raised on every rank, by ``commit``
 (``save_checkpoint`` or the next ``engine.step()``), naming the rank and file; ``latest`` is
@@ -53,10 +55,14 @@ Where the replicas' pickles differ (e.g. a rank-specific ``client_state``, or te
 
 from __future__ import annotations
 
+import atexit
+import functools
 import logging
 import os
 import re
+import threading
 import time
+import weakref
 import zipfile
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -78,22 +84,32 @@ from ..saving.save import save as gds_save
 from ..saving.torch_file import PickledState
 from ..transfer.atomic_file import AtomicFile
 from ..transfer.commit import fsync_path
+from ..transfer.pipeline import result_within
 
 log = logging.getLogger("gds_persist")
-__all__ = ["SAVE_OPTIONS", "GdsPersistCheckpointEngine", "attach"]
+__all__ = ["SAVE_OPTIONS", "GdsPersistCheckpointEngine", "attach", "flush"]
 
 SAVE_OPTIONS = frozenset({"backend", "block_bytes", "staging_bytes", "io_threads"})
 # the file every data-parallel rank of ZeRO 0-2 holds alike (DeepSpeed's _get_ckpt_name)
 SHARED_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
 
 
-def attach(engine: Any, *, decoupled: bool = True, data_parallel: bool = True,
+def attach(engine: Any, *, decoupled: bool | None = None, data_parallel: bool = True,
            timeout_s: float = 1800.0, **save_options: Any) -> GdsPersistCheckpointEngine:
     """Route ``engine.save_checkpoint`` / ``load_checkpoint`` through gds_persist (see the
     module docstring); every rank calls it (it creates a process group), right after
     ``deepspeed.initialize``. Returns the new checkpoint engine (also
-    ``engine.checkpoint_engine``). ``save_options``: :func:`gds_persist.save` keywords
-    (:data:`SAVE_OPTIONS`)."""
+    ``engine.checkpoint_engine``).
+
+    Parameters:
+        engine: what ``deepspeed.initialize`` returned first.
+        decoupled: None (default) follows the engine's config (``checkpoint.writer.decoupled``);
+            True returns from ``save_checkpoint`` before the bytes are written; False once the
+            checkpoint is committed.
+        data_parallel: let the data-parallel ranks share the write of the model-states file.
+        timeout_s: bound on every wait for this rank's writes.
+        save_options: :func:`gds_persist.save` keywords (:data:`SAVE_OPTIONS`).
+    """
     from deepspeed.runtime.engine import DeepSpeedEngine
 
     if not isinstance(engine, DeepSpeedEngine):
@@ -102,14 +118,67 @@ def attach(engine: Any, *, decoupled: bool = True, data_parallel: bool = True,
     old = engine.checkpoint_engine
     if isinstance(old, GdsPersistCheckpointEngine):
         return old
+    reason = "requested explicitly"
+    if decoupled is None:
+        decoupled, reason = configured_decoupling(engine)
     ours = GdsPersistCheckpointEngine(decoupled=decoupled, timeout_s=timeout_s, **save_options)
+    ours.decoupled_reason = reason
     ours.split_reason = _split_refusal(engine, data_parallel, ours.group)
     if not ours.split_reason:
         engine.save_non_zero_checkpoint = True  # every dp rank writes its range of the file
     if old is not None and old.is_decoupled():
         old.cleanup()  # DeepSpeed's decoupled engine leaves its process running otherwise
     engine.checkpoint_engine = ours
+    _flush_at_the_edges(engine, ours)
     return ours
+
+
+def flush(engine: Any) -> None:
+    """Block until the last ``save_checkpoint`` of ``engine`` is committed: every rank's files
+    durable, ``latest`` naming its tag; raise its error (on every rank) if it failed. Every rank
+    calls it. Only decoupled saves need it: not decoupled, ``save_checkpoint`` returns committed.
+    """
+    ours = engine.checkpoint_engine
+    if not isinstance(ours, GdsPersistCheckpointEngine):
+        raise TypeError(f"flush: {type(ours).__name__} is not gds_persist's checkpoint engine; "
+                        "call gds_persist.integrations.deepspeed.attach(engine) first")
+    ours.flush()
+
+
+def configured_decoupling(engine: Any) -> tuple[bool, str]:
+    """Whether the engine's own configuration asks for decoupled checkpointing, and why."""
+    from deepspeed.runtime.model_checkpointing.constants import (
+        CHECKPOINT_WRITER,
+        CHECKPOINT_WRITER_DECOUPLED,
+    )
+
+    writer = (getattr(engine._config, "checkpoint_config", None) or {}).get(CHECKPOINT_WRITER)
+    if writer and writer.get(CHECKPOINT_WRITER_DECOUPLED):
+        return True, "the DeepSpeed config sets checkpoint.writer.decoupled"
+    return False, ("the DeepSpeed config does not set checkpoint.writer.decoupled: "
+                   "save_checkpoint returns once the checkpoint is committed, as stock "
+                   "DeepSpeed's does")
+
+
+def _flush_at_the_edges(engine: Any, ours: GdsPersistCheckpointEngine) -> None:
+    """``save_checkpoint`` queues the commit behind its writes; ``load_checkpoint`` first
+    commits what is pending (the tag it reads from ``latest`` is then the newest). Instance
+    attributes over the engine's methods: DeepSpeed gives a checkpoint engine no call at the end
+    of ``save_checkpoint`` or the start of ``load_checkpoint``."""
+    save, load = engine.save_checkpoint, engine.load_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        saved = save(*args, **kwargs)
+        ours.commit_in_background()
+        return saved
+
+    @functools.wraps(load)
+    def load_checkpoint(*args: Any, **kwargs: Any) -> Any:
+        ours.flush()
+        return load(*args, **kwargs)
+
+    engine.save_checkpoint, engine.load_checkpoint = save_checkpoint, load_checkpoint
 
 
 def _split_refusal(engine: Any, wanted: bool, group: Any) -> str:
@@ -134,9 +203,11 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     ``create``, ``save`` of each file, ``commit``.
 
     Call order (DeepSpeed's, every rank): ``create(info)``, ``makedirs``, ``save(state, path)``
-    per file, then ``commit(info)`` - at the end of ``save_checkpoint`` (``decoupled=False``) or
-    in the next ``engine.step()`` (via ``get_commit_info``); ``load(path, map_location)`` per
-    file of a ``load_checkpoint``; ``cleanup()`` in ``engine.destroy()``."""
+    per file, then ``commit(info)`` - at the end of ``save_checkpoint`` (not decoupled) or in the
+    next ``engine.step()`` (decoupled, via ``get_commit_info``); ``load(path, map_location)`` per
+    file of a ``load_checkpoint``; ``cleanup()`` in ``engine.destroy()``. :func:`attach` adds
+    :meth:`commit_in_background` at the end of ``save_checkpoint`` and :meth:`flush` at the start
+    of ``load_checkpoint``; a normal interpreter exit flushes too."""
 
     def __init__(self, config_params: Any = None, *, decoupled: bool = True,
                  timeout_s: float = 1800.0, **save_options: Any):
@@ -148,14 +219,17 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                             f"decoupled, data_parallel, timeout_s and the gds_persist.save "
                             f"keywords {', '.join(sorted(SAVE_OPTIONS))}")
         self.decoupled = decoupled
+        self.decoupled_reason = "requested explicitly"
         self.timeout_s = timeout_s
         self.save_options = save_options
         self.split_reason = "no engine attached"
         self.group = background_group(settings.current().collective_timeout_s)
         self.infos: list[SaveInfo] = []  # this rank's writes of the newest committed save
         self._pending: CheckpointCommitInfo | None = None  # created, not yet committed
+        self._committing: Future[int] | None = None  # the pending save's queued commit
         self._writes: list[tuple[str, Future[Any]]] = []
         self._executor: ThreadPoolExecutor | None = None
+        _live.add(self)
 
     # ------------------------------------------------------------------ DeepSpeed's calls
 
@@ -167,8 +241,7 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
     def create(self, info: CheckpointCommitInfo) -> None:
         """Start the save of ``info.tag``; an uncommitted earlier one is committed first."""
-        if self._pending is not None:
-            self.commit(self._pending)
+        self.flush()
         self._pending = info
 
     def save(self, state_dict: Any, path: str) -> None:
@@ -193,13 +266,17 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make ``info.tag`` durable on every rank, then (rank 0, ``info.save_latest``) write
         ``save_dir/latest`` atomically. Raises on every rank, naming the failed rank and
-        file, if any write failed; ``latest`` is then left as it was."""
-        self._pending = None
-        comm = make_comm(self.group, settings.current().collective_timeout_s)
-        what = f"gds_persist commit of DeepSpeed checkpoint {info.tag!r} in {info.save_dir}"
-        keep = f"; 'latest' in {info.save_dir} was not changed"
-        comm.agree("durable", self._finish_writes, what, keep)
-        comm.agree("latest", lambda: self._publish(info, comm.rank), what, keep)
+        file, if any write failed; ``latest`` is then left as it was. Where the commit was
+        queued by :meth:`commit_in_background`, waits for it (bounded)."""
+        self._pending, committing, self._committing = None, self._committing, None
+        if committing is None:
+            self._commit_now(info, self._take_writes())
+        else:
+            result_within(committing, self.timeout_s + settings.current().collective_timeout_s,
+                          f"the commit of DeepSpeed checkpoint {info.tag!r}")
+        # ``latest`` is written (atomically); DeepSpeed's own rewrite of it after a decoupled
+        # commit is a plain open-and-write that a kill can leave empty: skip it
+        info.save_latest = False
         return True
 
     def get_commit_info(self) -> CheckpointCommitInfo | None:
@@ -208,39 +285,53 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def cleanup(self) -> None:
         """``engine.destroy()``: commit the pending save, stop the writer thread."""
         try:
-            if self._pending is not None:
-                self.commit(self._pending)
-            self.wait()
+            self.flush()
         finally:
             if self._executor is not None:
                 self._executor.shutdown(wait=False)
                 self._executor = None
+
+    # ------------------------------------------------------------------ the edges of a save
+
+    def commit_in_background(self) -> None:
+        """Decoupled, at the end of ``save_checkpoint``: queue the pending save's commit behind
+        its writes, so it becomes visible once durable, without waiting for ``engine.step()``."""
+        info = self._pending
+        if info is None or self._committing is not None or not self.decoupled:
+            return
+        writes = self._take_writes()
+        self._committing = self._executor_().submit(self._commit_now, info, writes)
+
+    def flush(self) -> None:
+        """Commit the pending save (waiting for a queued commit), then any other writes."""
+        if self._pending is not None:
+            self.commit(self._pending)
+        self.wait()
+
+    def _commit_now(self, info: CheckpointCommitInfo,
+                    writes: list[tuple[str, Future[Any]]]) -> int:
+        comm = make_comm(self.group, settings.current().collective_timeout_s)
+        what = f"gds_persist commit of DeepSpeed checkpoint {info.tag!r} in {info.save_dir}"
+        keep = f"; 'latest' in {info.save_dir} was not changed"
+        written = comm.agree("durable", lambda: self._finish_writes(writes), what, keep)
+        comm.agree("latest", lambda: self._publish(info, comm.rank), what, keep)
+        return int(written[comm.rank])
 
     # ------------------------------------------------------------------ the writes
 
     def wait(self) -> list[SaveInfo | None]:
         """Block (at most ``timeout_s``) until this rank's queued writes are done; raise the
         first error. Returns their infos (None for a file another rank wrote)."""
-        writes, self._writes = self._writes, []  # touched by the caller's thread only
-        deadline = time.monotonic() + self.timeout_s
-        results: list[SaveInfo | None] = []
-        error: BaseException | None = None
-        for path, future in writes:
-            try:
-                results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
-            except BaseException as e:  # noqa: BLE001 - the first is raised, after the rest
-                error = error or (e if future.done() else CheckpointTimeout(  # the wait ran out
-                    f"the write of {path} did not finish within {self.timeout_s:g} s (slow or "
-                    "hung storage?); it goes on in the background. Raise attach(engine, "
-                    "timeout_s=...) if the storage is only slow"))
-        if error is not None:
-            raise error
-        return results
+        return _results(self._take_writes(), self.timeout_s)
 
-    def _finish_writes(self) -> int:
+    def _take_writes(self) -> list[tuple[str, Future[Any]]]:
+        writes, self._writes = self._writes, []  # touched by the caller's thread only
+        return writes
+
+    def _finish_writes(self, writes: list[tuple[str, Future[Any]]]) -> int:
         """This rank's files durable (each was fsynced and renamed in place, its directory
         fsynced; here the tag directory's entry too); the bytes it wrote."""
-        self.infos = [i for i in self.wait() if i is not None]
+        self.infos = [i for i in _results(writes, self.timeout_s) if i is not None]
         for tag_dir in sorted({os.path.dirname(i.path) for i in self.infos}):
             fsync_path(os.path.dirname(tag_dir))
         return sum(i.rank_bytes if isinstance(i, DistributedSaveInfo) else i.bytes_written
@@ -277,9 +368,31 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if not self.decoupled:
             self._writes.append((path, _done(write)))
             return
+        self._writes.append((path, self._executor_().submit(write)))
+
+    def _executor_(self) -> ThreadPoolExecutor:
         if self._executor is None:
             self._executor = ThreadPoolExecutor(1, thread_name_prefix="gds_persist-deepspeed")
-        self._writes.append((path, self._executor.submit(write)))
+        return self._executor
+
+
+def _results(writes: list[tuple[str, Future[Any]]], timeout_s: float) -> list[Any]:
+    """Every write's result, waiting at most ``timeout_s`` in all; the first error raised after
+    the rest were waited for."""
+    deadline = time.monotonic() + timeout_s
+    results: list[Any] = []
+    error: BaseException | None = None
+    for path, future in writes:
+        try:
+            results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
+        except BaseException as e:  # noqa: BLE001 - the first is raised, after the rest
+            error = error or (e if future.done() else CheckpointTimeout(  # the wait ran out
+                f"the write of {path} did not finish within {timeout_s:g} s (slow or "
+                "hung storage?); it goes on in the background. Raise attach(engine, "
+                "timeout_s=...) if the storage is only slow"))
+    if error is not None:
+        raise error
+    return results
 
 
 def _detached(state: Any) -> tuple[Any, bytes]:
@@ -300,3 +413,25 @@ def _done(write: Callable[[], Any]) -> Future[Any]:
         future.set_exception(e)
     return future
 
+
+
+_live: weakref.WeakSet[GdsPersistCheckpointEngine] = weakref.WeakSet()
+
+
+def _flush_at_exit() -> None:
+    """Interpreter exit: commit every engine's last save rather than lose it (bounded)."""
+    for ours in list(_live):
+        try:
+            ours.cleanup()
+        except Exception as e:  # noqa: BLE001 - nothing is left to raise it to
+            log.error("gds_persist DeepSpeed engine at exit: the last checkpoint was not "
+                      "committed: %s: %s", type(e).__name__, e)
+
+
+# Before concurrent.futures refuses new work at shutdown (a save uses thread pools): threading's
+# exit hooks run last-registered first, and concurrent.futures is imported above.
+_register = getattr(threading, "_register_atexit", None)
+if _register is not None:
+    _register(_flush_at_exit)
+else:  # pragma: no cover - Python without threading._register_atexit
+    atexit.register(_flush_at_exit)
