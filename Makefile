@@ -25,7 +25,7 @@ test: venv
 
 bench: venv
 	@command -v fio >/dev/null || { [ "$$(id -u)" = 0 ] && (apt-get update -qq && apt-get install -y -qq fio >/dev/null) || echo "fio not installed: the drive limit will be a plain O_DIRECT stream"; }
-	$(PY) bench/bench_io.py $(BENCH_ARGS)
+	$(PY) bench/bench_io.py --svg bench/out/bench_io.svg $(BENCH_ARGS)
 	$(PY) bench/bench_restore.py $(RESTORE_ARGS)
 
 lint: venv

@@ -32,7 +32,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 import gds_persist  # noqa: E402
-from bench import machine, methods, report  # noqa: E402
+from bench import chart, machine, methods, report  # noqa: E402
 from bench.drive import DriveProbe, fio_version  # noqa: E402
 from bench.state import DTYPES, make_state_dict, summarize  # noqa: E402
 from gds_persist.progress import cli_progress  # noqa: E402
@@ -110,6 +110,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="directory on the drive to test; a temporary subdirectory is created "
                         "and removed (default: bench/out/ in the repository)")
     p.add_argument("--json", dest="json_out", default=None, help="write everything to this file")
+    p.add_argument("--svg", dest="svg_out", default=None,
+                   help="write the bar chart here as SVG (bench/chart.py, no dependency; "
+                        "make bench writes bench/out/bench_io.svg)")
     p.add_argument("--png", dest="png_out", default=None,
                    help="write a bar chart here (needs matplotlib; skipped with a message)")
     p.add_argument("--methods", default=None,
@@ -375,6 +378,11 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
     if args.json_out:
         report.to_json(record, args.json_out)
         print(f"JSON written to {args.json_out}")
+    if args.svg_out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.svg_out)), exist_ok=True)
+        git = facts["versions"].get("gds_persist_git")
+        print(chart.write_svg(record, args.svg_out, f"{started[:10]}"
+                              + (f", gds_persist at {git}" if git else "")))
     if args.png_out:
         print(report.to_png(record, args.png_out))
     return record

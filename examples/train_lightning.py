@@ -4,7 +4,9 @@
     python examples/train_lightning.py --ckpt-dir /tmp/lit --steps 12    # resumes at step 6
 
 ``Trainer(plugins=[GdsPersistCheckpointIO()])``: ModelCheckpoint keeps the 2 best checkpoints and
-``last.ckpt`` as gds_persist directories (atomic, fsynced, CRC32C-verified on load), and
+``last.ckpt`` as ``.ckpt`` files in torch.save's format (the plugin's default,
+``format="torch"``), written by gds_persist's engine (aligned O_DIRECT writes, atomic, fsynced,
+a CRC32C of every storage that gds_persist checks on load; ``torch.load`` opens them too), and
 ``trainer.fit(ckpt_path=...)`` resumes from them bit-exactly (checkpoints at epoch ends).
 ``--background`` writes each checkpoint from a host snapshot while training goes on.
 """

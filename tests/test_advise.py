@@ -318,7 +318,8 @@ def test_cli_levels_size_the_memory_tier_from_shares(capsys):
     (["--drive-dwpd", "1", "--drive-tbw", "100", "--drive-capacity", "1TB"], "not both"),
     (["--node-mtbf=-1h"], "bad duration '-1h': must be finite and >= 0"),
     (["--node-mtbf", "0"], "node_mtbf_s = 0.0: .* must be positive"),
-    (["--cost", "3"], "--cost belong to the one-level advice"),
+    (["--cost", "3"], "--cost belongs to the one-level advice"),
+    (["--cost", "3", "--mtbf", "1d"], "--cost, --mtbf belong to the one-level advice"),
     (["--drive-tbw", "100", "--wear-share", "2"], "wear share 2.0"),
     (["--nodes", "0"], "--nodes and --drives-per-node must be >= 1"),
     (["--params", "13e9"], "--checkpoint-size or --params, not both"),
@@ -417,4 +418,7 @@ def test_cli_one_level_rejects_the_two_level_options(capsys):
     for extra in (["--drive-cost", "5"], ["--replicas", "2"], ["--restore-memory", "10"],
                   ["--measure-drive", "/tmp"]):
         assert cli.main(["advise", "--cost", "3", "--mtbf", "1d", *extra]) == 2
-        assert f"{extra[0]} belong to the two-level advice" in capsys.readouterr().err
+        assert f"{extra[0]} belongs to the two-level advice" in capsys.readouterr().err
+    assert cli.main(["advise", "--cost", "3", "--mtbf", "1d", "--drive-cost", "5",
+                     "--replicas", "2"]) == 2
+    assert "--replicas, --drive-cost belong to the two-level" in capsys.readouterr().err

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import xml.etree.ElementTree as ET
 
 import pytest
 
@@ -17,14 +18,18 @@ from gds_persist.backends import supports_o_direct
 
 def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
     out_json = tmp_path / "bench.json"
+    out_svg = tmp_path / "chart" / "bench.svg"  # make bench's --svg, into a new folder
     record = bench_io.main(["--size", "4MiB", "--runs", "2", "--dir", str(tmp_path),
-                            "--json", str(out_json), "--dcp-threads", "1,2"])
+                            "--json", str(out_json), "--dcp-threads", "1,2",
+                            "--svg", str(out_svg)])
     captured = capsys.readouterr()
     printed = captured.out
 
     expected = {"gds-buffered", "torch", "dcp", "safetensors"}
     if supports_o_direct(str(tmp_path))[0]:
         expected.add("gds-direct")
+    assert f"SVG chart written to {out_svg}" in printed
+    assert ET.parse(out_svg).getroot().tag == "{http://www.w3.org/2000/svg}svg"
     data = json.loads(out_json.read_text())
     assert data["schema"] == "gds_persist-bench/1"
     assert data == json.loads(json.dumps(record, default=str))
@@ -71,7 +76,7 @@ def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
         assert any(label in ln for ln in table), label
     assert len(data["order"]) == 2 and data["order"][0] != data["order"][1]  # rotated
     assert "elapsed" in printed
-    assert not [p for p in tmp_path.iterdir() if p.name != "bench.json"]  # cleaned up
+    assert not [p for p in tmp_path.iterdir() if p.name not in ("bench.json", "chart")]  # tidy
 
 
 def test_method_subset_and_png_message(tmp_path, capsys):

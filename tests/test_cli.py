@@ -99,6 +99,70 @@ def test_truncated_file_fails_verify(ckpt: Path, capsys: pytest.CaptureFixture[s
     assert "TruncatedError" in capsys.readouterr().err
 
 
+def test_verify_help_names_every_exit_status_it_returns(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit, match="0"):
+        main(["verify", "--help"])
+    flat = " ".join(capsys.readouterr().out.split())
+    for line in ("0 every extent read back and matched its checksum", "1 at least one extent did "
+                 "not match", "2 the checkpoint could not be read: missing, not committed, a "
+                 "data file truncated or missing", "3 the file records no checksums"):
+        assert line in flat, flat
+    with pytest.raises(SystemExit, match="0"):
+        main(["--help"])
+    assert "1 on a mismatch, 2 when it cannot" in " ".join(capsys.readouterr().out.split())
+
+
+def test_inspect_lists_the_leaves_that_are_not_tensors(ckpt: Path,
+                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["inspect", str(ckpt)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    at = lines.index(next(line for line in lines if "other leaves (not tensors)" in line))
+    assert [line.split() for line in lines[at + 1:]] == [["['step']", "3"]]
+
+
+def test_version() -> None:
+    r = _cli("--version", cwd=REPO)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout == f"gds-persist {gds_persist.__version__}\n"
+
+
+def test_a_closed_pipe_ends_the_command_quietly(ckpt: Path) -> None:
+    """`gds-persist inspect CKPT | head`: the reader goes before the output is written. A fresh
+    interpreter, not a fork: the failure was the interpreter's own last flush of stdout."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GDS_PERSIST_")}
+    env["PYTHONPATH"] = str(REPO)
+    for args in (["inspect", str(ckpt)], ["plan", "--params", "13e9", "--sweep"]):
+        with subprocess.Popen([sys.executable, "-m", "gds_persist", *args], env=env,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              cwd=ckpt.parent) as p:
+            assert p.stdout is not None and p.stderr is not None
+            p.stdout.close()  # long before the command prints (importing torch takes seconds)
+            err = p.stderr.read().decode()
+            status = p.wait(timeout=120)
+        assert status == 141, err  # what `cat big | head` leaves: 128 + SIGPIPE
+        assert err == "", f"{args}: {err}"
+
+
+def test_a_checkpointer_root_or_its_pointer_names_what_to_load(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ckpt"
+    with gds_persist.Checkpointer(root, keep_last=2) as ckpt:
+        for step in (1, 2):
+            ckpt.save(step, {"w": torch.ones(2), "step": step})
+    assert main(["verify", str(root)]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert (f"a Checkpointer root holding 2 committed step(s), step-00000001 to step-00000002: "
+            f"load the newest with gds_persist.Checkpointer({str(root)!r}).load(), or name one "
+            f"step ({root / 'step-00000002'}") in err
+    with pytest.raises(gds_persist.NotACheckpointDirectoryError,
+                       match=(f"pointer to its newest step \\(step-00000002\\), not a "
+                              f"checkpoint: load that step, {root / 'step-00000002'}, or .*"
+                              f"Checkpointer\\('{root}'\\).load\\(\\)")):
+        gds_persist.load(root / "latest")
+    assert main(["verify", str(root / "step-00000002")]) == 0
+
+
 def test_usage_errors(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit, match="2"):
         main([])
@@ -117,9 +181,11 @@ def test_every_command_is_discovered_with_its_help(command: str,
         main([command, "--help"])
     out = capsys.readouterr().out
     assert out.startswith(f"usage: gds-persist {command} ")
+    assert "``" not in out  # docstrings' reST literals show plain
     with pytest.raises(SystemExit, match="0"):
         main(["--help"])
     listing = capsys.readouterr().out
+    assert "``" not in listing
     assert f"    {command} " in listing or f"    {command}\n" in listing  # with its HELP line
 
 

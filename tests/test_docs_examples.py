@@ -160,3 +160,14 @@ def test_results_the_docs_cite_exist() -> None:
     missing = [f"{file}: {p}" for file, p in sorted(cited) if not glob.glob(str(REPO / p))]
     assert not missing, f"cited results that do not exist: {missing}"
     assert len(cited) > 10, cited  # the pattern still finds them
+
+
+def test_the_results_index_names_every_file_kept() -> None:
+    """bench/results/README.md lists every file there and nothing that is not."""
+    results = REPO / "bench/results"
+    named = {p.rstrip("/") for cell in re.findall(r"`(20[^`]*)`",
+                                                  (results / "README.md").read_text())
+             for p in _expand(cell)}
+    kept = {p.name for p in results.iterdir()} - {"README.md"}
+    assert kept - named == set(), "add these to bench/results/README.md, or git rm them"
+    assert named - kept == set(), "bench/results/README.md names files that are not there"

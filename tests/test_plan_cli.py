@@ -33,6 +33,23 @@ def test_sweep_table_shows_fastpersists_argument(capsys: pytest.CaptureFixture[s
     assert max(part_pct) - min(part_pct) < 1.0  # partitioned: a constant share of an iteration
 
 
+def test_plan_assumes_no_iteration_time(capsys: pytest.CaptureFixture[str]) -> None:
+    """Without --iteration-s the times are printed alone, never as a share of a made-up one."""
+    assert main(["plan", "--params", "1e9"]) == 0
+    out = capsys.readouterr().out
+    assert "4.677 s" in out and "0.585 s" in out and "iteration\n" not in out.split("(give")[0]
+    assert "%" not in out and "(give --iteration-s, the seconds of one training iteration" in out
+    assert main(["plan", "--params", "1e9", "--sweep", "8,16"]) == 0
+    out = capsys.readouterr().out
+    assert "%iter" not in out and "iter s" not in out and "scaling from" not in out
+    assert [line.split()[-1] for line in out.splitlines()[3:5]] == ["8x", "16x"]
+    assert "(give --iteration-s" in out
+    assert main(["plan", "--params", "1e9", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["iteration_s"] is None and data["single_writer_fraction_of_iteration"] is None
+    assert data["single_writer_s"] == pytest.approx(4.677, abs=1e-3)
+
+
 def test_plan_json_and_options(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--params", "1.3e9", "--dp", "32", "--writers-per-node", "2",
                  "--drives-per-node", "2", "--node-gbps", "4", "--json"]) == 0

@@ -28,6 +28,7 @@ import errno
 import hashlib
 import os
 import pickle
+import re
 import time
 import weakref
 from collections.abc import Callable, Iterable
@@ -257,6 +258,14 @@ def open_file(path: str) -> OpenFile:
                 raise ManifestError(f"{path}: not a valid safetensors file: {e}") from None
             manifest = foreign.safetensors_manifest(os.path.basename(path), size, header)
             return OpenFile(path, fd, read_at(0, header.data_start), manifest, None)
+        pointed = _pointer_target(read_at(0, 64)) if size <= 64 else None
+        if pointed is not None:
+            root = os.path.dirname(path) or "."
+            raise NotACheckpointDirectoryError(
+                errno.ENOTDIR, f"{path} is a Checkpointer's pointer to its newest step "
+                f"({pointed}), not a checkpoint: load that step, "
+                f"{os.path.join(root, pointed)}, or the root's newest committed step with "
+                f"gds_persist.Checkpointer({root!r}).load()")
         raise NotACheckpointDirectoryError(
             errno.ENOTDIR, f"{path} is a file but neither a torch.save archive nor a "
             "safetensors file, so not a checkpoint gds_persist reads (a legacy torch.save "
@@ -299,6 +308,33 @@ def _torch_file(path: str, read_at: Callable[[int, int], bytes],
     manifest = foreign.torch_manifest(os.path.basename(path), size, sk, offsets, checksums,
                                       writer)
     return manifest, raw + data, data, zip_crcs
+
+
+# A Checkpointer root holds step-N directories and ``latest``, a file naming the newest
+# (gds_persist/training/steps.py writes them). This layer knows only their names, to point
+# someone who opens the root or the pointer as a checkpoint at what to open instead.
+_STEP_NAME = re.compile(r"step-\d+")
+
+
+def _pointer_target(head: bytes) -> str | None:
+    """The step a Checkpointer's ``latest`` names, when ``head`` is such a file's content."""
+    text = head.decode("ascii", "replace").strip()
+    return text if _STEP_NAME.fullmatch(text) else None
+
+
+def _root_hint(path: str) -> str:
+    """What to load instead when the directory ``path`` is a Checkpointer root; "" if not."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return ""
+    steps = sorted(n for n in names if _STEP_NAME.fullmatch(n)
+                   and os.path.isfile(os.path.join(path, n, MANIFEST_NAME)))
+    if not steps:
+        return ""
+    return (f"but a Checkpointer root holding {len(steps)} committed step(s), {steps[0]} to "
+            f"{steps[-1]}: load the newest with gds_persist.Checkpointer({path!r}).load(), or "
+            f"name one step ({os.path.join(path, steps[-1])}; gds-persist verify takes it too)")
 
 
 def replaced_message(path: str, why: str) -> str:
@@ -346,7 +382,8 @@ def _open_once(path: str, last_try: bool) -> OpenCheckpoint:
                 raise CheckpointReplacedError(replaced_message(path, "replaced")) from None
             raise NotCommittedError(
                 f"{path} has no manifest.json: it is not a committed gds_persist checkpoint "
-                "(an interrupted save leaves only a hidden .NAME.tmp-* sibling)"
+                + (_root_hint(path) or "(an interrupted save leaves only a hidden "
+                   ".NAME.tmp-* sibling)")
             ) from None
         raw = _read_and_close(fd)
         manifest = parse_manifest(raw, os.path.join(path, MANIFEST_NAME))

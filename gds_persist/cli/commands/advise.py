@@ -141,7 +141,7 @@ def _run_one(args: argparse.Namespace) -> int:
                          "--node-mtbf, --replica-loss-mtbf")
     stray = [f"--{n.replace('_', '-')}" for n in LEVEL_ONLY if getattr(args, n, None) is not None]
     if stray:
-        raise ValueError(f"{', '.join(stray)} belong to the two-level advice: give the MTBF per "
+        raise ValueError(f"{_belong(stray)} to the two-level advice: give the MTBF per "
                          "level (--process-mtbf, --node-mtbf, --replica-loss-mtbf) instead of "
                          "--mtbf")
     iteration = parse_duration(args.iteration_time) if args.iteration_time else None
@@ -159,6 +159,11 @@ def _run_one(args: argparse.Namespace) -> int:
                iteration_s=iteration, per_iteration_cost_s=per_iteration, drive_bytes=worn,
                budget=budget, wear_share=_share(args))
     return _print(args, a.to_dict(), describe(a))
+
+
+def _belong(flags: list[str]) -> str:
+    """``--a belongs`` / ``--a, --b belong``: the start of a message about misplaced flags."""
+    return f"{', '.join(flags)} {'belongs' if len(flags) == 1 else 'belong'}"
 
 
 def _print(args: argparse.Namespace, numbers: dict[str, object], lines: list[str]) -> int:
@@ -228,7 +233,7 @@ def _check_level_args(args: argparse.Namespace) -> None:
     mixed = [f"--{n.replace('_', '-')}" for n in ("cost", "mtbf", "per_iteration_cost",
                                                    "from_bench") if getattr(args, n)]
     if mixed:
-        raise ValueError(f"{', '.join(mixed)} belong to the one-level advice; with per-level "
+        raise ValueError(f"{_belong(mixed)} to the one-level advice; with per-level "
                          "MTBFs give the costs per tier (--memory-cost, --replica-cost, "
                          "--drive-cost or their --*-gbps)")
     if args.iteration_time is None:

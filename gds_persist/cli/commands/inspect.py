@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+from collections.abc import Iterator
 
-from ...format import DTYPES, Extent, Manifest, full_tree
-from ...format.tree import tensor_paths
+from ...format import DTYPES, Extent, Manifest, full_tree, tree
+from ...format.tree import KeyPath, path_str, tensor_paths
 from ...loading.load import read_manifest
 
-HELP = ("list tensors, dtypes, shapes, sizes, extents and checksums; what is referenced in "
-        "base checkpoints and what is compressed")
+HELP = ("list tensors (dtypes, shapes, sizes, extents, checksums) and the other leaves "
+        "(step, config values); what is referenced in base checkpoints and what is compressed")
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
@@ -72,7 +73,29 @@ def run(args: argparse.Namespace) -> int:
             f"  {paths.get(i, '?'):<48} {t.dtype:<14} {str(list(t.shape)):<20} {nbytes:>12}  "
             f"storage {t.storage}: {where or '(empty)'}"
         )
+    others = list(_other_leaves(full_tree(m)))
+    if others:
+        print(f"  {'other leaves (not tensors)':<48} value")
+        for path, value in others:
+            print(f"  {path_str(path):<48} {value}")
     return 0
+
+
+def _other_leaves(node: object, path: KeyPath = ()) -> Iterator[tuple[KeyPath, str]]:
+    """(key path, value as printed) of every leaf that is not a tensor, in tree order; modules'
+    ``_metadata`` (version records) left out."""
+    k = tree.kind(node)
+    if k in tree.SEQUENCES or k in tree.MAPPINGS:
+        for key, child in tree.children(node):
+            if key != tree.META_KEY:
+                yield from _other_leaves(child, tree.child_path(path, key))
+    elif k is None:
+        text = repr(node)
+        yield path, text if len(text) <= 60 else text[:57] + "..."
+    elif k == tree.FLOAT:
+        yield path, node["v"]  # type: ignore[index]
+    elif k not in (tree.TENSOR, tree.LOCAL):
+        yield path, f"<{k}>"  # numpy values, bytes, paths, enums, pickles
 
 
 def _extent_text(m: Manifest, e: Extent) -> str:

@@ -53,8 +53,10 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    help="cap on one node's total write GB/s (PCIe/host limit); default none")
     p.add_argument("--writers-per-node", type=_positive(int), default=None,
                    help="writing ranks per node (default: every rank)")
-    p.add_argument("--iteration-s", type=_positive(float), default=1.0,
-                   help="training iteration time in seconds at --dp GPUs")
+    p.add_argument("--iteration-s", type=_positive(float), default=None,
+                   help="training iteration time in seconds at --dp GPUs; with it, each time "
+                        "is also shown as a share of an iteration (without it, no share is "
+                        "shown: none is assumed)")
     p.add_argument("--sweep", nargs="?", const=DEFAULT_SWEEP, default=None, metavar="GPUS",
                    help=f"table over data-parallel degrees (default {DEFAULT_SWEEP})")
     p.add_argument("--scaling", choices=("strong", "weak"), default="strong",
@@ -64,19 +66,27 @@ def arguments(p: argparse.ArgumentParser) -> None:
 
 
 def _scenario(args: argparse.Namespace) -> Scenario:
+    # the model's fractions divide by iteration_s; without --iteration-s none is printed
     return Scenario(params=args.params, dp=args.dp, bytes_per_param=args.bytes_per_param,
                     gpus_per_node=args.gpus_per_node, drives_per_node=args.drives_per_node,
                     drive_gbps=args.drive_gbps, node_gbps=args.node_gbps,
-                    writers_per_node=args.writers_per_node, iteration_s=args.iteration_s)
+                    writers_per_node=args.writers_per_node, iteration_s=args.iteration_s or 1.0)
 
 
-def _as_dict(p: Prediction) -> dict[str, object]:
+def _as_dict(p: Prediction, timed: bool) -> dict[str, object]:
+    """The prediction as JSON; ``timed``: --iteration-s was given (else the iteration time and
+    the shares of it are null)."""
     return {**asdict(p.scenario), "nodes": p.nodes, "writers": p.writers,
             "checkpoint_bytes": p.checkpoint_bytes, "writer_balance": p.writer_balance,
             "node_balance": p.node_balance, "single_writer_s": p.single_s,
             "partitioned_s": p.partitioned_s, "speedup": p.speedup,
-            "single_writer_fraction_of_iteration": p.single_fraction,
-            "partitioned_fraction_of_iteration": p.partitioned_fraction}
+            "single_writer_fraction_of_iteration": p.single_fraction if timed else None,
+            "partitioned_fraction_of_iteration": p.partitioned_fraction if timed else None,
+            **({} if timed else {"iteration_s": None})}
+
+
+NO_ITERATION = ("(give --iteration-s, the seconds of one training iteration, to see these "
+                "times as a share of an iteration)")
 
 
 def _pct(x: float) -> str:
@@ -85,10 +95,11 @@ def _pct(x: float) -> str:
 
 def run(args: argparse.Namespace) -> int:
     base = _scenario(args)
+    timed = args.iteration_s is not None
     if args.sweep is None:
         p = predict(base)
         if args.json:
-            print(json.dumps(_as_dict(p), indent=1))
+            print(json.dumps(_as_dict(p, timed), indent=1))
             return 0
         s = base
         print(f"{s.params:.3g} parameters x {s.bytes_per_param} B/param: checkpoint "
@@ -98,11 +109,16 @@ def run(args: argparse.Namespace) -> int:
               + (f", node cap {s.node_gbps:g} GB/s" if s.node_gbps else ""))
         print(f"plan: {p.writers} writers; bytes per writer max/mean {p.writer_balance:.4f}; "
               f"per node max/mean {p.node_balance:.4f}")
-        print(f"  {'single writer (one rank, one drive)':<40} {p.single_s:10.3f} s = "
-              f"{_pct(p.single_fraction):>7} of a {s.iteration_s:g} s iteration")
-        print(f"  {f'partitioned ({p.writers} writers)':<40} {p.partitioned_s:10.3f} s = "
-              f"{_pct(p.partitioned_fraction):>7} of the iteration")
+        single = f"  {'single writer (one rank, one drive)':<40} {p.single_s:10.3f} s"
+        part = f"  {f'partitioned ({p.writers} writers)':<40} {p.partitioned_s:10.3f} s"
+        if timed:
+            single += f" = {_pct(p.single_fraction):>7} of a {s.iteration_s:g} s iteration"
+            part += f" = {_pct(p.partitioned_fraction):>7} of the iteration"
+        print(single)
+        print(part)
         print(f"  speed-up {p.speedup:.1f}x")
+        if not timed:
+            print(NO_ITERATION)
         return 0
     try:
         gpus = [int(g) for g in args.sweep.split(",") if g.strip()]
@@ -117,20 +133,27 @@ def run(args: argparse.Namespace) -> int:
         iteration = base.iteration_s * (base.dp / g if args.scaling == "strong" else 1.0)
         rows.append(predict(replace(base, dp=g, iteration_s=iteration)))
     if args.json:
-        print(json.dumps([_as_dict(p) for p in rows], indent=1))
+        print(json.dumps([_as_dict(p, timed) for p in rows], indent=1))
         return 0
     s = base
     size = rows[0].checkpoint_bytes / 1e9
     print(f"{s.params:.3g} parameters x {s.bytes_per_param} B = {size:.1f} GB "
           f"checkpoint; {s.gpus_per_node} GPUs and {s.drives_per_node} drives of "
-          f"{s.drive_gbps:g} GB/s per node; {args.scaling} scaling from {s.iteration_s:g} s "
-          f"per iteration at {s.dp} GPUs")
-    header = (f"{'GPUs':>6} {'nodes':>6} {'writers':>8} {'balance':>8} {'iter s':>8} "
-              f"{'single s':>9} {'%iter':>7} {'part. s':>8} {'%iter':>7} {'speed-up':>9}")
+          f"{s.drive_gbps:g} GB/s per node"
+          + (f"; {args.scaling} scaling from {s.iteration_s:g} s per iteration at {s.dp} GPUs"
+             if timed else ""))
+    pct = f" {'%iter':>7}" if timed else ""
+    header = (f"{'GPUs':>6} {'nodes':>6} {'writers':>8} {'balance':>8}"
+              + (f" {'iter s':>8}" if timed else "")
+              + f" {'single s':>9}{pct} {'part. s':>8}{pct} {'speed-up':>9}")
     print(header)
     print("-" * len(header))
     for p in rows:
-        print(f"{p.scenario.dp:>6} {p.nodes:>6} {p.writers:>8} {p.writer_balance:>8.4f} "
-              f"{p.scenario.iteration_s:>8.3g} {p.single_s:>9.2f} {_pct(p.single_fraction):>7} "
-              f"{p.partitioned_s:>8.3f} {_pct(p.partitioned_fraction):>7} {p.speedup:>8.0f}x")
+        single = f" {_pct(p.single_fraction):>7}" if timed else ""
+        part = f" {_pct(p.partitioned_fraction):>7}" if timed else ""
+        print(f"{p.scenario.dp:>6} {p.nodes:>6} {p.writers:>8} {p.writer_balance:>8.4f}"
+              + (f" {p.scenario.iteration_s:>8.3g}" if timed else "")
+              + f" {p.single_s:>9.2f}{single} {p.partitioned_s:>8.3f}{part} {p.speedup:>8.0f}x")
+    if not timed:
+        print(NO_ITERATION)
     return 0

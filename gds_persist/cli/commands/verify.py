@@ -9,8 +9,20 @@ import time
 from ...loading.verify import verify
 from ...progress import cli_progress
 
-HELP = ("re-read and checksum every extent; exit 1 on any mismatch, 3 when the file records "
-        "no checksums")
+HELP = ("re-read and checksum every extent; exit 0 when all match, 1 on a mismatch, 2 when it "
+        "cannot be read, 3 when it records no checksums")
+DESCRIPTION = """Re-read every extent of a checkpoint (a directory, a torch.save or a safetensors
+file) and check its CRC32C.
+
+exit status:
+  0  every extent read back and matched its checksum
+  1  at least one extent did not match (each is printed, naming its tensor, file and offset)
+  2  the checkpoint could not be read: missing, not committed, a data file truncated or
+     missing, a manifest that does not validate (the error names which, and what to do)
+  3  the file records no checksums (a safetensors file, or a torch.save file written without
+     CRCs): nothing could be checked
+"""
+FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
 def arguments(p: argparse.ArgumentParser) -> None:
