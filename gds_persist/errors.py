@@ -95,6 +95,16 @@ class ReplicationError(DistributedError):
     """State promised to be replicated differs between ranks (structure, sizes or checksums)."""
 
 
+class TornCheckpointError(CheckpointError):
+    """A tensor's bytes changed between ``save()`` and the moment they were written (a forward
+    pass, another optimizer, user code): the checkpoint would mix two states, so it is refused
+    and not committed; earlier checkpoints are intact. ``tensors`` names them."""
+
+    def __init__(self, message: str, tensors: list[str] | None = None):
+        super().__init__(message)
+        self.tensors = list(tensors or [])
+
+
 class CheckpointTimeout(CheckpointError, TimeoutError):
     """A bounded wait on background checkpoint work (a :class:`gds_persist.Checkpointer`) ran
     out: the write is still running (slow or hung storage); or a save waited ``io_timeout_s``

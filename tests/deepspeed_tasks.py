@@ -255,3 +255,38 @@ def edges(ctx: Any, root: str, decoupled: bool) -> dict[str, Any]:
     engine.destroy()
     torch.distributed.barrier()
     return out
+
+
+def batchnorm(ctx: Any, root: str, decoupled: bool = True) -> dict[str, Any]:
+    """A save of a model with BatchNorm after every step: the next step's forward changes the
+    running statistics while a decoupled save writes. Each tag's model states must equal a copy
+    of the module's state taken at ``save_checkpoint`` on data-parallel rank 0 (each rank's
+    statistics are its own batches'; DeepSpeed keeps rank 0's, and so must the split write)."""
+    from gds_persist.integrations.deepspeed import attach, flush
+
+    ds = _deepspeed(ctx)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(HIDDEN, HIDDEN), torch.nn.BatchNorm1d(HIDDEN),
+                                torch.nn.ReLU(), torch.nn.Linear(HIDDEN, HIDDEN))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 1},
+              "zero_allow_untested_optimizer": True, "steps_per_print": 10**9}
+    engine, _, _, _ = ds.initialize(model=model, optimizer=opt, config=config)
+    attach(engine, decoupled=decoupled)
+    save_dir = os.path.join(root, f"batchnorm-{decoupled}")
+    expected = {}
+    for step in range(4):
+        _step(engine, step, ctx.rank)
+        expected[f"t{step}"] = _tensors(engine.module.state_dict())
+        engine.save_checkpoint(save_dir, tag=f"t{step}")
+    g = torch.Generator().manual_seed(99)
+    engine(torch.randn(4, HIDDEN, generator=g))  # the last save overlaps a forward too
+    flush(engine)
+    out = {}
+    for tag, want in expected.items():
+        saved = torch.load(os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"),
+                           weights_only=False)["module"]
+        out[tag] = _same(want, _tensors(saved))
+    engine.destroy()
+    torch.distributed.barrier()
+    return out

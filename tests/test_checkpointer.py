@@ -418,7 +418,7 @@ def test_process_writer_error_comes_back_with_its_type(tmp_path):
 def test_dead_helper_process_is_detected_and_replaced(tmp_path):
     with Checkpointer(tmp_path, mode="snapshot", writer="process", timeout_s=60) as ckpt:
         ckpt.save(1, small(1)).wait()
-        ckpt._helper_job_extra = {"test_sleep_s": 30}
+        ckpt._tiers.helper_job_extra = {"test_sleep_s": 30}
         h = ckpt.save(2, small(2))
         h.wait_released(timeout=30)
         time.sleep(0.5)  # the job has reached the helper, which sleeps in it
@@ -428,6 +428,6 @@ def test_dead_helper_process_is_detected_and_replaced(tmp_path):
                                              r"writing step 2"):
             h.wait()
         assert time.monotonic() - t0 < 10
-        ckpt._helper_job_extra = {}
+        ckpt._tiers.helper_job_extra = {}
         ckpt.save(3, small(3)).wait()  # a new helper
         assert ckpt.steps() == [1, 3] and ckpt.latest_step() == 3

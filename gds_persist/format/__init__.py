@@ -14,7 +14,7 @@ This module only re-exports them.
 from __future__ import annotations
 
 from . import codec, hashing, leaves, tree
-from .checksum import crc32c, crc32c_combine
+from .checksum import crc32c, crc32c_combine, joined_crcs
 from .hashing import content_hash
 from .manifest import (
     CHECKSUM_ALGORITHM,
@@ -92,6 +92,7 @@ __all__ = [
     "content_hash",
     "crc32c",
     "crc32c_combine",
+    "joined_crcs",
     "data_file_name",
     "data_file_path",
     "dtype_name",

@@ -9,6 +9,7 @@ CRCs of device memory: :mod:`gds_persist.transfer.crc`.
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import crc32c as _crc32c_impl
@@ -104,3 +105,22 @@ def crc32c_segmented(data: bytes | bytearray | memoryview, segment_bytes: int) -
         hi = min(lo + segment_bytes, n)
         total ^= crc32c_shift(crc32c(view[lo:hi]), n - hi)
     return total
+
+
+def joined_crcs(pieces: Iterable[tuple[int, int, int, int]],
+                sizes: Sequence[int]) -> list[int | None]:
+    """Each storage's CRC32C from its pieces ``(storage, start, length, crc32c)`` (extents, maybe
+    written by several ranks), joined in order of ``start``; None for a storage of ``sizes`` whose
+    pieces do not tile ``[0, size)`` exactly (nothing to say about its whole bytes)."""
+    by_storage: dict[int, list[tuple[int, int, int]]] = {}
+    for storage, start, length, crc in pieces:
+        by_storage.setdefault(storage, []).append((start, length, crc))
+    out: list[int | None] = []
+    for k, size in enumerate(sizes):
+        crc, end = 0, 0
+        for start, length, piece in sorted(by_storage.get(k, [])):
+            if start != end:
+                break
+            crc, end = crc32c_combine(crc, piece, length), end + length
+        out.append(crc if end == size else None)
+    return out

@@ -29,7 +29,10 @@ otherwise (``decoupled=None``, the default): decoupled where the DeepSpeed confi
 ``checkpoint.writer.decoupled``, else not, as stock DeepSpeed saves. Not decoupled,
 ``save_checkpoint`` returns once every rank's files are durable and ``latest`` names the tag,
 as with stock DeepSpeed. Decoupled, ``save`` pickles the state's Python objects at once and
-queues the write of its tensors on one background thread; when
+queues the write of its tensors on one background thread, after copying every tensor that
+``engine.step()`` does not hold back (buffers such as BatchNorm's statistics, ``client_state``;
+:mod:`gds_persist.training.capture`), so the files hold the state as it was at
+``save_checkpoint``, checked at the commit; when
 ``save_checkpoint`` returns, the commit (every rank's files durable, then ``latest`` written
 atomically by rank 0) is queued behind the writes, so the checkpoint becomes visible as soon
 as its bytes are durable, while the next step runs. The next ``engine.step()`` waits for that
@@ -55,12 +58,10 @@ Where the replicas' pickles differ (e.g. a rank-specific ``client_state``, or te
 
 from __future__ import annotations
 
-import atexit
 import functools
 import logging
 import os
 import re
-import threading
 import time
 import weakref
 import zipfile
@@ -82,6 +83,8 @@ from ..parallel.distributed import background_group, make_comm
 from ..results import DistributedSaveInfo, SaveInfo
 from ..saving.save import save as gds_save
 from ..saving.torch_file import PickledState
+from ..training.at_exit import before_thread_pools_stop
+from ..training.capture import Capture, StorageId, fingerprints, held_by, storage_id
 from ..transfer.atomic_file import AtomicFile
 from ..transfer.commit import fsync_path
 from ..transfer.pipeline import result_within
@@ -92,6 +95,8 @@ __all__ = ["SAVE_OPTIONS", "GdsPersistCheckpointEngine", "attach", "flush"]
 SAVE_OPTIONS = frozenset({"backend", "block_bytes", "staging_bytes", "io_threads"})
 # the file every data-parallel rank of ZeRO 0-2 holds alike (DeepSpeed's _get_ckpt_name)
 SHARED_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
+# ZeRO 1-2 optimizers' flat buffers, which the optimizer step alone changes
+ZERO_FLAT_TENSORS = ("single_partition_of_fp32_groups", "bit16_groups_flat")
 
 
 def attach(engine: Any, *, decoupled: bool | None = None, data_parallel: bool = True,
@@ -124,6 +129,7 @@ def attach(engine: Any, *, decoupled: bool | None = None, data_parallel: bool = 
     ours = GdsPersistCheckpointEngine(decoupled=decoupled, timeout_s=timeout_s, **save_options)
     ours.decoupled_reason = reason
     ours.split_reason = _split_refusal(engine, data_parallel, ours.group)
+    ours.held = functools.partial(_held_by_engine, weakref.ref(engine))
     if not ours.split_reason:
         engine.save_non_zero_checkpoint = True  # every dp rank writes its range of the file
     if old is not None and old.is_decoupled():
@@ -158,6 +164,23 @@ def configured_decoupling(engine: Any) -> tuple[bool, str]:
     return False, ("the DeepSpeed config does not set checkpoint.writer.decoupled: "
                    "save_checkpoint returns once the checkpoint is committed, as stock "
                    "DeepSpeed's does")
+
+
+def _held_by_engine(engine_ref: Callable[[], Any]) -> set[StorageId]:
+    """What ``engine.step()`` changes only after it committed the pending save: the module's
+    parameters and the optimizer's tensors (its state, ZeRO's flat partitions). A decoupled save
+    reads them live; everything else (buffers, tensors in ``client_state``) is copied at save."""
+    engine = engine_ref()
+    if engine is None:
+        return set()
+    held = {storage_id(p.untyped_storage()) for p in engine.module.parameters()}
+    optimizer = engine.optimizer
+    inner = getattr(optimizer, "optimizer", None)
+    held |= held_by([o for o in (optimizer, inner) if isinstance(o, torch.optim.Optimizer)])
+    for name in ZERO_FLAT_TENSORS:
+        held.update(storage_id(t.untyped_storage()) for t in getattr(optimizer, name, None) or []
+                    if isinstance(t, torch.Tensor))
+    return held
 
 
 def _flush_at_the_edges(engine: Any, ours: GdsPersistCheckpointEngine) -> None:
@@ -229,6 +252,9 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._committing: Future[int] | None = None  # the pending save's queued commit
         self._writes: list[tuple[str, Future[Any]]] = []
         self._executor: ThreadPoolExecutor | None = None
+        self._capture = Capture()
+        # what engine.step() holds until the pending save is committed (attach sets it)
+        self.held: Callable[[], set[StorageId]] = set
         _live.add(self)
 
     # ------------------------------------------------------------------ DeepSpeed's calls
@@ -248,9 +274,12 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         """Queue (or, not decoupled, run) the write of ``state_dict`` as the file ``path``."""
         path = os.path.abspath(os.fspath(path))
         state, pickled = _detached(state_dict)
+        held = self.held()
+        if self.decoupled:  # the file holds the state as it is now (training/capture.py)
+            state, _ = self._capture(state, held)
         split = (not self.split_reason and SHARED_FILE.fullmatch(os.path.basename(path))
                  is not None)
-        write = (self._shared_write(state, path, replica_digest(pickled).encode()) if split
+        write = (self._shared_write(state, path, _replica_digest(pickled, state, held)) if split
                  else self._write(state, path))
         self._submit(path, write)
 
@@ -405,6 +434,14 @@ def _detached(state: Any) -> tuple[Any, bytes]:
     return pickled.flattened(), pickled.data
 
 
+def _replica_digest(pickled: bytes, state: Any, held: set[StorageId]) -> bytes:
+    """What the replicas of a shared file must agree on to split its write: the pickle, and
+    the bytes of every storage ``engine.step()`` does not keep equal across data-parallel
+    ranks - buffers such as BatchNorm's statistics, computed on each rank's own batches."""
+    own = [s for s in state.storage_objects if storage_id(s) not in held]
+    return (replica_digest(pickled) + repr(fingerprints(own))).encode()
+
+
 def _done(write: Callable[[], Any]) -> Future[Any]:
     future: Future[Any] = Future()
     try:
@@ -428,10 +465,4 @@ def _flush_at_exit() -> None:
                       "committed: %s: %s", type(e).__name__, e)
 
 
-# Before concurrent.futures refuses new work at shutdown (a save uses thread pools): threading's
-# exit hooks run last-registered first, and concurrent.futures is imported above.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_flush_at_exit)
-else:  # pragma: no cover - Python without threading._register_atexit
-    atexit.register(_flush_at_exit)
+before_thread_pools_stop(_flush_at_exit)

@@ -38,6 +38,7 @@ from ..stages import stage
 from ..state.flatten import Flattened
 from ..transfer.commit import aborted_on_error, begin_file, file_in, seal_file, writer_record
 from ..transfer.writer import write_at, write_plan
+from .as_saved import refuse_changed
 from .options import SaveOptions
 from .units import backend_for, with_fallback
 
@@ -50,6 +51,7 @@ class PickledState:
 
     data: bytes
     entries: list[StorageEntry]
+    crc_at_save: list[int | None] | None = None  # as Flattened.crc_at_save, one per entry
 
     @classmethod
     def of(cls, state: Any, allow_pickle: bool) -> PickledState:
@@ -66,7 +68,8 @@ class PickledState:
         """The storages as a :class:`Flattened` (its tree: this object), for the snapshot
         machinery of the background writers, which copies ``storage_objects``."""
         return Flattened(self, [], [StorageRecord(e.storage.nbytes(), e.location)
-                                    for e in self.entries], [e.storage for e in self.entries])
+                                    for e in self.entries], [e.storage for e in self.entries],
+                         self.crc_at_save)
 
     @staticmethod
     def over(flat: Flattened) -> PickledState:
@@ -75,7 +78,8 @@ class PickledState:
         pickled = flat.tree
         assert isinstance(pickled, PickledState)
         return PickledState(pickled.data, [replace(e, storage=s) for e, s in
-                                           zip(pickled.entries, flat.storage_objects, strict=True)])
+                                           zip(pickled.entries, flat.storage_objects, strict=True)],
+                            flat.crc_at_save)
 
 
 def save_torch_file(state: Any, path: str, options: SaveOptions, t0: float) -> SaveInfo:
@@ -90,7 +94,9 @@ def save_torch_file(state: Any, path: str, options: SaveOptions, t0: float) -> S
         counter = ByteCounter(options.progress, plan.size)
         sealed = write_plan(be, tmp.dir, [plan], sources, cfg, counter.hook)
         reason = with_fallback(be, reason)
-        tail = layout.tail(storage_crcs(layout, sealed), writer_record(be.name, reason))
+        crcs = storage_crcs(layout, sealed)
+        refuse_changed(pickled.crc_at_save, crcs, lambda k: f"data/{entries[k].key}", path)
+        tail = layout.tail(crcs, writer_record(be.name, reason))
         write_at(be, file_in(tmp), layout.tail_offset, tail)
         counter.finish()
     with stage("commit (rename)"):

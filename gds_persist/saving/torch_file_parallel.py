@@ -29,7 +29,7 @@ from dataclasses import replace
 from typing import Any
 
 from ..errors import ReplicationError
-from ..format import Extent, align_up, crc32c_combine
+from ..format import Extent, align_up, joined_crcs
 from ..format.layout import FilePlan
 from ..format.torch_pickle import replica_digest
 from ..parallel.distributed import Comm, make_comm
@@ -37,6 +37,7 @@ from ..progress import ByteCounter
 from ..results import DistributedSaveInfo
 from ..transfer.commit import Temporary, abort, begin_file, file_in, seal_file, writer_record
 from ..transfer.writer import write_at, write_plan
+from .as_saved import refuse_changed
 from .options import SaveOptions
 from .torch_file import PickledState, archive_plan
 from .units import backend_for, with_fallback
@@ -93,7 +94,8 @@ def _lay_out(held: dict[str, Any], path: str, comm: Comm) -> None:
     data = comm.broadcast_bytes(own.data if comm.rank == 0 else None, 0, "pickle of " + path)
     layout, plan, sources = archive_plan(path, PickledState(data, own.entries))
     held.update(layout=layout, plan=plan, sources=sources, entries=own.entries,
-                payload=sum(e.storage.nbytes() for e in own.entries))
+                payload=sum(e.storage.nbytes() for e in own.entries), path=path,
+                crc_at_save=own.crc_at_save, keys=[e.key for e in own.entries])
 
 
 def _start(held: dict[str, Any], path: str, options: SaveOptions,
@@ -171,24 +173,13 @@ def _commit(held: dict[str, Any], reports: list[dict[str, Any]], comm: Comm,
     if comm.rank != 0:
         return
     layout, tmp = held["layout"], held["tmp"]
-    crcs = _joined([p for r in reports for p in r["pieces"]], len(layout.storages))
+    sizes = [e.storage.nbytes() for e in held["entries"]]
+    joined = joined_crcs([tuple(p) for r in reports for p in r["pieces"]], sizes)
+    crcs = [0 if c is None else c for c in joined]  # None only where a storage has no bytes
+    refuse_changed(held["crc_at_save"], crcs, lambda k: f"data/{held['keys'][k]}", held["path"])
     tail = layout.tail(crcs, writer_record(reports[0]["backend"], reports[0]["reason"],
                                            world_size=comm.size))
     write_at(held["backend"], file_in(tmp), layout.tail_offset, tail)
     held["size"] = layout.tail_offset + len(tail)
     seal_file(tmp, timeout_s)
     held["tmp"] = None  # committed: nothing to abort
-
-
-def _joined(pieces: list[list[int]], storages: int) -> list[int]:
-    """Each storage's CRC32C from the CRC32C of its pieces (every rank's), joined in order."""
-    by_storage: dict[int, list[tuple[int, int, int]]] = {}
-    for storage, start, length, crc in pieces:
-        by_storage.setdefault(storage, []).append((start, length, crc))
-    out = [0] * storages
-    for storage, parts in by_storage.items():
-        crc = 0
-        for _, length, piece in sorted(parts):
-            crc = crc32c_combine(crc, piece, length)
-        out[storage] = crc
-    return out

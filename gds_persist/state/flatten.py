@@ -53,6 +53,10 @@ class Flattened:
     tensors: list[TensorRecord]
     storages: list[StorageRecord]
     storage_objects: list[torch.UntypedStorage]  # live memory, same order as ``storages``
+    # CRC32C of each storage's bytes when save() was called (training/capture.py): a save
+    # whose written bytes differ is refused (TornCheckpointError); None: nothing to check (for
+    # one storage: a private copy taken at save())
+    crc_at_save: list[int | None] | None = None
 
 
 def _reject(path: tuple[Any, ...], what: str, fix: str) -> TypeError:

@@ -107,9 +107,11 @@ def join(split: Split) -> Flattened:
     n_t, n_s = len(rep.tensors), len(rep.storages)
     tree = _tree.mapping(list(_JOINED), [
         _tree.sequence([n_t, n_s]), rep.tree, _tree.shift_tensors(loc.tree, n_t)])
+    crcs = (None if rep.crc_at_save is None or loc.crc_at_save is None
+            else rep.crc_at_save + loc.crc_at_save)
     return Flattened(tree, rep.tensors + [replace(t, storage=t.storage + n_s)
                                           for t in loc.tensors],
-                     rep.storages + loc.storages, rep.storage_objects + loc.storage_objects)
+                     rep.storages + loc.storages, rep.storage_objects + loc.storage_objects, crcs)
 
 
 def unjoin(flat: Flattened) -> Split:
@@ -117,10 +119,12 @@ def unjoin(flat: Flattened) -> Split:
     counts, rep_tree, loc_tree = flat.tree["v"]
     n_t, n_s = counts["v"]
     local_tensors = [replace(t, storage=t.storage - n_s) for t in flat.tensors[n_t:]]
+    crcs = flat.crc_at_save
     return Split(
-        Flattened(rep_tree, flat.tensors[:n_t], flat.storages[:n_s], flat.storage_objects[:n_s]),
+        Flattened(rep_tree, flat.tensors[:n_t], flat.storages[:n_s], flat.storage_objects[:n_s],
+                  None if crcs is None else crcs[:n_s]),
         Flattened(_tree.shift_tensors(loc_tree, -n_t), local_tensors, flat.storages[n_s:],
-                  flat.storage_objects[n_s:]))
+                  flat.storage_objects[n_s:], None if crcs is None else crcs[n_s:]))
 
 
 def locate(tree: Any) -> dict[int, KeyPath]:

@@ -37,14 +37,12 @@ context and side streams, staging ring, backend probe, kvikio/cuFile start-up, d
 so that the first checkpoint is not the slow one; the first write waits for it (bounded).
 ``warmup=False`` skips it; ``ckpt.warmup_report`` says what it did.
 
-The caller must not change a save's tensors until its handle is released: ``guard(optimizer)``
-holds optimizer updates until then; otherwise call ``handle.wait_released()``.
+What a save holds (:mod:`.capture`): every tensor bit for bit as it was when ``save`` was
+called, whatever changes it afterwards, or the save fails with TornCheckpointError naming it.
 
-Threads: one writer thread (plus a snapshot thread in snapshot mode) per Checkpointer. Their bulk
-work (``copy_``, CRC32C, ``pwrite``, ``fsync``) releases the GIL, but core ``save``'s Python
-around it does not: a training loop that is itself mostly Python waits for it (measured in
-docs/TRAINING.md). ``writer="process"`` (snapshot mode) moves the write to a helper process
-(:mod:`.helper`); training then only copies into the shared arena. Every wait is bounded
+Threads: one writer thread (plus a snapshot thread in snapshot mode). Their bulk work releases
+the GIL; core ``save``'s Python around it does not (docs/TRAINING.md). ``writer="process"``
+(snapshot mode) writes from a helper process (:mod:`.helper`). Every wait is bounded
 (``timeout_s``) and watches the threads and the helper: one that dies fails the save it was
 doing (a new one takes the next), never hangs.
 
@@ -59,7 +57,6 @@ snapshot arena (:mod:`.snapshot`), where each step goes (:mod:`.tiers`).
 
 from __future__ import annotations
 
-import atexit
 import logging
 import operator
 import os
@@ -81,6 +78,8 @@ from ..results import WarmupReport
 from ..saving.compression import check_mode as check_compression
 from ..transfer.warmup import BackgroundWarmup
 from . import steps as _steps
+from .at_exit import before_thread_pools_stop
+from .capture import Capture, held_by
 from .handles import CheckpointerStats, Job, Pending, SaveHandle, add_note
 from .helper import HelperProcess
 from .mode import ModeChoice, choose_mode, host_memory
@@ -105,6 +104,11 @@ _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 class Checkpointer:
     """Per-step checkpoints under ``root`` written in the background, with retention.
 
+    Guaranteed: each checkpoint holds every tensor as it was when ``save`` was called, whatever
+    changes it afterwards (a forward pass, an EMA, user code), or that save fails naming the
+    tensor. Cost: at ``save``, a CRC32C of the tensors the guarded optimizer holds or that did
+    not change, and a copy of the others (small ones, BatchNorm statistics, a changed EMA).
+
     ``keep_last``: committed checkpoints to keep (None keeps all); the newest is only removed
     once a newer one is committed. ``mode``: ``"auto"`` (default), ``"fence"`` or ``"snapshot"``
     (see the module doc). ``snapshot_bytes``: the snapshot arena's size; default twice the first
@@ -116,25 +120,22 @@ class Checkpointer:
     rank only once that is done. ``timeout_s``: bound on every wait for background work.
     ``max_pending``: saves in flight before ``save`` waits for the oldest to commit (default 2 in
     fence mode; unbounded in snapshot mode, where the arena bounds memory). ``writer``:
-    ``"thread"`` (default) or ``"process"`` (snapshot mode only: a helper process writes the
-    snapshots, so core ``save``'s Python takes no GIL from training). ``allow_pickle``: as
-    :func:`gds_persist.save` (objects no node kind holds are stored pickled; not with a
-    ``process_group``). ``warmup``: start :func:`gds_persist.warmup` for ``root`` in the
-    background now (default True).
+    ``"thread"`` (default) or ``"process"`` (snapshot mode: a helper process writes).
+    ``allow_pickle``: as :func:`gds_persist.save` (not with a ``process_group``). ``warmup``:
+    start :func:`gds_persist.warmup` for ``root`` in the background now (default True).
 
     ``incremental=True``: every checkpoint records BLAKE3-128 content hashes, and each save refers
     to the previous committed step (``save(..., base=...)``) for every unit whose bytes did not
-    change - frozen weights, embeddings that rarely change - instead of writing it again.
-    Retention keeps every step a kept step refers to. ``compression``: ``"none"``,
+    change (frozen weights) instead of writing it again; retention keeps what kept steps need.
+    ``compression``: ``"none"``,
     ``"lossless"`` or ``"auto"`` as for :func:`gds_persist.save` (default: the setting).
 
     ``memory_root``: a node-local tmpfs directory (``/dev/shm/...``) for the memory tier
     (``docs/RECOVERY.md``): every ``memory_every`` steps each rank commits its byte-range share
     of the replicated state there and copies it to ``replicas`` ranks on other nodes (default 1
     where the group spans several nodes, else 0; the node is ``$GDS_PERSIST_NODE`` or the host
-    name), a copy bounded by ``peer_timeout_s`` per chunk (:class:`PeerLostError` names a peer
-    that died); every ``drive_every`` steps the state goes to ``root`` as well. A step in
-    neither tier is not written. ``load()`` restores from the nearest verified copies.
+    name), a copy bounded by ``peer_timeout_s`` per chunk; every ``drive_every`` steps the
+    state goes to ``root`` too. ``load()`` restores from the nearest verified copies.
     ``rank_local``: key paths of per-rank state (ZeRO shards), as :func:`gds_persist.save`;
     needs a ``process_group``; each rank keeps its own in either tier (``docs/RECOVERY.md``).
     """
@@ -206,6 +207,8 @@ class Checkpointer:
         self._rollback_to: int | None = None
         self._snapshot_bytes = snapshot_bytes
         self._snapshots: ArenaOwner | None = None  # snapshot mode: the arena, at the first save
+        self._capture = Capture()
+        self._guarded: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
         self._streams = DeviceStreams()
         self._workers = Workers(self._prepare)
         self._closed = False  # no new saves
@@ -265,6 +268,8 @@ class Checkpointer:
             return self._skip(step)
         # TypeError naming the key, here rather than in the thread
         flat = self._tiers.flatten(state_dict, self.allow_pickle)
+        # every tensor as it is now: copied, held by a guard, or unchanged (checked at commit)
+        flat, captured = self._capture(flat, held_by(self._guarded))
         if self.mode == "auto":
             self._use_mode(choose_mode(snapshot_nbytes(flat),
                                        any(s.is_cuda for s in flat.storage_objects),
@@ -283,6 +288,8 @@ class Checkpointer:
             self._floor = step
             self._pending.add(handle)
             self._stats.saves += 1
+            self._stats.copied_at_save_bytes += captured.copied
+            self._stats.read_live_bytes += captured.held + captured.unchanged
         self._workers.put("snapshot" if mode == "snapshot" else "write", job)
         if blocking:
             handle.wait()
@@ -304,6 +311,7 @@ class Checkpointer:
         its tensors, and its error is raised by the next ``save``/``wait``, not by the step.
         """
         ref = weakref.ref(self)
+        self._guarded.add(optimizer)  # its tensors are read live: save() need not copy them
 
         def wait_for_checkpoints(opt: Any, args: Any, kwargs: Any) -> None:
             ckpt = ref()
@@ -470,14 +478,6 @@ class Checkpointer:
     def _threads(self) -> dict[str, threading.Thread]:
         return self._workers.threads
 
-    @property
-    def _helper_job_extra(self) -> dict[str, Any]:  # e.g. {"test_sleep_s": 5}
-        return self._tiers.helper_job_extra
-
-    @_helper_job_extra.setter
-    def _helper_job_extra(self, extra: dict[str, Any]) -> None:
-        self._tiers.helper_job_extra = extra
-
     # ---------------------------------------------------------------- waiting and errors
 
     def _check_workers(self) -> None:
@@ -550,7 +550,8 @@ class Checkpointer:
                 f = job.flat
                 offsets = self._snapshots.copy(f, job.reservation)
                 job.remote = {"tree": f.tree, "tensors": f.tensors, "storages": f.storages,
-                              "offsets": offsets, "arena": self._snapshots.shared}
+                              "offsets": offsets, "arena": self._snapshots.shared,
+                              "crc_at_save": f.crc_at_save}
                 job.flat = None
             else:
                 job.flat = self._snapshots.take(job.flat, job.reservation)
@@ -590,11 +591,4 @@ def _close_at_exit() -> None:
                       type(e).__name__, e)
 
 
-# Run before concurrent.futures refuses new work at shutdown (a save uses a thread pool):
-# threading's exit hooks run last-registered first, and the imports above (transfer.staging,
-# through ..loading.load and .tiers' ..saving.save) imported concurrent.futures.
-_register = getattr(threading, "_register_atexit", None)
-if _register is not None:
-    _register(_close_at_exit)
-else:  # pragma: no cover - Python without threading._register_atexit
-    atexit.register(_close_at_exit)
+before_thread_pools_stop(_close_at_exit)

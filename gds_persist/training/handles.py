@@ -40,6 +40,10 @@ class CheckpointerStats:
     snapshot_blocked: int = 0  # snapshots that waited for arena memory
     snapshot_blocked_s: float = 0.0
     fence_fallbacks: int = 0  # snapshot-mode saves too large for the arena, written fence-style
+    # what save() did with the bytes it was given (training/capture.py): copied at once, or read
+    # live later (held by a guarded optimizer, or unchanged since the last save) and checked
+    copied_at_save_bytes: int = 0
+    read_live_bytes: int = 0
     snapshot_bytes: int = 0  # arena capacity (0 until the first snapshot)
     snapshot_peak_bytes: int = 0  # most arena bytes ever reserved at once (<= snapshot_bytes)
     mode: str = ""  # "fence" or "snapshot": the mode in force ("auto" until the first save)

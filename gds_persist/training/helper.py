@@ -178,7 +178,8 @@ def main(conn: Connection, parent: int) -> None:
             views = [torch.frombuffer(maps[key], dtype=torch.uint8, count=s.nbytes, offset=off)
                      if s.nbytes else torch.empty(0, dtype=torch.uint8)
                      for s, off in zip(job["storages"], job["offsets"], strict=True)]
-            flat = over_copies(job["tree"], job["tensors"], job["storages"], views)
+            flat = over_copies(job["tree"], job["tensors"], job["storages"], views,
+                               job["crc_at_save"])
             info = save(flat, job["path"], **job["kwargs"])
             del flat, views  # nothing here may touch the arena bytes once the answer is sent
             conn.send(("ok", job["seq"], info))

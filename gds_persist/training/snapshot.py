@@ -195,11 +195,13 @@ def copy_storages(flat: Flattened, arena: SnapshotArena, r: Reservation) -> list
 
 
 def over_copies(tree: Any, tensors: list[TensorRecord], storages: list[StorageRecord],
-                views: list[torch.Tensor]) -> Flattened:
+                views: list[torch.Tensor],
+                crc_at_save: list[int | None] | None = None) -> Flattened:
     """The Flattened of a snapshot: ``views[i]`` holds the bytes of storage ``i`` (its own
     storage); the tree and records are those of the live state, so each storage keeps the
-    device it was saved from."""
-    return Flattened(tree, list(tensors), list(storages), [v.untyped_storage() for v in views])
+    device it was saved from, and the CRCs taken at ``save()`` still check what is written."""
+    return Flattened(tree, list(tensors), list(storages), [v.untyped_storage() for v in views],
+                     crc_at_save)
 
 
 def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Flattened:
@@ -207,7 +209,7 @@ def take_snapshot(flat: Flattened, arena: SnapshotArena, r: Reservation) -> Flat
     offsets = copy_storages(flat, arena, r)
     views = [arena.view(r, off - r.offset, s.nbytes)
              for off, s in zip(offsets, flat.storages, strict=True)]
-    return over_copies(flat.tree, flat.tensors, flat.storages, views)
+    return over_copies(flat.tree, flat.tensors, flat.storages, views, flat.crc_at_save)
 
 
 class ArenaOwner:
