@@ -377,7 +377,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=6, help="timed iterations per method and round")
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--modes", default=",".join(m for m in MODES if not m.endswith("_uncaptured")))
+    p.add_argument("--modes", default=",".join(MODES))
     p.add_argument("--variant", choices=VARIANTS, default="gpt",
                    help="batchnorm: with a BatchNorm layer; frozen: a frozen base beside a "
                         "trained adapter")

@@ -267,3 +267,31 @@ def test_accelerate_save_state_holds_the_batchnorm_statistics_of_its_save(
     for step, want in saved.items():
         got = gds_persist.load(tmp_path / f"step-{step}")
         assert_tree_equal(got["models"][0], want, f"step {step}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["fence", "snapshot"])
+def test_on_a_gpu_batchnorm_statistics_changed_on_the_stream_are_those_of_the_save(
+        tmp_path: Path, mode: str) -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: the capture's copies and CRCs of device memory")
+    run = Run()
+    run.model.cuda()
+    run.optimizer = torch.optim.AdamW(run.model.parameters(), lr=1e-2)
+    run.g = torch.Generator().manual_seed(1)
+    side = torch.cuda.Stream()
+    with _checkpointer(tmp_path, mode=mode) as ckpt:
+        ckpt.guard(run.optimizer)
+        for step in range(1, STEPS + 1):
+            x = torch.randn(8, 16, generator=run.g).cuda()
+            with torch.cuda.stream(side):  # training on a stream of its own
+                side.wait_stream(torch.cuda.current_stream())
+                run.model(x).pow(2).mean().backward()
+                run.optimizer.step()
+                run.optimizer.zero_grad()
+            torch.cuda.current_stream().wait_stream(side)
+            state = run.state(step)
+            run.expected[step] = _clone(state)
+            run.paths[step] = ckpt.save(step, state).path
+        run.model(torch.randn(8, 16, generator=run.g).cuda())  # the last save overlaps it
+    run.check(lambda s: gds_persist.load(run.paths[s], map_location="cuda"))

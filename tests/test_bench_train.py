@@ -43,6 +43,19 @@ def test_bench_train_tiny(tmp_path, capsys):
     assert os.listdir(tmp_path) == ["bench.json"]  # its checkpoints are removed
 
 
+@pytest.mark.parametrize("variant", ["batchnorm", "frozen"])
+def test_bench_train_variants_pair_the_capture_with_it_switched_off(tmp_path, capsys, variant):
+    bench = _bench_module()
+    modes = "gds_fence,gds_fence_uncaptured,gds_snapshot,gds_snapshot_uncaptured"
+    report = bench.main(["--tiny", "--dir", str(tmp_path), "--variant", variant, "--modes", modes])
+    text = capsys.readouterr().out
+    assert f"model: GPT ({variant})" in text
+    for mode in ("gds_fence", "gds_snapshot"):
+        assert f"{mode} - {mode}_uncaptured: " in text
+        assert "what capturing every tensor costs" in text
+        assert report["results"][f"{mode}_uncaptured"]["samples"] == 2
+
+
 def test_gil_contention_tiny(tmp_path, capsys):
     bench = _bench_module("gil_contention")
     out = tmp_path / "gil.json"

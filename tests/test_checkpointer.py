@@ -162,11 +162,14 @@ def test_guard_makes_the_update_wait_for_the_write(tmp_path):
         train_step(model, opt, 2)
         assert seen == [None, True]
         assert ckpt.stats.guard_waits == 1 and ckpt.stats.guard_wait_s > 0.1
-        hook.remove()  # without the guard the update does not wait
+        hook.remove()  # without the guard the update does not wait: save() copies the tensors
+        at_save = {k: v.clone() for k, v in model.state_dict().items()}
         handles.append(ckpt.save(2, state(model, opt, 2)))
         train_step(model, opt, 3)
         assert seen[-1] is False
         assert handles[-1].wait().path.endswith(step_name(2))
+        saved = gds_persist.load(handles[-1].path)["model"]
+        assert all(torch.equal(saved[k], v) for k, v in at_save.items())
 
 
 def test_close_waits_is_idempotent_and_refuses_saves(tmp_path):

@@ -27,6 +27,7 @@ Cost, per save, on the training thread: one CRC32C pass over the storages read l
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, replace
 from typing import Any
@@ -59,6 +60,21 @@ def held_by(optimizers: Iterable[Any]) -> set[StorageId]:
             held.update(storage_id(v.untyped_storage()) for v in state.values()
                         if isinstance(v, torch.Tensor))
     return held
+
+
+class GuardHandle:
+    """``Checkpointer.guard``'s result: while it stands, the optimizer's tensors are held (read
+    live); ``remove()`` drops the hook, and from then on ``save`` copies them."""
+
+    def __init__(self, hook: Any, optimizer: Any, guarded: weakref.WeakSet[Any]):
+        self._hook, self._optimizer, self._guarded = hook, weakref.ref(optimizer), guarded
+        guarded.add(optimizer)
+
+    def remove(self) -> None:
+        self._hook.remove()
+        optimizer = self._optimizer()
+        if optimizer is not None:
+            self._guarded.discard(optimizer)
 
 
 @dataclass

@@ -79,7 +79,7 @@ from ..saving.compression import check_mode as check_compression
 from ..transfer.warmup import BackgroundWarmup
 from . import steps as _steps
 from .at_exit import before_thread_pools_stop
-from .capture import Capture, held_by
+from .capture import Capture, GuardHandle, held_by
 from .handles import CheckpointerStats, Job, Pending, SaveHandle, add_note
 from .helper import HelperProcess
 from .mode import ModeChoice, choose_mode, host_memory
@@ -306,19 +306,19 @@ class Checkpointer:
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step()`` wait until in-flight saves no longer read the tensors.
 
-        Returns the hook's handle (``.remove()`` undoes it). The wait is bounded by ``timeout_s``
-        and raises :class:`CheckpointTimeout` or :class:`WorkerDied`; a save that failed releases
-        its tensors, and its error is raised by the next ``save``/``wait``, not by the step.
+        Returns a handle whose ``.remove()`` undoes it (its tensors are then copied at ``save``).
+        The wait is bounded by ``timeout_s`` and raises :class:`CheckpointTimeout` or
+        :class:`WorkerDied`; a failed save's error is raised by the next ``save``/``wait``.
         """
         ref = weakref.ref(self)
-        self._guarded.add(optimizer)  # its tensors are read live: save() need not copy them
 
         def wait_for_checkpoints(opt: Any, args: Any, kwargs: Any) -> None:
             ckpt = ref()
             if ckpt is not None:
                 ckpt.wait_released()
 
-        return optimizer.register_step_pre_hook(wait_for_checkpoints)
+        return GuardHandle(optimizer.register_step_pre_hook(wait_for_checkpoints), optimizer,
+                           self._guarded)
 
     def wait_released(self, timeout: float | None = None) -> None:
         """Block until saves so far and a restore's healing no longer read the tensors (guard)."""
