@@ -29,3 +29,42 @@ def checkpoint_steps(ctx: Any, root: str, steps: int, mode: str) -> dict[str, An
     return {"rank": ctx.rank, "latest": ckpt.latest_step(), "steps": ckpt.steps(),
             "loaded_step": loaded["step"], "same": same, "tied": tied,
             "publisher": ckpt._publisher}
+
+
+def edited_after_save(ctx: Any, root: str) -> dict[str, Any]:
+    """A data-parallel Checkpointer with a rank-local part: step 1 is clean; after ``save(2)``
+    rank 1 edits its rank-local tensor (read live: the guarded optimizer holds it) before the
+    writer reads it. Every rank must see step 2 refused, naming rank 1's storage; step 1
+    stays the latest."""
+    import threading
+
+    from gds_persist import Checkpointer, CheckpointError
+
+    group = ctx.group(ctx.world)
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(64, 16))
+    opt = torch.optim.SGD([w], lr=0.1, momentum=0.9)
+    w.grad = torch.ones_like(w)
+    opt.step()  # the momentum buffer exists: per-rank state below
+    mine = opt.state[w]["momentum_buffer"]
+    mine.add_(ctx.rank)  # the ranks' rank-local parts differ
+    ckpt = Checkpointer(root, keep_last=None, mode="fence", process_group=group,
+                        rank_local="local")
+    ckpt.guard(opt)
+    gate = threading.Event()
+    ckpt._before_write = lambda step: gate.wait(30)
+    gate.set()
+    ckpt.save(1, {"w": w, "local": {"m": mine}}).wait()
+    gate.clear()
+    handle = ckpt.save(2, {"w": w, "local": {"m": mine}})
+    if ctx.rank == 1:
+        mine.mul_(2)  # before the write read it
+    gate.set()
+    out: dict[str, Any] = {"error": ""}
+    try:
+        handle.wait()
+    except CheckpointError as e:  # rank 0's TornCheckpointError, agreed on by every rank
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["latest"] = ckpt.latest_step()
+    ckpt.close()
+    return out

@@ -28,3 +28,12 @@ def test_checkpointer_with_a_process_group(gang, tmp_path, mode):
         assert r["latest"] == 4 and r["steps"] == [3, 4], r
         assert r["loaded_step"] == 4 and r["same"] and r["tied"], r
     assert (tmp_path / "ckpt" / "latest").read_text() == "step-00000004\n"
+
+
+def test_a_rank_local_tensor_changed_before_its_write_fails_the_save_on_every_rank(
+        gang, tmp_path):
+    for r in gang.run(tasks.edited_after_save, str(tmp_path / "ckpt")):
+        assert r["error"].startswith("DistributedError"), r
+        assert "raised TornCheckpointError" in r["error"], r
+        assert "rank 1's rank-local storage 0 changed after save()" in r["error"], r
+        assert r["latest"] == 1, r

@@ -13,6 +13,7 @@ is committed. No byte is read again: the cost is one combine per extent.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from ..errors import TornCheckpointError
 from ..format import Extent, joined_crcs, storage_keys
@@ -52,3 +53,22 @@ def refuse_torn_directory(flat: Flattened, extents: Sequence[Extent], what: str)
                           [s.nbytes for s in flat.storages])
     keys = storage_keys(flat.tree, flat.tensors)
     refuse_changed(flat.crc_at_save, written, lambda k: keys.get(k, f"storage {k}"), what)
+
+
+def refuse_torn_shares(replicated: Flattened, infos: Sequence[dict[str, Any]],
+                       extents: Sequence[Extent], what: str) -> None:
+    """:func:`refuse_changed` on the rank that commits a data-parallel save: the replicated
+    storages against its own CRCs at ``save()``, each rank's rank-local ones (which follow them
+    in the manifest, in rank order) against the CRCs that rank reported (``local_crcs``)."""
+    if replicated.crc_at_save is None:
+        return
+    keys = storage_keys(replicated.tree, replicated.tensors)
+    expected, sizes = list(replicated.crc_at_save), [s.nbytes for s in replicated.storages]
+    names = [keys.get(k, f"storage {k}") for k in range(len(sizes))]
+    for rank, info in enumerate(infos):
+        local = info["local_sizes"]
+        expected += info.get("local_crcs") or [None] * len(local)
+        sizes += local
+        names += [f"rank {rank}'s rank-local storage {i}" for i in range(len(local))]
+    written = joined_crcs([(e.storage, e.start, e.length, e.crc32c) for e in extents], sizes)
+    refuse_changed(expected, written, names.__getitem__, what)
