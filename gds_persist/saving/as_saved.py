@@ -44,28 +44,18 @@ def refuse_changed(expected: Sequence[int | None] | None, written: Sequence[int 
             "handle.wait_released() (docs/TRAINING.md, 'What a save captures')", changed)
 
 
-def refuse_torn_directory(flat: Flattened, extents: Sequence[Extent], what: str) -> None:
+def refuse_torn(flat: Flattened, extents: Sequence[Extent], what: str,
+                ranks: Sequence[dict[str, Any]] = ()) -> None:
     """:func:`refuse_changed` for a directory-format save of ``flat`` about to be sealed with
-    ``extents`` (every rank's, on the rank that commits)."""
+    ``extents`` (every rank's, on the rank that commits). A data-parallel save passes each
+    rank's report (``ranks``): its rank-local storages follow ``flat``'s in the manifest, in
+    rank order, checked against the CRCs that rank took (``local_crcs``)."""
     if flat.crc_at_save is None:
         return
-    written = joined_crcs([(e.storage, e.start, e.length, e.crc32c) for e in extents],
-                          [s.nbytes for s in flat.storages])
     keys = storage_keys(flat.tree, flat.tensors)
-    refuse_changed(flat.crc_at_save, written, lambda k: keys.get(k, f"storage {k}"), what)
-
-
-def refuse_torn_shares(replicated: Flattened, infos: Sequence[dict[str, Any]],
-                       extents: Sequence[Extent], what: str) -> None:
-    """:func:`refuse_changed` on the rank that commits a data-parallel save: the replicated
-    storages against its own CRCs at ``save()``, each rank's rank-local ones (which follow them
-    in the manifest, in rank order) against the CRCs that rank reported (``local_crcs``)."""
-    if replicated.crc_at_save is None:
-        return
-    keys = storage_keys(replicated.tree, replicated.tensors)
-    expected, sizes = list(replicated.crc_at_save), [s.nbytes for s in replicated.storages]
+    expected, sizes = list(flat.crc_at_save), [s.nbytes for s in flat.storages]
     names = [keys.get(k, f"storage {k}") for k in range(len(sizes))]
-    for rank, info in enumerate(infos):
+    for rank, info in enumerate(ranks):
         local = info["local_sizes"]
         expected += info.get("local_crcs") or [None] * len(local)
         sizes += local

@@ -59,7 +59,7 @@ from ..state.rank_local import KeyPath, Split, split_rank_local
 from ..transfer.commit import Temporary, abort, begin, seal, writer_record
 from ..transfer.unit_writer import Unit
 from ..transfer.writer import write_plan
-from .as_saved import refuse_torn_shares
+from .as_saved import refuse_torn
 from .incremental import Candidate, Holder, assemble_references, open_base
 from .options import SaveOptions
 from .stripes import RankFiles, remove_stale_stripes, stripe_prefix
@@ -204,7 +204,7 @@ class _Save:
                 assert self.tmp is not None
                 manifest = _assemble(plan, prep, results, infos, self.files.roots, stripe,
                                      infos[0]["save_id"], self.comm.size)
-                refuse_torn_shares(prep.replicated, infos, manifest.extents, self.path)
+                refuse_torn(prep.replicated, manifest.extents, self.path, infos)
                 # the commit lock stays held until release(): cleanup() runs under it
                 seal(self.tmp, manifest, self.cfg.io_timeout_s, check=True, keep_lock=True)
             return True

@@ -17,7 +17,7 @@ from ..stages import stage
 from ..state.flatten import Flattened, flatten
 from ..transfer.commit import Temporary, aborted_on_error, begin, seal, writer_record
 from ..transfer.writer import write_plan
-from .as_saved import refuse_torn_directory
+from .as_saved import refuse_torn
 from .data_parallel import save_parallel
 from .incremental import BaseIndex, References, describe_references, open_base
 from .options import SaveOptions
@@ -176,7 +176,7 @@ def _write_plain(tmp: Temporary, plan: SavePlan, flat: Flattened, be: Backend, r
     writer = writer_record(be.name, reason)
     if compression is not None:
         writer["compression"] = compression
-    refuse_torn_directory(flat, extents, tmp.path)
+    refuse_torn(flat, extents, tmp.path)
     with stage("commit (manifest, fsync, rename)"):
         seal(tmp, Manifest([f.data_file for f in plan.files], flat.storages, flat.tensors,
                            extents, flat.tree, writer), cfg.io_timeout_s)
@@ -247,7 +247,7 @@ def _seal_units(tmp: Temporary, flat: Flattened, names: list[str], written: Writ
     incremental = describe_references(refs)
     if incremental:
         writer["incremental"] = incremental
-    refuse_torn_directory(flat, extents, tmp.path)
+    refuse_torn(flat, extents, tmp.path)
     with stage("commit (manifest, fsync, rename)"):
         manifest = Manifest(data_files, flat.storages, flat.tensors, extents, flat.tree, writer,
                             bases=bases)

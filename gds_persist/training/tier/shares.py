@@ -33,7 +33,7 @@ from ...format import DataFile, Extent, Manifest
 from ...parallel.distributed import Comm
 from ...parallel.schedule import DistributedPlan, RankInfo, plan_save
 from ...results import SaveInfo
-from ...saving.as_saved import refuse_torn_directory
+from ...saving.as_saved import refuse_torn
 from ...saving.save import save as core_save
 from ...saving.units import backend_for
 from ...state.flatten import Flattened
@@ -114,7 +114,7 @@ def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
         reports = comm.agree("memory share write", write, what)
         manifest = _manifest(plan, flat, reports, comm.size)
         def check_and_seal() -> None:
-            refuse_torn_directory(flat, manifest.extents, path)  # every rank: all the extents
+            refuse_torn(flat, manifest.extents, path)  # every rank: all the extents
             seal(held.pop("tmp"), manifest, cfg.io_timeout_s, check=True)
 
         comm.agree("memory share seal", check_and_seal, what)
