@@ -27,7 +27,7 @@ from ..loading.extents import read_extents
 from ..loading.load import load, read_manifest
 from ..progress import ByteCounter, ProgressCallback
 from ..results import ExportInfo
-from ..saving.options import SaveOptions
+from ..saving.options import SaveRequest
 from ..saving.torch_file import save_torch_file
 from ..state.flatten import flatten, rebuild_tensor
 from ..transfer.atomic_file import AtomicFile
@@ -106,7 +106,7 @@ def _export_torch(state: Any, out: str, backend: str | None, counter: ByteCounte
                   notes: list[str]) -> ExportInfo:
     """Write ``state`` as a torch.save file through the engine (any leaf the checkpoint held is
     kept, as torch.save keeps it: ``allow_pickle``)."""
-    options = SaveOptions(backend=backend, progress=_adding_to(counter), allow_pickle=True,
+    options = SaveRequest(backend=backend, progress=_adding_to(counter), allow_pickle=True,
                           format="torch")
     save_torch_file(state, os.path.abspath(out), options, time.perf_counter())
     counter.finish()

@@ -61,7 +61,7 @@ from ..transfer.unit_writer import Unit
 from ..transfer.writer import write_plan
 from .as_saved import refuse_torn
 from .incremental import Candidate, Holder, assemble_references, open_base
-from .options import SaveOptions
+from .options import SaveRequest
 from .stripes import RankFiles, remove_stale_stripes, stripe_prefix
 from .units import backend_for, choose, cut_units, typesizes, write_directory
 
@@ -88,7 +88,7 @@ def _prepare(state_dict: Any, paths: Sequence[KeyPath], check: str) -> _Prepared
 
 
 def save_parallel(state_dict: Any, path: str | os.PathLike[str],
-                  options: SaveOptions) -> DistributedSaveInfo:
+                  options: SaveRequest) -> DistributedSaveInfo:
     """See :func:`gds_persist.save` (the data-parallel arguments). With ``base`` each rank
     refers to the base's bytes for the units of its own share; ``compression`` is decided by each
     rank for its own files."""
@@ -99,7 +99,7 @@ class _Save:
     """This rank's part in one data-parallel save of ``path``, phase by phase, and what it holds
     until the save ends: rank 0's temporary directory, this rank's files and data directories."""
 
-    def __init__(self, path: str, options: SaveOptions):
+    def __init__(self, path: str, options: SaveRequest):
         self.t0 = time.perf_counter()
         self.path, self.options, self.cfg = path, options, options.cfg
         self.base = options.base_of(path)

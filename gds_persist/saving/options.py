@@ -19,7 +19,7 @@ FORMATS = ("directory", "torch")  # a checkpoint directory, or one torch.save fi
 
 
 @dataclass(frozen=True)
-class SaveOptions:
+class SaveRequest:
     """``save``'s keyword arguments (see :func:`gds_persist.save`), checked when built;
     ``cfg``: the settings in force for this save (arguments over ``settings.set`` over the
     environment), taken once."""

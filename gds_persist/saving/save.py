@@ -20,7 +20,7 @@ from ..transfer.writer import write_plan
 from .as_saved import refuse_torn
 from .data_parallel import save_parallel
 from .incremental import BaseIndex, References, describe_references, open_base
-from .options import SaveOptions
+from .options import SaveRequest
 from .torch_file import PickledState, save_torch_file
 from .torch_file_parallel import save_torch_file_parallel
 from .units import (
@@ -127,7 +127,7 @@ def save(
     backend, :class:`CheckpointTimeout` when another process's commit of ``path`` hangs,
     :class:`DistributedError` (on every rank, naming the failed rank) when a rank fails.
     """
-    options = SaveOptions(
+    options = SaveRequest(
         backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
         io_threads=io_threads, progress=progress, process_group=process_group,
         rank_local=rank_local, writers_per_node=writers_per_node, data_dirs=data_dirs,
@@ -148,7 +148,7 @@ def save(
     return _save_units(flat, path, options, base_path, t0)
 
 
-def _save_plain(flat: Flattened, path: str, options: SaveOptions, t0: float) -> SaveInfo:
+def _save_plain(flat: Flattened, path: str, options: SaveRequest, t0: float) -> SaveInfo:
     """A plain (version 1-3) save: raw bytes, no base, no hashes."""
     with stage("plan + temporary directory"):
         plan = plan_single_writer(*_sizes_and_streams(flat, options.cfg))
@@ -166,7 +166,7 @@ def _sizes_and_streams(flat: Flattened, cfg: settings.Settings) -> tuple[list[in
 
 
 def _write_plain(tmp: Temporary, plan: SavePlan, flat: Flattened, be: Backend, reason: str,
-                 options: SaveOptions, t0: float,
+                 options: SaveRequest, t0: float,
                  compression: dict[str, Any] | None = None) -> SaveInfo:
     """Write and commit a plain (version 1-3) checkpoint: raw bytes, no base, no hashes."""
     cfg = options.cfg
@@ -187,7 +187,7 @@ def _write_plain(tmp: Temporary, plan: SavePlan, flat: Flattened, be: Backend, r
                     compression_reason=compression["reason"] if compression else "")
 
 
-def _save_units(flat: Flattened, path: str, options: SaveOptions, base: str | None,
+def _save_units(flat: Flattened, path: str, options: SaveRequest, base: str | None,
                 t0: float) -> SaveInfo:
     """A version-4 save: units hashed, referred to or written (maybe encoded) as they come.
     Where ``compression="auto"`` chose raw bytes and there is neither a base nor hashes to
@@ -257,7 +257,7 @@ def _seal_units(tmp: Temporary, flat: Flattened, names: list[str], written: Writ
     return kept
 
 
-def _save_torch(state: Any, path: str, options: SaveOptions) -> SaveInfo:
+def _save_torch(state: Any, path: str, options: SaveRequest) -> SaveInfo:
     if isinstance(state, Flattened):  # a snapshot of a pickled state (a background writer)
         if not isinstance(state.tree, PickledState):
             raise TypeError("format='torch' pickles the state itself: pass the state dict, "

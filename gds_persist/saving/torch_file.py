@@ -39,7 +39,7 @@ from ..state.flatten import Flattened
 from ..transfer.commit import aborted_on_error, begin_file, file_in, seal_file, writer_record
 from ..transfer.writer import write_at, write_plan
 from .as_saved import refuse_changed
-from .options import SaveOptions
+from .options import SaveRequest
 from .units import backend_for, with_fallback
 
 
@@ -82,7 +82,7 @@ class PickledState:
                             flat.crc_at_save)
 
 
-def save_torch_file(state: Any, path: str, options: SaveOptions, t0: float) -> SaveInfo:
+def save_torch_file(state: Any, path: str, options: SaveRequest, t0: float) -> SaveInfo:
     """Write ``state`` (or a :class:`PickledState`) as the torch.save file ``path``."""
     pickled = PickledState.of(state, options.allow_pickle)
     cfg, entries = options.cfg, pickled.entries

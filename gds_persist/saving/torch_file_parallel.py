@@ -38,14 +38,14 @@ from ..results import DistributedSaveInfo
 from ..transfer.commit import Temporary, abort, begin_file, file_in, seal_file, writer_record
 from ..transfer.writer import write_at, write_plan
 from .as_saved import refuse_changed
-from .options import SaveOptions
+from .options import SaveRequest
 from .torch_file import PickledState, archive_plan
 from .units import backend_for, with_fallback
 
 TOKEN = ".writers"  # in the temporary directory: who sees it shares the file's filesystem
 
 
-def save_torch_file_parallel(state: Any, path: str, options: SaveOptions) -> DistributedSaveInfo:
+def save_torch_file_parallel(state: Any, path: str, options: SaveRequest) -> DistributedSaveInfo:
     """See the module docstring; every rank of ``options.process_group`` calls it."""
     t0 = time.perf_counter()
     cfg = options.cfg
@@ -81,7 +81,7 @@ def save_torch_file_parallel(state: Any, path: str, options: SaveOptions) -> Dis
         rank_write_seconds=mine["seconds"])
 
 
-def _prepare(state: Any, options: SaveOptions, held: dict[str, Any]) -> str:
+def _prepare(state: Any, options: SaveRequest, held: dict[str, Any]) -> str:
     """This rank's pickle of its replica; what must equal rank 0's (:func:`replica_digest`)."""
     held["pickled"] = PickledState.of(state, options.allow_pickle)
     return replica_digest(held["pickled"].data)
@@ -98,7 +98,7 @@ def _lay_out(held: dict[str, Any], path: str, comm: Comm) -> None:
                 crc_at_save=own.crc_at_save, keys=[e.key for e in own.entries])
 
 
-def _start(held: dict[str, Any], path: str, options: SaveOptions,
+def _start(held: dict[str, Any], path: str, options: SaveRequest,
            rank: int) -> dict[str, Any]:
     """Rank 0 starts the save: the temporary directory, the file at its full size, a token."""
     if rank != 0:
@@ -133,7 +133,7 @@ def _sees(tmp_dir: str, save_id: str) -> bool:
 
 
 def _write_share(held: dict[str, Any], writers: list[int], rank: int,
-                 options: SaveOptions) -> dict[str, Any]:
+                 options: SaveRequest) -> dict[str, Any]:
     """This rank's range of the file, written; the CRC32C of its pieces of each storage."""
     t0 = time.perf_counter()
     layout, plan = held["layout"], held["plan"]
