@@ -204,7 +204,7 @@ def test_killed_save_leaves_previous_checkpoint_loadable(tmp_path):
         dcp.save({{"x": torch.ones(1000)}}, storage_writer=GdsPersistWriter({path!r}), no_dist=True)
         def killed(*a, **k):
             os.kill(os.getpid(), signal.SIGKILL)
-        c.commit = killed
+        c.Temporary.swap_in = killed  # the rename into place
         dcp.save({{"x": torch.zeros(1000)}}, storage_writer=GdsPersistWriter({path!r}),
                  no_dist=True)
     """)

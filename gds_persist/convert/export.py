@@ -1,7 +1,7 @@
 """``export_checkpoint``: a gds_persist checkpoint as one ``torch.save`` or safetensors file.
 
 The torch export loads the state dict whole and writes it as a torch.save file through the engine
-(:func:`gds_persist.saving.torch_file.save_torch_file`: torch.load reads it, gds_persist
+(:class:`gds_persist.saving.torch_file.TorchFileLayout`: torch.load reads it, gds_persist
 verifies it); the safetensors export streams the data
 from the checkpoint's files to its final offsets in the output (memory use:
 :mod:`gds_persist.convert`). A checkpoint written through DCP is consolidated first
@@ -13,7 +13,6 @@ from __future__ import annotations
 import errno
 import json
 import os
-import time
 from typing import Any
 
 import torch
@@ -28,7 +27,8 @@ from ..loading.load import load, read_manifest
 from ..progress import ByteCounter, ProgressCallback
 from ..results import ExportInfo
 from ..saving.options import SaveRequest
-from ..saving.torch_file import save_torch_file
+from ..saving.sequence import run_save
+from ..saving.torch_file import TorchFileLayout
 from ..state.flatten import flatten, rebuild_tensor
 from ..transfer.atomic_file import AtomicFile
 from ..transfer.opened import OpenCheckpoint, opened
@@ -108,7 +108,8 @@ def _export_torch(state: Any, out: str, backend: str | None, counter: ByteCounte
     kept, as torch.save keeps it: ``allow_pickle``)."""
     options = SaveRequest(backend=backend, progress=_adding_to(counter), allow_pickle=True,
                           format="torch")
-    save_torch_file(state, os.path.abspath(out), options, time.perf_counter())
+    path = os.path.abspath(out)
+    run_save(TorchFileLayout(state, path, options), path, cfg=options.cfg)
     counter.finish()
     n = sum(1 for _ in tensor_leaves(state))
     return ExportInfo(out, "torch", n, os.path.getsize(out), notes)

@@ -52,7 +52,10 @@ from ..format import tree as _tree
 from ..format.layout import layout_file
 from ..parallel import balancing as _balance
 from ..progress import ByteCounter, ProgressCallback
-from ..transfer.commit import Temporary, abort, aborted_on_error, begin, seal, writer_record
+from ..saving.manifest_builder import Part
+from ..saving.manifest_builder import build_manifest as build_from_parts
+from ..saving.sequence import Layout, Run, begin_driven, finish_driven
+from ..transfer.commit import Temporary, abort, begin, writer_record
 from ..transfer.pipeline import byte_view
 from ..transfer.staging import io_session
 from ..transfer.writer import FileWriter
@@ -225,7 +228,11 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
         return {**self.__dict__, "state_dict_cache": None}
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        tmp = self._tmp = begin(self.path, replace=self.overwrite)
+        self._run = begin_driven(_Layout(self), self.path,
+                                 settings.current(backend=self.backend),
+                                 f"DCP save of {self.path}")
+        tmp = self._tmp = self._run.tmp
+        assert tmp is not None
         try:
             assignment = self._assign(plans)
         except BaseException:
@@ -407,10 +414,26 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         if self._tmp is None:
             raise CheckpointError("GdsPersistWriter.finish called without prepare_global_plan")
-        tmp, self._tmp = self._tmp, None
-        with aborted_on_error(tmp):
-            seal(tmp, build_manifest(metadata, results, self),
-                 settings.current(backend=self.backend).io_timeout_s, self.overwrite)
+        self._tmp = None
+        finish_driven(_Layout(self, metadata), self._run, results)
+
+
+class _Layout(Layout[Any, Any]):
+    """The DCP writer's layout. DCP's planner and collectives drive the save sequence here:
+    ``begin`` in ``prepare_global_plan`` (the coordinator), the writes in ``write_data`` (every
+    rank, one or two files each), seal and commit in ``finish`` (the coordinator), once DCP has
+    gathered every rank's results; if any rank fails, DCP never calls ``finish``."""
+
+    def __init__(self, writer: GdsPersistWriter, metadata: Metadata | None = None):
+        self.writer, self.metadata = writer, metadata
+        self.replace = writer.overwrite
+
+    def begin(self, run: Run) -> Temporary:
+        return begin(run.path, run.cfg.io_timeout_s, replace=self.replace)
+
+    def seal(self, run: Run, reports: list[list[WriteResult]]) -> Manifest:
+        assert self.metadata is not None
+        return build_manifest(self.metadata, reports, self.writer)
 
 
 def _refuse_unsupported(sync_files: bool, single_file_per_rank: bool) -> None:
@@ -504,6 +527,5 @@ def build_manifest(
         seconds=round(time.perf_counter() - writer._t0, 6) if writer._t0 else None,
         dcp=encode_metadata(metadata),
     )
-    return Manifest(
-        [DataFile(n, files[n]) for n in file_names], storages, tensors, extents, tree, info
-    )
+    return build_from_parts(Part(tree, tensors, storages),
+                            [DataFile(n, files[n]) for n in file_names], extents, info)

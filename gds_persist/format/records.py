@@ -8,8 +8,10 @@ of one storage (an :class:`Extent`) starts at an ``ALIGNMENT``-aligned offset of
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
-from typing import Any
+import types
+import typing
+from dataclasses import dataclass, fields
+from typing import Any, TypeVar
 
 import torch
 
@@ -33,8 +35,74 @@ DTYPES: dict[str, torch.dtype] = {
 }
 
 
+W = TypeVar("W", bound="Wire")
+
+
+class Wire:
+    """A dataclass record that crosses ranks (as JSON) or phases: :meth:`to_wire` gives a dict by
+    field name, :meth:`from_wire` the record again. Fields typed as a ``Wire`` record, a list or
+    tuple of them, or a tuple come back as such; everything else must be JSON already."""
+
+    def to_wire(self) -> dict[str, Any]:
+        return {name: _to_wire(getattr(self, name)) for name in _field_names(type(self))}
+
+    @classmethod
+    def from_wire(cls: type[W], wire: dict[str, Any]) -> W:
+        decode = _decoders(cls)
+        return cls(**{k: decode[k](v) if k in decode else v for k, v in wire.items()})
+
+
+def _to_wire(value: Any) -> Any:
+    if isinstance(value, Wire):
+        return value.to_wire()
+    if isinstance(value, (list, tuple)):
+        return [_to_wire(v) for v in value]
+    if isinstance(value, dict):
+        return {k: _to_wire(v) for k, v in value.items()}
+    return value
+
+
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+_DECODERS: dict[type, dict[str, Any]] = {}
+
+
+def _field_names(cls: type) -> tuple[str, ...]:
+    if cls not in _FIELD_NAMES:
+        _FIELD_NAMES[cls] = tuple(f.name for f in fields(cls))
+    return _FIELD_NAMES[cls]
+
+
+def _decoders(cls: type) -> dict[str, Any]:
+    """Per field whose JSON form differs from its value: how to turn the one into the other."""
+    if cls not in _DECODERS:
+        hints = typing.get_type_hints(cls)
+        _DECODERS[cls] = {name: d for name, d in ((n, _decoder(h)) for n, h in hints.items())
+                          if d is not None}
+    return _DECODERS[cls]
+
+
+def _decoder(hint: Any) -> Any:
+    origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if isinstance(hint, type) and issubclass(hint, Wire):
+        return hint.from_wire
+    if origin in (list, tuple):
+        inner = _decoder(args[0]) if args else None
+        container = tuple if origin is tuple else list
+        if inner is None:
+            return container
+        return lambda values: container(inner(v) for v in values)
+    if origin is dict and len(args) == 2 and _decoder(args[1]) is not None:
+        inner = _decoder(args[1])
+        return lambda d: {k: inner(v) for k, v in d.items()}
+    if origin in (typing.Union, types.UnionType):
+        options = [a for a in args if a is not type(None)]
+        inner = _decoder(options[0]) if len(options) == 1 else None
+        return None if inner is None else (lambda v: None if v is None else inner(v))
+    return None
+
+
 @dataclass(frozen=True)
-class StorageRecord:
+class StorageRecord(Wire):
     """One distinct block of tensor memory, written as raw bytes; ``device`` is where it lived
     when it was saved (a host snapshot of a CUDA storage records the CUDA device)."""
 
@@ -43,7 +111,7 @@ class StorageRecord:
 
 
 @dataclass(frozen=True)
-class TensorRecord:
+class TensorRecord(Wire):
     """How to rebuild one tensor as a view of a storage (strides and offset in elements)."""
 
     storage: int
@@ -96,7 +164,7 @@ CODECS = (CODEC_NONE, CODEC_BLOSC2)
 
 
 @dataclass(frozen=True)
-class Extent:
+class Extent(Wire):
     """Bytes ``[start, start+length)`` of storage ``storage``, at ``offset`` of file ``file``.
 
     ``crc32c`` is the CRC32C of those (decoded) bytes. Format version 4 adds: ``codec`` (how the

@@ -37,6 +37,7 @@ import torch
 from .. import settings
 from ..errors import CheckpointReplacedError, ManifestError, NotCommittedError
 from ..format import Extent, Manifest, align_up, sections_tree, storage_descriptions
+from ..format.records import Wire
 from ..format.tree import decode, tensor_indices
 from ..parallel.distributed import Comm, make_comm
 from ..parallel.exchange import exchange
@@ -215,23 +216,22 @@ def _open_agreed(path: str, comm: Comm, what: str,
     are raised once the ranks agree, by every rank they concern, as they are.
     """
     for attempt in range(OPEN_ATTEMPTS):
-        held: dict[str, Any] = {}
+        held = _Opening()
         try:
-            statuses = comm.agree("manifest", partial(_open_step, path, attempt, held, plan_for),
-                                  what)
+            statuses = [_Opened.from_wire(st) for st in comm.agree(
+                "manifest", partial(_open_step, path, attempt, held, plan_for), what)]
         except BaseException:
-            if "ck" in held:
-                held["ck"].close()
+            held.close()
             raise
-        gone = [st["gone"] for st in statuses if st["gone"]]
-        replaced = [st["replaced"] for st in statuses if st["replaced"]]
-        if not (gone or replaced) and len({st["digest"] for st in statuses}) == 1:
-            if "error" in held:
-                held["ck"].close()
-                raise held["error"]
-            return held["ck"], held["plan"]
-        if "ck" in held:
-            held["ck"].close()
+        gone = [st.gone for st in statuses if st.gone]
+        replaced = [st.replaced for st in statuses if st.replaced]
+        if not (gone or replaced) and len({st.digest for st in statuses}) == 1:
+            if held.error is not None:
+                held.close()
+                raise held.error
+            assert held.ck is not None and held.plan is not None
+            return held.ck, held.plan
+        held.close()
         if gone:
             raise CheckpointReplacedError(gone[0])
         if attempt == OPEN_ATTEMPTS - 1:
@@ -243,25 +243,56 @@ def _open_agreed(path: str, comm: Comm, what: str,
     raise AssertionError("unreachable")
 
 
-def _open_step(path: str, attempt: int, held: dict[str, Any],
+@dataclass
+class _Held:
+    """What a load's read phase leaves for the rest of it."""
+
+    found: Any = None  # the destinations in into= (None: a plain load)
+    dest: Destinations | None = None
+    read_bytes: int = 0
+
+
+@dataclass
+class _Opening:
+    """What one rank holds during an attempt of :func:`_open_agreed`."""
+
+    ck: OpenCheckpoint | None = None
+    plan: _LoadPlan | None = None
+    error: Exception | None = None  # raised once every rank opened the same checkpoint
+
+    def close(self) -> None:
+        if self.ck is not None:
+            self.ck.close()
+
+
+@dataclass(frozen=True)
+class _Opened(Wire):
+    """What a rank tells the others after an attempt to open the checkpoint."""
+
+    digest: str = ""  # of the manifest it opened
+    replaced: str = ""  # why not: replaced while opening its files
+    gone: str = ""  # why not: removed
+
+
+def _open_step(path: str, attempt: int, held: _Opening,
                plan_for: Callable[[OpenCheckpoint], _LoadPlan]) -> dict[str, str]:
     """One rank's part of an attempt of :func:`_open_agreed`; what it holds goes to ``held``."""
     try:
-        ck = held["ck"] = open_checkpoint(path)
+        ck = held.ck = open_checkpoint(path)
     except NotCommittedError:
         if not attempt:
             raise
-        return {"digest": "", "replaced": "", "gone": replaced_message(path, "removed")}
+        return _Opened(gone=replaced_message(path, "removed")).to_wire()
     try:
-        held["plan"] = plan_for(ck)
+        plan = held.plan = plan_for(ck)
     except (ManifestError, ValueError) as e:
-        held["error"] = e
-        return {"digest": ck.digest, "replaced": "", "gone": ""}
+        held.error = e
+        return _Opened(ck.digest).to_wire()
     try:
-        ck.open_files(held["plan"].files)
+        ck.open_files(plan.files)
     except CheckpointReplacedError as e:
-        return {"digest": ck.digest, "replaced": str(e), "gone": ""}
-    return {"digest": ck.digest, "replaced": "", "gone": ""}
+        return _Opened(ck.digest, replaced=str(e)).to_wire()
+    return _Opened(ck.digest).to_wire()
 
 
 def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Settings,
@@ -275,7 +306,7 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
     verify = verify and not unverified
     describe_storage = storage_descriptions(m)
     chosen: list[tuple[str, str]] = []  # (backend, reason) of every directory read
-    held: dict[str, Any] = {}
+    held = _Held()
 
     def allocate(s: int) -> torch.Tensor:
         rec = m.storages[s]
@@ -284,16 +315,16 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
 
     def read() -> list[list[int]]:
         with stage("allocate destinations"):
-            found = held["found"] = (None if into is None else
-                                     match(m, lp.tree, into, strict, what))
-            held["dest"] = plan_destinations(
+            found = held.found = (None if into is None else
+                                  match(m, lp.tree, into, strict, what))
+            held.dest = plan_destinations(
                 m, lp.wanted, lp.needed, found, allocate,
                 single_file.exact_destination if torch_file else None)
-        reading = PieceReader(ck, held["dest"], cfg, verify, describe_storage, chosen)
+        reading = PieceReader(ck, held.dest, cfg, verify, describe_storage, chosen)
         sub = lp.by_rank[comm.rank] if lp.share else []
         own = _own_reads(m, lp.needed, lp.replicated) if lp.share else lp.mine
-        held["read_bytes"] = sum(align_up(e.stored_length) for e in sub + own)
-        counter = ByteCounter(progress, held["read_bytes"])
+        held.read_bytes = sum(align_up(e.stored_length) for e in sub + own)
+        counter = ByteCounter(progress, held.read_bytes)
         crcs = reading.read(sub, counter.hook, shared=True) if sub else []
         reading.read(own, counter.hook)  # checked here, extent by extent
         counter.finish()
@@ -301,7 +332,8 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
 
     try:
         crcs = comm.agree("read", read, what)
-        dest: Destinations = held["dest"]
+        dest = held.dest
+        assert dest is not None
         if lp.share:
             if verify:
                 check_joined(ck, lp.shared, crcs, describe_storage)
@@ -310,11 +342,11 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
             exchange(comm, cfg.load_strategy, pieces, dest.buffers, cfg.staging_bytes)
         dest.finish()
     except Exception as e:
-        told = _partial(e, held["found"]) if held.get("found") and "dest" in held else e
+        told = _partial(e, held.found) if held.found and held.dest is not None else e
         if told is e:
             raise  # a plain load, nothing of into= touched yet, or the note was added to e
         raise told from e
-    found = held["found"]
+    found = held.found
     with stage("rebuild tensors"):
         if torch_file:
             state = single_file.rebuild(ck, lp.tree, dest, found, map_location, weights_only)
@@ -325,7 +357,7 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
     payload = sum(m.storages[s].nbytes for s in lp.needed)
     reasons = [r for _, r in unique] + ([single_file.UNVERIFIED] if unverified else [])
     info = LoadInfo(ck.path, ",".join(dict.fromkeys(b for b, _ in unique)) or "none",
-                    "; ".join(reasons) or "nothing to read", held["read_bytes"], payload, 0.0)
+                    "; ".join(reasons) or "nothing to read", held.read_bytes, payload, 0.0)
     if found is not None:
         info.missing_keys, info.unexpected_keys = found.missing_keys, found.unexpected_keys
         info.in_place_bytes = dest.in_place_bytes()

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import astuple
 from typing import Any
 
 from ..errors import ReplicationError
@@ -28,7 +27,7 @@ def describe(flat: Flattened, crcs: list[int] | None) -> dict[str, Any]:
     """What must be identical on every rank that claims to hold the same replicated state."""
     return {
         "tree": flat.tree,
-        "tensors": [list(astuple(t)) for t in flat.tensors],
+        "tensors": [t.to_wire() for t in flat.tensors],
         "storages": [[s.nbytes, s.device.split(":")[0]] for s in flat.storages],
         "crc32c": crcs,
     }
@@ -54,14 +53,13 @@ def first_difference(mine: dict[str, Any], ref: dict[str, Any]) -> str:
     if t:
         return t
     names = _tree.tensor_paths(mine["tree"])
-    fields = list(TensorRecord.__dataclass_fields__)
     for i, (a, b) in enumerate(zip(mine["tensors"], ref["tensors"], strict=True)):
-        for name, x, y in zip(fields, a, b, strict=True):
-            if x != y:
-                return f"tensor {names.get(i, i)}: {name} {x} (rank 0: {y})"
+        for name in TensorRecord.__dataclass_fields__:
+            if a[name] != b[name]:
+                return f"tensor {names.get(i, i)}: {name} {a[name]} (rank 0: {b[name]})"
     by_storage: dict[int, str] = {}
     for i, rec in enumerate(mine["tensors"]):
-        by_storage.setdefault(rec[0], names.get(i, f"#{i}"))
+        by_storage.setdefault(rec["storage"], names.get(i, f"#{i}"))
     if len(mine["storages"]) != len(ref["storages"]):
         return f"{len(mine['storages'])} storages (rank 0: {len(ref['storages'])})"
     for s, (a, b) in enumerate(zip(mine["storages"], ref["storages"], strict=True)):

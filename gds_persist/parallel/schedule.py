@@ -91,9 +91,8 @@ class DistributedPlan:
 
     def digest(self) -> str:
         """A short fingerprint, compared across ranks to prove they planned the same thing."""
-        text = json.dumps([[f.plan.name, f.plan.size, f.rank, f.dir,
-                            [[e.storage, e.start, e.length, e.file, e.offset]
-                             for e in f.plan.extents]]
+        text = json.dumps([{"name": f.plan.name, "size": f.plan.size, "rank": f.rank,
+                            "dir": f.dir, "extents": [e.to_wire() for e in f.plan.extents]}
                            for f in self.files])
         return hashlib.sha256(text.encode()).hexdigest()[:16]
 

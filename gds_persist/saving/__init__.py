@@ -1,13 +1,15 @@
-"""Saving: the one save orchestrator, alone or with a process group.
+"""Saving: one save sequence, and a layout per way of saving.
 
-* :mod:`.save`: ``save`` - plain (format version 1-3) and version-4 saves on one process;
-* :mod:`.options`: ``save``'s keyword arguments as one checked record, passed down;
-* :mod:`.data_parallel`: the data-parallel save, phase by phase (``docs/DISTRIBUTED.md``);
-* :mod:`.stripes`: its data directories (``data_dirs=``) and what each rank wrote;
-* :mod:`.units`: version-4 units, and the write of one directory's files;
+* :mod:`.save`: ``save``, the entry point; :mod:`.options`: its arguments as one checked record;
+* :mod:`.sequence`: the one sequence every save runs (prepare, plan, begin, write, seal, commit;
+  alone or with a process group), and the :class:`~.sequence.Layout` interface;
+* :mod:`.directory`: the directory format's layout (plain or units, one process or data-parallel,
+  rank-local parts), with :mod:`.stripes` (its data directories) and :mod:`.units` (version-4
+  units); :mod:`.torch_file`: one ``torch.save`` file, by one process or many;
+* :mod:`.manifest_builder`: the one place a manifest is put together;
+* :mod:`.as_saved`: the seal's check that the written bytes are the state at ``save``;
 * :mod:`.incremental`: the base checkpoint and references to it (``base=``);
-* :mod:`.compression`: ``compression=`` - whether units are stored encoded, and why;
-* :mod:`.torch_file`: a state dict as one ``torch.save`` file, atomically.
+* :mod:`.compression`: ``compression=`` - whether units are stored encoded, and why.
 
-Every save ends in the one commit sequence of :mod:`gds_persist.transfer.commit`.
+Every save ends in the commit of :mod:`gds_persist.transfer.commit`.
 """

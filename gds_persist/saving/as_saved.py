@@ -13,7 +13,6 @@ is committed. No byte is read again: the cost is one combine per extent.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
 
 from ..errors import TornCheckpointError
 from ..format import Extent, joined_crcs, storage_keys
@@ -45,19 +44,18 @@ def refuse_changed(expected: Sequence[int | None] | None, written: Sequence[int 
 
 
 def refuse_torn(flat: Flattened, extents: Sequence[Extent], what: str,
-                ranks: Sequence[dict[str, Any]] = ()) -> None:
+                ranks: Sequence[tuple[Sequence[int], Sequence[int | None] | None]] = ()) -> None:
     """:func:`refuse_changed` for a directory-format save of ``flat`` about to be sealed with
     ``extents`` (every rank's, on the rank that commits). A data-parallel save passes each
-    rank's report (``ranks``): its rank-local storages follow ``flat``'s in the manifest, in
-    rank order, checked against the CRCs that rank took (``local_crcs``)."""
+    rank's rank-local storage sizes and the CRCs it took at ``save`` (``ranks``): they follow
+    ``flat``'s storages in the manifest, in rank order."""
     if flat.crc_at_save is None:
         return
     keys = storage_keys(flat.tree, flat.tensors)
     expected, sizes = list(flat.crc_at_save), [s.nbytes for s in flat.storages]
     names = [keys.get(k, f"storage {k}") for k in range(len(sizes))]
-    for rank, info in enumerate(ranks):
-        local = info["local_sizes"]
-        expected += info.get("local_crcs") or [None] * len(local)
+    for rank, (local, crcs) in enumerate(ranks):
+        expected += crcs or [None] * len(local)
         sizes += local
         names += [f"rank {rank}'s rank-local storage {i}" for i in range(len(local))]
     written = joined_crcs([(e.storage, e.start, e.length, e.crc32c) for e in extents], sizes)

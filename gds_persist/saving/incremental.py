@@ -16,12 +16,13 @@ from __future__ import annotations
 import hashlib
 import os
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import ReferencedCheckpointError, UnhashedBaseWarning
 from ..format import MANIFEST_NAME, BaseRef, DataFile, Extent, manifest_storage_keys
+from ..format.records import Wire
 from ..transfer.opened import OpenCheckpoint, open_checkpoint
 from ..transfer.unit_writer import Unit
 
@@ -31,7 +32,7 @@ Key = tuple[str, int, int]  # (key path, start, length)
 # --- the base --------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class Holder:
+class Holder(Wire):
     """The checkpoint that physically holds referred bytes: its name and manifest SHA-256."""
 
     name: str
@@ -39,7 +40,7 @@ class Holder:
 
 
 @dataclass(frozen=True)
-class Candidate:
+class Candidate(Wire):
     """An extent of the base (by key path and range) that a unit may refer to."""
 
     blake3: str
@@ -190,7 +191,6 @@ class References:
 
 
 def assemble_references(referred: Sequence[tuple[int, Candidate]], first_file: int,
-                        storage_of: Callable[[int], int] | None = None,
                         ) -> tuple[list[DataFile], list[BaseRef], list[Extent]]:
     """File records (numbered from ``first_file``), bases and extents for referred units:
     ``referred`` lists ``(storage, candidate)``; one file record per (holder, file)."""

@@ -1,39 +1,18 @@
-"""``save``: flatten -> plan -> write -> seal -> commit, on one process; with a process group (or
-rank-local parts, or data directories) the data-parallel save of :mod:`.data_parallel`."""
+"""``save``: the entry point. It checks its arguments once (:class:`.options.SaveRequest`) and
+runs the save sequence (:mod:`.sequence`) with the layout of the format asked for: a checkpoint
+directory (:mod:`.directory`) or one torch.save file (:mod:`.torch_file`)."""
 
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
-from .. import settings
-from ..backends.base import Backend
-from ..format import Manifest, align_up, codec, data_file_name, storage_keys
-from ..format.layout import SavePlan, file_streams, plan_single_writer
-from ..progress import ByteCounter, ProgressCallback
+from ..progress import ProgressCallback
 from ..results import SaveInfo
-from ..stages import stage
-from ..state.flatten import Flattened, flatten
-from ..transfer.commit import Temporary, aborted_on_error, begin, seal, writer_record
-from ..transfer.writer import write_plan
-from .as_saved import refuse_torn
-from .data_parallel import save_parallel
-from .incremental import BaseIndex, References, describe_references, open_base
+from .directory import DirectoryLayout
 from .options import SaveRequest
-from .torch_file import PickledState, save_torch_file
-from .torch_file_parallel import save_torch_file_parallel
-from .units import (
-    Written,
-    backend_for,
-    choose,
-    cut_units,
-    manifest_files,
-    spread,
-    typesizes,
-    with_fallback,
-    write_directory,
-)
+from .sequence import run_save
+from .torch_file import TorchFileLayout
 
 
 def save(
@@ -133,136 +112,7 @@ def save(
         rank_local=rank_local, writers_per_node=writers_per_node, data_dirs=data_dirs,
         check_replicas=check_replicas, allow_pickle=allow_pickle, base=base,
         compression=compression, content_hash=content_hash, format=format)
-    if options.format == "torch":
-        return _save_torch(state_dict, os.path.abspath(os.fspath(path)), options)
-    if options.data_parallel:
-        return save_parallel(state_dict, path, options)
-    t0 = time.perf_counter()
-    path = os.fspath(path)
-    base_path = options.base_of(path)
-    with stage("flatten"):
-        flat = (state_dict if isinstance(state_dict, Flattened)
-                else flatten(state_dict, options.allow_pickle))
-    if options.plain:
-        return _save_plain(flat, path, options, t0)
-    return _save_units(flat, path, options, base_path, t0)
-
-
-def _save_plain(flat: Flattened, path: str, options: SaveRequest, t0: float) -> SaveInfo:
-    """A plain (version 1-3) save: raw bytes, no base, no hashes."""
-    with stage("plan + temporary directory"):
-        plan = plan_single_writer(*_sizes_and_streams(flat, options.cfg))
-        tmp = begin(path, options.cfg.io_timeout_s)
-    needs = f"this checkpoint needs {plan.total_bytes} bytes of data; "
-    with aborted_on_error(tmp, path, needs):
-        be, reason = backend_for(options.cfg, tmp.dir, flat.storage_objects)
-        return _write_plain(tmp, plan, flat, be, reason, options, t0)
-
-
-def _sizes_and_streams(flat: Flattened, cfg: settings.Settings) -> tuple[list[int], int]:
-    """The storages' sizes, and over how many data files one writer spreads them."""
-    sizes = [s.nbytes for s in flat.storages]
-    return sizes, file_streams(sum(sizes), cfg.io_threads, cfg.block_bytes, cfg.file_streams)
-
-
-def _write_plain(tmp: Temporary, plan: SavePlan, flat: Flattened, be: Backend, reason: str,
-                 options: SaveRequest, t0: float,
-                 compression: dict[str, Any] | None = None) -> SaveInfo:
-    """Write and commit a plain (version 1-3) checkpoint: raw bytes, no base, no hashes."""
-    cfg = options.cfg
-    counter = ByteCounter(options.progress, plan.total_bytes)
-    extents = write_plan(be, tmp.dir, plan.files, flat.storage_objects, cfg, counter.hook)
-    reason = with_fallback(be, reason)
-    writer = writer_record(be.name, reason)
-    if compression is not None:
-        writer["compression"] = compression
-    refuse_torn(flat, extents, tmp.path)
-    with stage("commit (manifest, fsync, rename)"):
-        seal(tmp, Manifest([f.data_file for f in plan.files], flat.storages, flat.tensors,
-                           extents, flat.tree, writer), cfg.io_timeout_s)
-    counter.finish()
-    return SaveInfo(tmp.path, be.name, reason, plan.total_bytes,
-                    sum(s.nbytes for s in flat.storages), time.perf_counter() - t0,
-                    len(flat.tensors), len(flat.storages), [f.name for f in plan.files],
-                    compression_reason=compression["reason"] if compression else "")
-
-
-def _save_units(flat: Flattened, path: str, options: SaveRequest, base: str | None,
-                t0: float) -> SaveInfo:
-    """A version-4 save: units hashed, referred to or written (maybe encoded) as they come.
-    Where ``compression="auto"`` chose raw bytes and there is neither a base nor hashes to
-    record, the plain save instead (version 1-3, the same bytes as ``compression="none"``)."""
-    cfg = options.cfg
-    with stage("plan + temporary directory"):
-        sizes, streams = _sizes_and_streams(flat, cfg)
-        units = cut_units([(i, 0, n) for i, n in enumerate(sizes) if n],
-                          typesizes(flat.tensors, len(sizes)))
-        names = [data_file_name(k) for k in range(streams)]
-        tmp = begin(path, cfg.io_timeout_s)
-    index = None
-    try:
-        with aborted_on_error(tmp, path):
-            if base is not None:
-                with stage("open the base"):
-                    index = open_base(path, base)
-            choice = choose(cfg, tmp.dir, units, flat.storage_objects)
-            compression = {"mode": cfg.compression, "applied": choice.compress,
-                           "codec": codec.DESCRIPTION if choice.compress else "none",
-                           "reason": choice.compression_reason}
-            if not choice.compress and not options.hashes and index is None:  # auto chose raw
-                return _write_plain(tmp, plan_single_writer(sizes, streams), flat,
-                                    choice.backend, choice.reason, options, t0, compression)
-            counter = ByteCounter(options.progress, sum(align_up(u.length) for u in units))
-            refs, written = write_directory(
-                choice, tmp.dir, names, spread(units, streams), units, flat.storage_objects, cfg,
-                base=index, keys=storage_keys(flat.tree, flat.tensors),
-                hashes=options.hashes or index is not None, progress=counter.hook)
-            reason = with_fallback(choice.backend, choice.reason)
-            if index is not None and index.note:  # e.g. a base without content hashes
-                reason = f"{reason}; {index.note}"
-            kept = _seal_units(tmp, flat, names, written, refs, index,
-                               writer_record(choice.backend.name, reason, compression=compression),
-                               cfg.io_timeout_s)
-            counter.finish()
-    finally:
-        if index is not None:
-            index.close()
-    return SaveInfo(
-        path, choice.backend.name, reason, sum(written.sizes), sum(s.nbytes for s in flat.storages),
-        time.perf_counter() - t0, len(flat.tensors), len(flat.storages), kept,
-        referenced_bytes=refs.referred_bytes(),
-        compression="lossless" if choice.compress else "none",
-        compression_reason=choice.compression_reason,
-        base=os.path.basename(base) if base is not None else None,
-    )
-
-
-def _seal_units(tmp: Temporary, flat: Flattened, names: list[str], written: Written,
-                refs: References, index: BaseIndex | None, writer: dict[str, Any],
-                timeout_s: float) -> list[str]:
-    """Commit a version-4 save's files (empty ones removed: every unit referred to) with the
-    references to its base; returns the names of the files kept."""
-    data_files, bases, extents, kept = manifest_files(
-        names, written.sizes, written.extents, written.referred, tmp.dir)
-    incremental = describe_references(refs)
-    if incremental:
-        writer["incremental"] = incremental
-    refuse_torn(flat, extents, tmp.path)
-    with stage("commit (manifest, fsync, rename)"):
-        manifest = Manifest(data_files, flat.storages, flat.tensors, extents, flat.tree, writer,
-                            bases=bases)
-        if index is not None:
-            index.check_unchanged()
-        seal(tmp, manifest, timeout_s)
-    return kept
-
-
-def _save_torch(state: Any, path: str, options: SaveRequest) -> SaveInfo:
-    if isinstance(state, Flattened):  # a snapshot of a pickled state (a background writer)
-        if not isinstance(state.tree, PickledState):
-            raise TypeError("format='torch' pickles the state itself: pass the state dict, "
-                            "not a flattened one")
-        state = PickledState.over(state)
-    if options.data_parallel:
-        return save_torch_file_parallel(state, path, options)
-    return save_torch_file(state, path, options, time.perf_counter())
+    path = os.path.abspath(os.fspath(path))
+    layout = (TorchFileLayout(state_dict, path, options) if options.format == "torch"
+              else DirectoryLayout(state_dict, path, options))
+    return run_save(layout, path, cfg=options.cfg, process_group=options.process_group)

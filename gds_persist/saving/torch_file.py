@@ -28,18 +28,21 @@ from typing import Any
 
 import torch
 
-from ..format import Extent, StorageRecord, align_up
+from ..errors import ReplicationError
+from ..format import Extent, StorageRecord, align_up, joined_crcs
 from ..format.layout import FilePlan
+from ..format.records import Wire
 from ..format.torch_archive import ArchiveLayout, archive_folder, plan_archive
-from ..format.torch_pickle import StorageEntry, pickle_state, unpickle
+from ..format.torch_pickle import StorageEntry, pickle_state, replica_digest, unpickle
 from ..progress import ByteCounter
-from ..results import SaveInfo
+from ..results import DistributedSaveInfo, SaveInfo
 from ..stages import stage
 from ..state.flatten import Flattened
-from ..transfer.commit import aborted_on_error, begin_file, file_in, seal_file, writer_record
+from ..transfer.commit import Temporary, begin_file, file_in, seal_file, writer_record
 from ..transfer.writer import write_at, write_plan
 from .as_saved import refuse_changed
 from .options import SaveRequest
+from .sequence import Layout, Run
 from .units import backend_for, with_fallback
 
 
@@ -82,28 +85,161 @@ class PickledState:
                             flat.crc_at_save)
 
 
-def save_torch_file(state: Any, path: str, options: SaveRequest, t0: float) -> SaveInfo:
-    """Write ``state`` (or a :class:`PickledState`) as the torch.save file ``path``."""
-    pickled = PickledState.of(state, options.allow_pickle)
-    cfg, entries = options.cfg, pickled.entries
-    layout, plan, sources = archive_plan(path, pickled)
-    tmp = begin_file(path, cfg.io_timeout_s)
-    needs = f"this file needs about {plan.size} bytes; "
-    with aborted_on_error(tmp, path, needs):
-        be, reason = backend_for(cfg, tmp.dir, [e.storage for e in entries])
-        counter = ByteCounter(options.progress, plan.size)
-        sealed = write_plan(be, tmp.dir, [plan], sources, cfg, counter.hook)
-        reason = with_fallback(be, reason)
-        crcs = storage_crcs(layout, sealed)
-        refuse_changed(pickled.crc_at_save, crcs, lambda k: f"data/{entries[k].key}", path)
-        tail = layout.tail(crcs, writer_record(be.name, reason))
-        write_at(be, file_in(tmp), layout.tail_offset, tail)
+@dataclass(frozen=True)
+class Facts(Wire):
+    digest: str  # of this rank's pickle (:func:`replica_digest`; '' on one process)
+
+
+@dataclass(frozen=True)
+class Report(Wire):
+    """A rank's range of the file, written: its pieces of each storage (with their CRC32C)."""
+
+    pieces: list[Extent]
+    bytes: int
+    backend: str
+    reason: str
+    seconds: float
+
+
+class TorchFileLayout(Layout[Facts, Report]):
+    """One torch.save file of ``state``, written by one process or by the ranks of a group, each
+    a contiguous aligned byte range of it (FastPersist's write parallelism, one file).
+
+    Every rank holds the same replicated state and pickles it alike: the pickles must be
+    identical but for the GPU ordinals of their locations, and every rank lays out rank 0's pickle
+    over its own storages. Rank 0 begins (a temporary directory), creates the file at its full
+    size and leaves a token beside it; the ranks that see the token share the file's filesystem
+    and write (others, on another node without it, have nothing to write). Rank 0 seals: it joins
+    the pieces' CRC32C per storage, checks them against the state at ``save``, writes the tail
+    (the checksums record, the zip directory) and renames the file into place.
+    """
+
+    facts_type, report_type = Facts, Report
+
+    def __init__(self, state: Any, path: str, request: SaveRequest):
+        if isinstance(state, Flattened):  # a snapshot of a pickled state (a background writer)
+            if not isinstance(state.tree, PickledState):
+                raise TypeError("format='torch' pickles the state itself: pass the state dict, "
+                                "not a flattened one")
+            state = PickledState.over(state)
+        self.state, self.path, self.request = state, path, request
+        self.writers: list[int] = [0]
+
+    def prepare(self, run: Run) -> Facts:
+        self.pickled = PickledState.of(self.state, self.request.allow_pickle)
+        return Facts(replica_digest(self.pickled.data) if run.comm.size > 1 else "")
+
+    def begin(self, run: Run) -> Temporary:
+        return begin_file(self.path, run.cfg.io_timeout_s)
+
+    def plan(self, run: Run, facts: list[Facts]) -> None:
+        _check_identical([f.digest for f in facts], run.what, run.intact)
+        own = self.pickled
+        data = (own.data if run.comm.size == 1 else
+                run.comm.broadcast_bytes(own.data if run.comm.rank == 0 else None, 0,
+                                         "pickle of " + self.path))
+        self.layout, self.file, self.sources = archive_plan(self.path,
+                                                            PickledState(data, own.entries))
+        run.needs = f"this file needs about {self.file.size} bytes; "
+        self.size = self.layout.tail_offset  # until rank 0 knows the tail
+        self.directory = run.first.tmp
+        if run.tmp is not None:
+            run.agree("start", lambda: self._start(run))  # the file at its full size, a token
+        else:
+            run.agree("start", lambda: None)
+        if run.comm.size > 1:
+            sees = run.agree("find", lambda: _sees(self.directory, run.first.save_id))
+            self.writers = [r for r, seen in enumerate(sees) if seen]
+
+    def _start(self, run: Run) -> None:
+        be, _ = backend_for(run.cfg, self.directory, [e.storage for e in self.pickled.entries])
+        be.close(be.open(os.path.join(self.directory, self.file.name), write=True,
+                         size=self.file.size))
+        with open(os.path.join(self.directory, TOKEN), "w") as f:
+            f.write(run.first.save_id)
+
+    def write(self, run: Run) -> Report:
+        t0 = time.perf_counter()
+        if run.comm.rank not in self.writers:
+            return Report([], 0, "none", "this rank does not see the file's filesystem: nothing "
+                          "to write", 0.0)
+        k = self.writers.index(run.comm.rank)
+        lo, hi = (_cut(self.file.size, len(self.writers), j) for j in (k, k + 1))
+        mine = replace(self.file, extents=tuple(_clip(e, lo, hi) for e in self.file.extents
+                                                if e.offset < hi and e.offset + e.length > lo))
+        be, reason = backend_for(run.cfg, self.directory,
+                                 [e.storage for e in self.pickled.entries])
+        self.backend = be  # rank 0 writes the tail with it
+        counter = ByteCounter(self.request.progress, hi - lo)
+        sealed = write_plan(be, self.directory, [mine], self.sources, run.cfg, counter.hook,
+                            create=False)
         counter.finish()
-    with stage("commit (rename)"):
-        seal_file(tmp, cfg.io_timeout_s)
-    payload = sum(e.storage.nbytes() for e in entries)
-    return SaveInfo(tmp.path, be.name, reason, layout.tail_offset + len(tail), payload,
-                    time.perf_counter() - t0, 0, len(entries), [os.path.basename(path)])
+        storages = len(self.pickled.entries)
+        return Report([e for e in sealed if e.storage < storages], hi - lo, be.name,
+                      with_fallback(be, reason), time.perf_counter() - t0)
+
+    def seal(self, run: Run, reports: list[Report]) -> bytes:
+        entries = self.pickled.entries
+        joined = joined_crcs([(e.storage, e.start, e.length, e.crc32c)
+                              for r in reports for e in r.pieces],
+                             [e.storage.nbytes() for e in entries])
+        crcs = [0 if c is None else c for c in joined]  # None only where a storage is empty
+        refuse_changed(self.pickled.crc_at_save, crcs, lambda k: f"data/{entries[k].key}",
+                       self.path)
+        return self.layout.tail(crcs, writer_record(reports[0].backend, reports[0].reason,
+                                                    world_size=run.comm.size))
+
+    def commit(self, run: Run, sealed: Any) -> None:
+        assert run.tmp is not None
+        write_at(self.backend, file_in(run.tmp), self.layout.tail_offset, sealed)
+        self.size = self.layout.tail_offset + len(sealed)
+        seal_file(run.tmp, run.cfg.io_timeout_s)
+        run.tmp = None  # committed and renamed: nothing to finish or abort
+
+    def info(self, run: Run) -> SaveInfo:
+        mine, name = run.reports[run.comm.rank], os.path.basename(self.path)
+        payload = sum(e.storage.nbytes() for e in self.pickled.entries)
+        common = dict(path=self.path, backend=mine.backend, reason=mine.reason,
+                      bytes_written=self.size, payload_bytes=payload,
+                      seconds=time.perf_counter() - run.t0, tensors=0,
+                      storages=len(self.pickled.entries), files=[name])
+        if not self.request.data_parallel:
+            return SaveInfo(**common)
+        return DistributedSaveInfo(**common, rank=run.comm.rank, world_size=run.comm.size,
+                                   writers=self.writers, rank_bytes=mine.bytes,
+                                   rank_files=[name] if mine.bytes else [],
+                                   rank_write_seconds=mine.seconds)
+
+
+TOKEN = ".writers"  # in the temporary directory: who sees it shares the file's filesystem
+
+
+def _check_identical(digests: list[str], what: str, intact: str) -> None:
+    bad = {r: "its state pickles differently from rank 0's" for r, d in enumerate(digests)
+           if d != digests[0]}
+    if bad:
+        raise ReplicationError(
+            f"{what}: format='torch' with a process group writes one file of the replicated "
+            f"state, but ranks {sorted(bad)} hold a different state (keys, shapes, dtypes or "
+            "Python values); save a file per rank instead" + intact,
+            failed_ranks=bad, phase="prepare")
+
+
+def _sees(tmp_dir: str, save_id: str) -> bool:
+    try:
+        with open(os.path.join(tmp_dir, TOKEN)) as f:
+            return f.read() == save_id
+    except OSError:
+        return False
+
+
+def _cut(size: int, parts: int, k: int) -> int:
+    return min(size, align_up(size * k // parts)) if k < parts else size
+
+
+def _clip(e: Extent, lo: int, hi: int) -> Extent:
+    start, end = max(e.offset, lo), min(e.offset + e.length, hi)
+    return replace(e, start=e.start + start - e.offset, length=end - start, offset=start)
 
 
 def check_loadable(data: bytes, allow_pickle: bool) -> None:
@@ -143,12 +279,3 @@ def file_plan(name: str, layout: ArchiveLayout,
         sources.append(torch.frombuffer(bytearray(glue), dtype=torch.uint8).untyped_storage())
     extents.sort(key=lambda e: e.offset)
     return FilePlan(name, align_up(layout.tail_offset), tuple(extents)), sources
-
-
-def storage_crcs(layout: ArchiveLayout, sealed: list[Extent]) -> list[int]:
-    """Each storage's CRC32C, from the written extents (0 for an empty storage)."""
-    crcs = [0] * len(layout.storages)
-    for e in sealed:
-        if e.storage < len(crcs):
-            crcs[e.storage] = e.crc32c
-    return crcs

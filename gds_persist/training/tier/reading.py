@@ -197,7 +197,7 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
                for k in range(comm.size)}
     wanted = tensor_indices(m.tree)
     needed = sorted({m.tensors[i].storage for i in wanted})
-    held: dict[str, Destinations] = {}
+    held: list[Destinations] = []  # what plan_dest() made
     where = locate(m.tree)  # rank-local placeholders: each rank restores its own part
     into, local_into = separate(req.into, where)
     parts: list[Any] = []  # this rank's rank-local subtrees, once read
@@ -208,11 +208,11 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
 
     def plan_dest() -> None:  # a state that does not fit into= raises on every rank
         found = None if into is None else match(m, m.tree, into, req.strict, what)
-        held["dest"] = plan_destinations(m, wanted, needed, found, allocate)
+        held.append(plan_destinations(m, wanted, needed, found, allocate))
 
     with stage("tier restore: destinations"):
         comm.agree("memory restore destinations", plan_dest, what)
-    dest = held["dest"]
+    dest = held[0]
     describe = storage_descriptions(m)
     chosen: list[tuple[str, str]] = []
     mine = plan.reads[comm.rank]

@@ -25,19 +25,23 @@ import hashlib
 import json
 import os
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ... import settings
 from ...errors import CheckpointError
 from ...format import DataFile, Extent, Manifest
+from ...format.records import Wire
 from ...parallel.distributed import Comm
 from ...parallel.schedule import DistributedPlan, RankInfo, plan_save
 from ...results import SaveInfo
 from ...saving.as_saved import refuse_torn
+from ...saving.manifest_builder import Part, build_manifest
 from ...saving.save import save as core_save
+from ...saving.sequence import Layout, Run, run_save
 from ...saving.units import backend_for
 from ...state.flatten import Flattened
-from ...transfer.commit import abort, begin, seal, writer_record
+from ...transfer.commit import writer_record
 from ...transfer.writer import write_plan
 
 SHARES_MARK = "memory-shares"  # the manifests' writer record says how the step is held
@@ -86,59 +90,74 @@ def check_same_structure(digests: list[str], step: int) -> None:
             "Checkpointer's process_group, or give each replica group its own Checkpointer")
 
 
+@dataclass(frozen=True)
+class ShareReport(Wire):
+    """What a rank tells the others once its share is written and fsynced."""
+
+    extents: list[Extent]
+    backend: str
+    reason: str
+    local_written: int  # bytes of its rank-local part
+
+
+class ShareLayout(Layout[Any, ShareReport]):
+    """The memory tier's layout on the save sequence: each rank writes its byte-range share of
+    ``flat`` (and its rank-local part beside it) into a directory of its own, and every rank
+    seals its directory with the same manifest of the whole step."""
+
+    facts_type = None  # nothing to exchange before writing: the plan is the tier's
+    report_type = ShareReport
+    every_rank_commits = True
+
+    def __init__(self, flat: Flattened, plan: DistributedPlan, io_kwargs: dict[str, Any],
+                 local: Flattened | None):
+        self.flat, self.layout, self.io_kwargs, self.local = flat, plan, io_kwargs, local
+
+    def write(self, run: Run) -> ShareReport:
+        assert run.tmp is not None
+        self.mine = [self.layout.files[i].plan for i in self.layout.files_of(run.comm.rank)]
+        be, reason = backend_for(run.cfg, run.tmp.dir, self.flat.storage_objects)
+        sealed = (write_plan(be, run.tmp.dir, self.mine, self.flat.storage_objects, run.cfg)
+                  if self.mine else [])
+        written = (0 if self.local is None else
+                   save_local(run.tmp.dir, self.local, self.io_kwargs))
+        if not self.mine:
+            be_name, reason = "none", "this rank had nothing to write"
+        else:
+            be_name = be.name
+        return ShareReport(sealed, be_name, reason, written)
+
+    def seal(self, run: Run, reports: list[ShareReport]) -> Manifest:
+        """The whole step's manifest, the same bytes on every rank (no host, no timing in it)."""
+        writer = writer_record("memory", "the memory tier: each rank holds its own data file",
+                               run.comm.size, host="", layout=SHARES_MARK,
+                               shares={str(f.rank): i for i, f in enumerate(self.layout.files)})
+        manifest = build_manifest(
+            Part(self.flat.tree, list(self.flat.tensors), list(self.flat.storages)),
+            [DataFile(f.plan.name, f.plan.size) for f in self.layout.files],
+            [e for r in reports for e in r.extents], writer)
+        refuse_torn(self.flat, manifest.extents, run.path)  # every rank: all the extents
+        return manifest
+
+    def info(self, run: Run) -> SaveInfo:
+        mine = run.reports[run.comm.rank]
+        return SaveInfo(path=run.path, backend=mine.backend, reason=mine.reason,
+                        bytes_written=sum(f.size for f in self.mine) + mine.local_written,
+                        payload_bytes=sum(e.length for f in self.mine for e in f.extents),
+                        seconds=time.perf_counter() - run.t0, tensors=len(self.flat.tensors),
+                        storages=len(self.flat.storages), files=[f.name for f in self.mine])
+
+
 def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
                io_kwargs: dict[str, Any], step: int, local: Flattened | None = None) -> SaveInfo:
     """Every rank: commit its share of ``flat`` at ``path`` (its own ``rank-R/step-N``), with
-    its rank-local part ``local`` beside it.
-    Two agreed phases: write and fsync the share, then seal every rank's directory with the
-    manifest of the whole step. A failure anywhere raises on every rank; what was committed
-    stays (the previous step is kept until every rank holds the new one)."""
-    t0 = time.perf_counter()
+    its rank-local part ``local`` beside it. A failure anywhere raises on every rank; what was
+    committed stays (the previous step is kept until every rank holds the new one)."""
     # tmpfs writes are copies, off the training thread's path: the tier's own thread count
     io_kwargs = {**io_kwargs, "io_threads": settings.current().memory_io_threads}
-    cfg = settings.current(**io_kwargs)
-    mine = [plan.files[i].plan for i in plan.files_of(comm.rank)]
-    what = f"memory-tier save of step {step} at {path}"
-    held: dict[str, Any] = {}
-
-    def write() -> list[list[int]]:
-        tmp = held["tmp"] = begin(path, cfg.io_timeout_s)
-        be, reason = backend_for(cfg, tmp.dir, flat.storage_objects)
-        held["backend"] = (be.name, reason)
-        sealed = write_plan(be, tmp.dir, mine, flat.storage_objects, cfg) if mine else []
-        if local is not None:
-            held["local_written"] = save_local(tmp.dir, local, io_kwargs)
-        return [[e.storage, e.start, e.length, e.file, e.offset, e.crc32c] for e in sealed]
-
-    try:
-        reports = comm.agree("memory share write", write, what)
-        manifest = _manifest(plan, flat, reports, comm.size)
-        def check_and_seal() -> None:
-            refuse_torn(flat, manifest.extents, path)  # every rank: all the extents
-            seal(held.pop("tmp"), manifest, cfg.io_timeout_s, check=True)
-
-        comm.agree("memory share seal", check_and_seal, what)
-    finally:
-        if "tmp" in held:
-            abort(held["tmp"])
-    name, reason = held.get("backend", ("none", "this rank had nothing to write"))
-    written = sum(f.size for f in mine) + held.get("local_written", 0)
-    return SaveInfo(path=path, backend=name, reason=reason, bytes_written=written,
-                    payload_bytes=sum(e.length for f in mine for e in f.extents),
-                    seconds=time.perf_counter() - t0, tensors=len(flat.tensors),
-                    storages=len(flat.storages), files=[f.name for f in mine])
-
-
-def _manifest(plan: DistributedPlan, flat: Flattened, reports: list[Any],
-              world: int) -> Manifest:
-    """The whole step's manifest, the same bytes on every rank (no host, no timing in it)."""
-    extents = sorted((Extent(*e) for r in reports for e in r),
-                     key=lambda e: (e.file, e.offset))
-    files = [DataFile(f.plan.name, f.plan.size) for f in plan.files]
-    writer = writer_record("memory", "the memory tier: each rank holds its own data file",
-                           world, host="", layout=SHARES_MARK,
-                           shares={str(f.rank): i for i, f in enumerate(plan.files)})
-    return Manifest(files, list(flat.storages), list(flat.tensors), extents, flat.tree, writer)
+    return run_save(ShareLayout(flat, plan, io_kwargs, local), path, comm,
+                    cfg=settings.current(**io_kwargs),
+                    what=f"memory-tier save of step {step} at {path}")
 
 
 def share_files(m: Manifest) -> dict[int, int]:
