@@ -370,7 +370,8 @@ class _Writing:
             finally:
                 self._close_base()
         local = self.share.local
-        return Report(self.backend, self.reason, self.share.plan.digest(),
+        return Report(self.backend, self.reason,
+                      self.share.plan.digest() if run.comm.size > 1 else "",
                       time.perf_counter() - self.t0,
                       Part(local.tree, list(local.tensors), list(local.storages)),
                       self.extents, self.sizes, self.referred, self.referred_bytes,

@@ -24,7 +24,7 @@ import contextlib
 import errno
 import time
 import uuid
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -32,12 +32,13 @@ from .. import settings
 from ..errors import DiskFullError
 from ..format import Manifest
 from ..format.records import Wire
-from ..parallel.distributed import Comm, make_comm
+from ..parallel.distributed import Comm, SoloComm, make_comm
 from ..results import SaveInfo
 from ..stages import stage
 from ..transfer.commit import Temporary, abort, begin, seal
 
 Facts = TypeVar("Facts", bound=Wire)
+R = TypeVar("R", bound=Wire)
 Report = TypeVar("Report", bound=Wire)
 
 
@@ -47,6 +48,15 @@ class Began(Wire):
 
     tmp: str = ""  # the temporary directory ('' on ranks that did not begin)
     save_id: str = ""
+
+
+@dataclass(frozen=True)
+class Prepared(Wire):
+    """What every rank tells the others in ``prepare``: its layout's facts (their wire form;
+    the layout decodes them) and what it began."""
+
+    facts: Any
+    began: Began
 
 
 @dataclass
@@ -70,6 +80,13 @@ class Run:
     def agree(self, phase: str, step: Any, outcome: str | None = None) -> list[Any]:
         """``step`` run on every rank, outcomes exchanged; a failure anywhere raises here."""
         return self.comm.agree(phase, step, self.what, self.intact if outcome is None else outcome)
+
+    def exchange(self, phase: str, step: Callable[[], R], kind: type[R]) -> list[R]:
+        """:meth:`agree` for a step that returns a :class:`Wire` record: every rank's record
+        (alone, this rank's as it is: nothing crosses a process)."""
+        if isinstance(self.comm, SoloComm):
+            return self.agree(phase, step)
+        return [kind.from_wire(r) for r in self.agree(phase, lambda: step().to_wire())]
 
     def tick(self, phase: str) -> None:
         now = time.perf_counter()
@@ -148,8 +165,7 @@ def run_save(layout: Layout[Any, Any], path: str, comm: Comm | None = None, *,
         with _disk_full(run):
             if layout.facts_type is not None:
                 _prepare_and_plan(layout, run)
-            run.reports = [layout.report_type.from_wire(r)
-                           for r in run.agree("write", lambda: _write(layout, run))]
+            run.reports = run.exchange("write", lambda: _write(layout, run), layout.report_type)
             run.tick("write")
             run.committing = True
             run.agree("commit", lambda: _seal_and_commit(layout, run),
@@ -192,28 +208,30 @@ def finish_driven(layout: Layout[Any, Any], run: Run, reports: list[Any]) -> Non
 
 
 def _prepare_and_plan(layout: Layout[Any, Any], run: Run) -> None:
-    def prepare() -> dict[str, Any]:
+    def prepare() -> Prepared:
         facts = layout.prepare(run)
         began = Began()
         if layout.every_rank_commits or run.comm.rank == 0:
             with stage("begin (temporary directory)"):
                 run.tmp = layout.begin(run)
             began = Began(run.tmp.dir, uuid.uuid4().hex[:12])
-        return {"facts": facts.to_wire(), "began": began.to_wire()}
+        return Prepared(facts if isinstance(run.comm, SoloComm) else facts.to_wire(), began)
 
-    assert layout.facts_type is not None
-    gathered = run.agree("prepare", prepare)
-    run.began = [Began.from_wire(g["began"]) for g in gathered]
+    kind = layout.facts_type
+    assert kind is not None
+    gathered = run.exchange("prepare", prepare, Prepared)
+    run.began = [g.began for g in gathered]
     run.tick("prepare")
-    layout.plan(run, [layout.facts_type.from_wire(g["facts"]) for g in gathered])
+    layout.plan(run, [kind.from_wire(g.facts) if isinstance(g.facts, dict) else g.facts
+                      for g in gathered])
     run.tick("plan")
 
 
-def _write(layout: Layout[Any, Any], run: Run) -> dict[str, Any]:
+def _write(layout: Layout[Any, Any], run: Run) -> Wire:
     if layout.facts_type is None:  # begin here: nothing was exchanged before
         run.tmp = layout.begin(run)
         run.began = [Began(run.tmp.dir)]
-    return layout.write(run).to_wire()
+    return layout.write(run)
 
 
 def _seal_and_commit(layout: Layout[Any, Any], run: Run) -> None:
