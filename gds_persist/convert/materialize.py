@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .. import settings
@@ -28,10 +28,12 @@ from ..format import (
     data_file_name,
     storage_descriptions,
 )
+from ..format.records import Wire
 from ..progress import ByteCounter, ProgressCallback
 from ..results import ExportInfo
+from ..saving.manifest_builder import Part, build_manifest
+from ..saving.sequence import Layout, Run, run_save
 from ..stages import stage
-from ..transfer.commit import aborted_on_error, begin, seal
 from ..transfer.opened import OpenCheckpoint, opened
 
 COPY_CHUNK = 16 << 20
@@ -46,43 +48,64 @@ def materialize(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
     if os.path.abspath(path) == os.path.abspath(out):
         raise ValueError(f"materialize {path} onto itself: give another output directory")
     cfg = settings.current()
-    t0 = time.perf_counter()
+    absolute = os.path.abspath(out)
+    return opened(path, lambda ck: run_save(_Copy(ck, path, progress), absolute, cfg=cfg,
+                                            what=f"materialize of {path} to {out}"))
 
-    def copy(ck: OpenCheckpoint) -> ExportInfo:
-        m = ck.manifest
+
+@dataclass(frozen=True)
+class _Copied(Wire):
+    extents: list[Extent]  # where the copy holds each stored extent
+    size: int  # of the one data file
+
+
+class _Copy(Layout[Any, _Copied]):
+    """materialize's layout on the save sequence: every stored extent of an open checkpoint,
+    checked, into one data file; the manifest as it was, its references resolved."""
+
+    facts_type, report_type = None, _Copied
+
+    def __init__(self, ck: OpenCheckpoint, path: str, progress: ProgressCallback | None):
+        self.ck, self.path, self.progress = ck, path, progress
+
+    def write(self, run: Run) -> _Copied:
+        assert run.tmp is not None
+        m, ck = self.ck.manifest, self.ck
         ck.open_files(range(len(m.files)))
         describe = storage_descriptions(m)
-        counter = ByteCounter(progress, sum(align_up(e.stored_length) for e in m.extents))
-        tmp = begin(out, cfg.io_timeout_s)
-        with aborted_on_error(tmp):
-            name = data_file_name(0)
-            fd = os.open(os.path.join(tmp.dir, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL,
-                         0o644)
-            extents: list[Extent] = []
-            offset = 0
-            try:
-                for e in sorted(m.extents, key=lambda e: (e.file, e.offset)):
-                    with stage("copy extent", e.stored_length):
-                        _copy_extent(ck, e, fd, offset, describe, counter)
-                    extents.append(replace(e, file=0, offset=offset))
-                    offset = align_up(offset + e.stored_length, ALIGNMENT)
-                os.ftruncate(fd, offset)
-                with stage("fsync"):
-                    os.fsync(fd)
-            finally:
-                os.close(fd)
-            writer = dict(m.writer)
-            writer["materialized_from"] = os.path.abspath(path)
-            manifest = Manifest([DataFile(name, offset)], m.storages, m.tensors, extents, m.tree,
-                                writer, sections=m.sections)
-            seal(tmp, manifest, cfg.io_timeout_s)
-        counter.finish()
+        self.counter = ByteCounter(self.progress,
+                                   sum(align_up(e.stored_length) for e in m.extents))
+        fd = os.open(os.path.join(run.tmp.dir, data_file_name(0)),
+                     os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        extents: list[Extent] = []
+        offset = 0
+        try:
+            for e in sorted(m.extents, key=lambda e: (e.file, e.offset)):
+                with stage("copy extent", e.stored_length):
+                    _copy_extent(ck, e, fd, offset, describe, self.counter)
+                extents.append(replace(e, file=0, offset=offset))
+                offset = align_up(offset + e.stored_length, ALIGNMENT)
+            os.ftruncate(fd, offset)
+            with stage("fsync"):
+                os.fsync(fd)
+        finally:
+            os.close(fd)
+        return _Copied(extents, offset)
+
+    def seal(self, run: Run, reports: list[_Copied]) -> Manifest:
+        m, copied = self.ck.manifest, reports[0]
+        writer = {**m.writer, "materialized_from": os.path.abspath(self.path)}
+        return build_manifest(Part(m.tree, m.tensors, m.storages),
+                              [DataFile(data_file_name(0), copied.size)], copied.extents, writer,
+                              sections=m.sections)
+
+    def info(self, run: Run) -> ExportInfo:
+        self.counter.finish()
+        m = self.ck.manifest
         notes = [f"{m.referenced_bytes} bytes copied from base checkpoints "
                  f"({', '.join(b.name for b in m.bases)})"] if m.bases else []
-        notes.append(f"{time.perf_counter() - t0:.2f} s")
-        return ExportInfo(out, "gds_persist", len(m.tensors), offset, notes)
-
-    return opened(path, copy)
+        notes.append(f"{time.perf_counter() - run.t0:.2f} s")
+        return ExportInfo(run.path, "gds_persist", len(m.tensors), run.reports[0].size, notes)
 
 
 def _copy_extent(ck: OpenCheckpoint, e: Extent, fd: int, offset: int, describe: Any,

@@ -34,12 +34,14 @@ class Referral(Wire):
 
 def build_manifest(state: Part, files: Sequence[DataFile], extents: Sequence[Extent],
                    writer: dict[str, Any], *, locals_by_rank: Sequence[Part] = (),
-                   dirs: Sequence[DataDir] = (), referred: Sequence[Referral] = ()) -> Manifest:
+                   dirs: Sequence[DataDir] = (), referred: Sequence[Referral] = (),
+                   sections: Sequence[Section] = ()) -> Manifest:
     """The manifest of ``state`` written as ``extents`` of ``files``. ``locals_by_rank``: each
     rank's rank-local part, whose storages follow the state's in rank order (sections only where
-    the state's tree holds rank-local placeholders); ``referred``: units a base holds."""
+    the state's tree holds rank-local placeholders); ``referred``: units a base holds;
+    ``sections``: rank-local sections whose records ``state`` holds already (a copy)."""
     storages, tensors = list(state.storages), list(state.tensors)
-    sections = []
+    sections = list(sections)
     has_local = _tree.has_locals(state.tree)
     for rank, part in enumerate(locals_by_rank):
         t_base, s_base = len(tensors), len(storages)

@@ -33,7 +33,6 @@ from ..errors import DiskFullError
 from ..format import Manifest
 from ..format.records import Wire
 from ..parallel.distributed import Comm, SoloComm, make_comm
-from ..results import SaveInfo
 from ..stages import stage
 from ..transfer.commit import Temporary, abort, begin, seal
 
@@ -148,12 +147,13 @@ class Layout(Generic[Facts, Report]):
     def release(self, run: Run, committed: bool) -> None:
         """At the end, failed or not: locks this rank holds."""
 
-    def info(self, run: Run) -> SaveInfo:
+    def info(self, run: Run) -> Any:
+        """What the save returns (a :class:`SaveInfo` for ``gds_persist.save``)."""
         raise NotImplementedError
 
 
 def run_save(layout: Layout[Any, Any], path: str, comm: Comm | None = None, *,
-             cfg: settings.Settings, process_group: Any = None, what: str = "") -> SaveInfo:
+             cfg: settings.Settings, process_group: Any = None, what: str = "") -> Any:
     """Run the save sequence of ``layout`` for ``path`` on this rank (see the module docstring);
     every rank of ``process_group`` (or ``comm``) calls it."""
     comm = comm or make_comm(process_group, cfg.collective_timeout_s)
