@@ -29,6 +29,7 @@ import torch
 from ... import settings
 from ...errors import CheckpointError
 from ...format import MANIFEST_NAME, Extent, Manifest, parse_manifest, storage_descriptions
+from ...format.records import Wire
 from ...format.tree import decode, fill_locals, tensor_indices
 from ...loading.destinations import Destinations, match, plan_destinations, target_device
 from ...loading.load import PieceReader, fresh_storages
@@ -56,6 +57,39 @@ class Source:
     @property
     def key(self) -> tuple[int, str, str]:
         return (self.share, self.node, self.kind)
+
+
+@dataclass(frozen=True)
+class CopyStatus(Wire):
+    """A copy of a share as a rank found it, told to every rank: which (its share, node and
+    kind, as :attr:`Source.key`), why it failed ('' if it did not), its manifest's digest."""
+
+    share: int
+    node: str
+    kind: str
+    why: str = ""
+    digest: str = ""
+
+    @classmethod
+    def of(cls, copy: Source, why: str = "", digest: str = "") -> CopyStatus:
+        return cls(copy.share, copy.node, copy.kind, why, digest)
+
+    @property
+    def key(self) -> tuple[int, str, str]:
+        return (self.share, self.node, self.kind)
+
+
+Failures = dict[tuple[int, str, str], str]  # why each failed copy failed, by its key
+
+
+def _agreed_failures(comm: Comm, phase: str, step: Any, what: str) -> Failures:
+    """Every rank's failed copies, by key: ``step`` returns this rank's statuses."""
+    return {st.key: st.why for st in _agreed(comm, phase, step, what) if st.why}
+
+
+def _agreed(comm: Comm, phase: str, step: Any, what: str) -> list[CopyStatus]:
+    return [CopyStatus.from_wire(st) for got in comm.agree(
+        phase, lambda: [st.to_wire() for st in step()], what) for st in got]
 
 
 @dataclass
@@ -161,8 +195,8 @@ def _open(comm: Comm, mine: dict[int, Source], opened: dict[int, OpenCheckpoint]
           what: str) -> tuple[dict[tuple[int, str, str], str], str]:
     """Open every copy this rank reads (its data file too: its size is checked); the failed
     copies (every rank's), and the manifest digest the copies agree on."""
-    def step() -> list[list[Any]]:
-        out: list[list[Any]] = []
+    def step() -> list[CopyStatus]:
+        out: list[CopyStatus] = []
         for k, src in mine.items():
             try:
                 ck = opened[k] = open_checkpoint(src.path)
@@ -173,18 +207,18 @@ def _open(comm: Comm, mine: dict[int, Source], opened: dict[int, OpenCheckpoint]
                                           f"{comm.size} ranks (saved by {saved})")
                 if k in files:
                     ck.open_files([files[k]])  # TruncatedError when cut short
-                out.append([*src.key, "", ck.digest])
+                out.append(CopyStatus.of(src, digest=ck.digest))
             except (CheckpointError, OSError) as e:
-                out.append([*src.key, _first_line(e), ""])
+                out.append(CopyStatus.of(src, _first_line(e)))
         return out
 
-    statuses = [st for got in comm.agree("memory restore open", step, what) for st in got]
-    failures = {(k, n, kind): why for k, n, kind, why, _ in statuses if why}
-    digests = [d for *_, d in statuses if d]
+    statuses = _agreed(comm, "memory restore open", step, what)
+    failures = {st.key: st.why for st in statuses if st.why}
+    digests = [st.digest for st in statuses if st.digest]
     common = max(set(digests), key=digests.count) if digests else ""
-    for k, n, kind, _, d in statuses:
-        if d and d != common:
-            failures[(k, n, kind)] = "it holds another manifest of this step than the others"
+    for st in statuses:
+        if st.digest and st.digest != common:
+            failures[st.key] = "it holds another manifest of this step than the others"
     return failures, common
 
 
@@ -217,21 +251,20 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
     chosen: list[tuple[str, str]] = []
     mine = plan.reads[comm.rank]
 
-    def read() -> list[list[Any]]:
+    def read() -> list[CopyStatus]:
         bad = []
         for k, ck in opened.items():
             try:
                 PieceReader(ck, dest, cfg, True, describe, chosen).read(extents[k], None)
             except (CheckpointError, OSError) as e:
-                bad.append([*mine[k].key, _first_line(e)])
+                bad.append(CopyStatus.of(mine[k], _first_line(e)))
         own = mine.get(comm.rank)
         if where and own is not None and not bad:
             bad += _read_part(own, os.path.join(own.path, LOCAL_DIR), local_into, req, parts)
         return bad
 
     with stage("tier restore: read the node's shares"):
-        failures = {(k, n, kind): why for got in comm.agree("memory restore read", read, what)
-                    for k, n, kind, why in got}
+        failures = _agreed_failures(comm, "memory restore read", read, what)
     if failures:
         return Outcome(failures=failures)
     with stage("tier restore: send the missing shares"):
@@ -255,15 +288,15 @@ def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, Ope
 
 
 def _read_part(copy: Source, path: str | None, into: list[Any] | None, req: Request,
-               parts: list[Any]) -> list[list[Any]]:
+               parts: list[Any]) -> list[CopyStatus]:
     """Load this rank's rank-local part from ``path`` (None: it never arrived) into ``parts``;
     the failure of ``copy`` (the share copy it came with), if any."""
     if path is None:
-        return [[*copy.key, "its rank-local part did not arrive from its sender"]]
+        return [CopyStatus.of(copy, "its rank-local part did not arrive from its sender")]
     try:
         parts[:] = load_part(path, into, req)
     except (CheckpointError, OSError) as e:
-        return [[*copy.key, _first_line(e)]]
+        return [CopyStatus.of(copy, _first_line(e))]
     return []
 
 
@@ -277,7 +310,7 @@ def _receive_part(comm: Comm, plan: Plan, keep: dict[int, Source], into: list[An
                           peer_timeout_s)
     sender = sender_of(plan, comm.rank)
 
-    def step() -> list[list[Any]]:
+    def step() -> list[CopyStatus]:
         if sender is None:
             return []
         copy = Source(comm.rank, plan.reads[sender][comm.rank].node,
@@ -288,8 +321,7 @@ def _receive_part(comm: Comm, plan: Plan, keep: dict[int, Source], into: list[An
             if landed:
                 shutil.rmtree(landed, ignore_errors=True)
 
-    return {(k, n, kind): why for got in comm.agree("memory restore rank-local", step, what)
-            for k, n, kind, why in got}
+    return _agreed_failures(comm, "memory restore rank-local", step, what)
 
 
 def _send_missing(comm: Comm, plan: Plan, extents: dict[int, list[Extent]], dest: Destinations,
