@@ -28,7 +28,7 @@ import torch
 from ..backends import choose_backend
 from ..backends.base import Backend
 from ..errors import CheckpointError
-from ..format import DTYPES, BaseRef, DataFile, Extent, codec
+from ..format import DTYPES, Extent, codec
 from ..format.records import TensorRecord
 from ..settings import Settings
 from ..stages import stage
@@ -36,7 +36,7 @@ from ..transfer.pipeline import byte_view
 from ..transfer.staging import io_session
 from ..transfer.unit_writer import Unit, UnitResults, UnitWriter, codec_threads
 from .compression import choose as choose_compression
-from .incremental import BaseIndex, Candidate, References, assemble_references
+from .incremental import BaseIndex, Candidate, References
 
 Piece = tuple[int, int, int]  # (storage, start, length)
 
@@ -63,21 +63,6 @@ def typesizes(tensors: Sequence[TensorRecord], n_storages: int) -> list[int]:
     return [s or 1 for s in out]
 
 
-def spread(units: Sequence[Unit], files: int,
-           first: Callable[[int], bool] | None = None) -> list[list[int]]:
-    """Unit indices over ``files`` files of about equal bytes: each unit, in order, to the file
-    with the fewest bytes so far (so the units of one storage, and those that change from one
-    checkpoint to the next, spread over every file and are written in parallel). Within each
-    file the units ``first`` selects come first (they are written first)."""
-    out: list[list[int]] = [[] for _ in range(max(1, files))]
-    load = [0] * len(out)
-    for k, u in enumerate(units):
-        i = min(range(len(out)), key=load.__getitem__)
-        out[i].append(k)
-        load[i] += u.length
-    if first is not None:
-        out = [sorted(f, key=lambda k: not first(k)) for f in out]
-    return out
 
 
 # --- one directory's write ---------------------------------------------------------------------
@@ -173,24 +158,3 @@ def check_written(units: Sequence[Unit], w: Written) -> None:
             f"internal error: {len(units)} units but {len(w.extents)} written and "
             f"{len(w.referred)} referred; nothing was committed")
 
-
-def manifest_files(names: Sequence[str], sizes: Sequence[int], extents: list[Extent],
-                   referred: Sequence[tuple[int, Candidate]], directory: str,
-                   dir_index: Sequence[int] | None = None,
-                   ) -> tuple[list[DataFile], list[BaseRef], list[Extent], list[str]]:
-    """The data files, bases and extents of a version-4 manifest: own files that hold bytes
-    (empty ones are removed from ``directory``: every unit was referred to), then the base
-    files. Returns also the names of the own files kept."""
-    keep = [i for i, size in enumerate(sizes) if size]
-    for i, size in enumerate(sizes):
-        if not size:
-            try:
-                os.unlink(os.path.join(directory, names[i]))
-            except FileNotFoundError:
-                pass
-    renumber = {old: new for new, old in enumerate(keep)}
-    files = [DataFile(names[i], sizes[i], dir_index[i] if dir_index else 0) for i in keep]
-    own = [Extent(e.storage, e.start, e.length, renumber[e.file], e.offset, e.crc32c, e.codec,
-                  e.stored, e.stored_crc32c, e.blake3) for e in extents]
-    ref_files, bases, ref_extents = assemble_references(referred, len(files))
-    return files + ref_files, bases, own + ref_extents, [names[i] for i in keep]

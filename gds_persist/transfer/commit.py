@@ -1,11 +1,11 @@
 """Last stage of a save: make the checkpoint durable and visible atomically.
 
-Every save (single-process, data-parallel, DCP, ``materialize``) runs one sequence::
+The save sequence (:mod:`gds_persist.saving.sequence`) begins every save here and ends it here::
 
     tmp = begin(path)              # refuse what is not a checkpoint; temporary directory + lock
-    with aborted_on_error(tmp):    # any failure: the temporary directory goes, nothing else
-        ...write the data files into tmp.dir...
-        seal(tmp, manifest)        # manifest written and fsynced, then committed
+    ...write the data files into tmp.dir...
+    seal(tmp, manifest)            # manifest written and fsynced, then committed
+    # on any failure before that: abort(tmp) - the temporary directory goes, nothing else
 
 So a save writes everything into a temporary sibling directory ``.NAME.tmp-<id>``;
 :func:`commit` (the end of :func:`seal`) fsyncs it and swaps it into place. With an existing
@@ -52,7 +52,6 @@ from .._version import __version__
 from ..errors import (
     CheckpointError,
     CheckpointPermissionError,
-    DiskFullError,
     NotACheckpointDirectoryError,
 )
 from ..format import MANIFEST_NAME, Manifest, dump_manifest, parse_manifest
@@ -380,26 +379,6 @@ def seal(tmp: Temporary, manifest: Manifest, timeout_s: float = DEFAULT_TIMEOUT_
     commit(tmp, timeout_s, replace)  # gives ``tmp`` up itself on failure
 
 
-@contextlib.contextmanager
-def aborted_on_error(tmp: Temporary, full_disk: str | None = None,
-                     needs: str = "") -> Iterator[None]:
-    """Give ``tmp`` up if the body raises. ``full_disk`` (the path as the caller named it): a
-    full filesystem (ENOSPC) becomes :class:`DiskFullError` saying so, with what the save
-    ``needs``."""
-    try:
-        yield
-    except OSError as e:
-        abort(tmp)
-        if full_disk is not None and e.errno == errno.ENOSPC:
-            raise DiskFullError(
-                errno.ENOSPC,
-                f"no space left on the filesystem of {full_disk}: {needs}free space or save "
-                "elsewhere (the partial save was removed and earlier checkpoints are untouched)",
-            ) from e
-        raise
-    except BaseException:
-        abort(tmp)
-        raise
 
 
 def writer_record(backend: str, reason: str, world_size: int = 1, host: str | None = None,
