@@ -66,7 +66,7 @@ import time
 import weakref
 import zipfile
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -76,18 +76,17 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from .. import settings
-from ..errors import CheckpointTimeout
 from ..format.torch_pickle import replica_digest
 from ..loading.load import load as gds_load
 from ..parallel.distributed import background_group, make_comm
 from ..results import DistributedSaveInfo, SaveInfo
 from ..saving.save import save as gds_save
 from ..saving.torch_file import PickledState
-from ..training.at_exit import before_thread_pools_stop
+from ..training.at_exit import finish_at_exit
+from ..training.background_writer import Lane, collect, finished
 from ..training.capture import Capture, StorageId, fingerprints, held_by, storage_id
 from ..transfer.atomic_file import AtomicFile
 from ..transfer.commit import fsync_path
-from ..transfer.pipeline import result_within
 
 log = logging.getLogger("gds_persist")
 __all__ = ["SAVE_OPTIONS", "GdsPersistCheckpointEngine", "attach", "flush"]
@@ -97,6 +96,7 @@ SAVE_OPTIONS = frozenset({"backend", "block_bytes", "staging_bytes", "io_threads
 SHARED_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
 # ZeRO 1-2 optimizers' flat buffers, which the optimizer step alone changes
 ZERO_FLAT_TENSORS = ("single_partition_of_fp32_groups", "bit16_groups_flat")
+KNOB = "attach(engine, timeout_s=...)"  # what raises the bound on every wait for a write
 
 
 def attach(engine: Any, *, decoupled: bool | None = None, data_parallel: bool = True,
@@ -251,11 +251,12 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._pending: CheckpointCommitInfo | None = None  # created, not yet committed
         self._committing: Future[int] | None = None  # the pending save's queued commit
         self._writes: list[tuple[str, Future[Any]]] = []
-        self._executor: ThreadPoolExecutor | None = None
+        self._lane: Lane | None = None  # decoupled: the writes, then their commit, in order
         self._capture = Capture()
         # what engine.step() holds until the pending save is committed (attach sets it)
         self.held: Callable[[], set[StorageId]] = set
-        _live.add(self)
+        finish_at_exit(self, GdsPersistCheckpointEngine.cleanup,
+                       "DeepSpeed engine: the last checkpoint was not committed")
 
     # ------------------------------------------------------------------ DeepSpeed's calls
 
@@ -301,8 +302,8 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if committing is None:
             self._commit_now(info, self._take_writes())
         else:
-            result_within(committing, self.timeout_s + settings.current().collective_timeout_s,
-                          f"the commit of DeepSpeed checkpoint {info.tag!r}")
+            collect([(f"the commit of DeepSpeed checkpoint {info.tag!r}", committing)],
+                    self.timeout_s + settings.current().collective_timeout_s, KNOB)
         # ``latest`` is written (atomically); DeepSpeed's own rewrite of it after a decoupled
         # commit is a plain open-and-write that a kill can leave empty: skip it
         info.save_latest = False
@@ -316,9 +317,9 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         try:
             self.flush()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=False)
-                self._executor = None
+            if self._lane is not None:
+                self._lane.stop(deadline=time.monotonic())  # nothing is left in it
+                self._lane = None
 
     # ------------------------------------------------------------------ the edges of a save
 
@@ -329,7 +330,8 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if info is None or self._committing is not None or not self.decoupled:
             return
         writes = self._take_writes()
-        self._committing = self._executor_().submit(self._commit_now, info, writes)
+        self._committing = self._lane_().submit(functools.partial(self._commit_now, info, writes),
+                                                f"committing DeepSpeed checkpoint {info.tag!r}")
 
     def flush(self) -> None:
         """Commit the pending save (waiting for a queued commit), then any other writes."""
@@ -351,7 +353,7 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def wait(self) -> list[SaveInfo | None]:
         """Block (at most ``timeout_s``) until this rank's queued writes are done; raise the
         first error. Returns their infos (None for a file another rank wrote)."""
-        return _results(self._take_writes(), self.timeout_s)
+        return collect(self._take_writes(), self.timeout_s, KNOB)
 
     def _take_writes(self) -> list[tuple[str, Future[Any]]]:
         writes, self._writes = self._writes, []  # touched by the caller's thread only
@@ -360,7 +362,7 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def _finish_writes(self, writes: list[tuple[str, Future[Any]]]) -> int:
         """This rank's files durable (each was fsynced and renamed in place, its directory
         fsynced; here the tag directory's entry too); the bytes it wrote."""
-        self.infos = [i for i in _results(writes, self.timeout_s) if i is not None]
+        self.infos = [i for i in collect(writes, self.timeout_s, KNOB) if i is not None]
         for tag_dir in sorted({os.path.dirname(i.path) for i in self.infos}):
             fsync_path(os.path.dirname(tag_dir))
         return sum(i.rank_bytes if isinstance(i, DistributedSaveInfo) else i.bytes_written
@@ -394,34 +396,13 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return run
 
     def _submit(self, path: str, write: Callable[[], Any]) -> None:
-        if not self.decoupled:
-            self._writes.append((path, _done(write)))
-            return
-        self._writes.append((path, self._executor_().submit(write)))
+        self._writes.append((path, self._lane_().submit(write, f"writing {path}")
+                             if self.decoupled else finished(write)))
 
-    def _executor_(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="gds_persist-deepspeed")
-        return self._executor
-
-
-def _results(writes: list[tuple[str, Future[Any]]], timeout_s: float) -> list[Any]:
-    """Every write's result, waiting at most ``timeout_s`` in all; the first error raised after
-    the rest were waited for."""
-    deadline = time.monotonic() + timeout_s
-    results: list[Any] = []
-    error: BaseException | None = None
-    for path, future in writes:
-        try:
-            results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
-        except BaseException as e:  # noqa: BLE001 - the first is raised, after the rest
-            error = error or (e if future.done() else CheckpointTimeout(  # the wait ran out
-                f"the write of {path} did not finish within {timeout_s:g} s (slow or "
-                "hung storage?); it goes on in the background. Raise attach(engine, "
-                "timeout_s=...) if the storage is only slow"))
-    if error is not None:
-        raise error
-    return results
+    def _lane_(self) -> Lane:
+        if self._lane is None:
+            self._lane = Lane("deepspeed")
+        return self._lane
 
 
 def _detached(state: Any) -> tuple[Any, bytes]:
@@ -440,29 +421,3 @@ def _replica_digest(pickled: bytes, state: Any, held: set[StorageId]) -> bytes:
     ranks - buffers such as BatchNorm's statistics, computed on each rank's own batches."""
     own = [s for s in state.storage_objects if storage_id(s) not in held]
     return (replica_digest(pickled) + repr(fingerprints(own))).encode()
-
-
-def _done(write: Callable[[], Any]) -> Future[Any]:
-    future: Future[Any] = Future()
-    try:
-        future.set_result(write())
-    except BaseException as e:  # noqa: BLE001 - raised by wait(), as a background error is
-        future.set_exception(e)
-    return future
-
-
-
-_live: weakref.WeakSet[GdsPersistCheckpointEngine] = weakref.WeakSet()
-
-
-def _flush_at_exit() -> None:
-    """Interpreter exit: commit every engine's last save rather than lose it (bounded)."""
-    for ours in list(_live):
-        try:
-            ours.cleanup()
-        except Exception as e:  # noqa: BLE001 - nothing is left to raise it to
-            log.error("gds_persist DeepSpeed engine at exit: the last checkpoint was not "
-                      "committed: %s: %s", type(e).__name__, e)
-
-
-before_thread_pools_stop(_flush_at_exit)

@@ -136,7 +136,8 @@ class _GdsPersistCheckpointIO:
     def _start(self, snapshot_bytes: int | None) -> None:
         """What is the plugin's own and never copied: its locks, writer thread, snapshot arena."""
         self._last_info: SaveInfo | None = None
-        self._writer = BackgroundWriter(self._write, snapshot_bytes, self.timeout_s)
+        self._writer = BackgroundWriter(self._write, snapshot_bytes, self.timeout_s,
+                                        "GdsPersistCheckpointIO(timeout_s=...)")
         self._saving = _Saving()
 
     # A copy (copy.deepcopy, pickle) is a fresh plugin with the same options and its own locks,
