@@ -102,18 +102,32 @@ KNOB = "attach(engine, timeout_s=...)"  # what raises the bound on every wait fo
 def attach(engine: Any, *, decoupled: bool | None = None, data_parallel: bool = True,
            timeout_s: float = 1800.0, **save_options: Any) -> GdsPersistCheckpointEngine:
     """Route ``engine.save_checkpoint`` / ``load_checkpoint`` through gds_persist (see the
-    module docstring); every rank calls it (it creates a process group), right after
-    ``deepspeed.initialize``. Returns the new checkpoint engine (also
-    ``engine.checkpoint_engine``).
+    module docstring). Every rank calls it (it creates a process group), right after
+    ``deepspeed.initialize``; a second call returns the engine already attached.
 
-    Parameters:
-        engine: what ``deepspeed.initialize`` returned first.
-        decoupled: None (default) follows the engine's config (``checkpoint.writer.decoupled``);
-            True returns from ``save_checkpoint`` before the bytes are written; False once the
-            checkpoint is committed.
-        data_parallel: let the data-parallel ranks share the write of the model-states file.
-        timeout_s: bound on every wait for this rank's writes.
-        save_options: :func:`gds_persist.save` keywords (:data:`SAVE_OPTIONS`).
+    Parameters
+    ----------
+    engine
+        What ``deepspeed.initialize`` returned first.
+    decoupled
+        None (default) follows the engine's config (``checkpoint.writer.decoupled``); True
+        returns from ``save_checkpoint`` before the bytes are written; False once committed.
+    data_parallel
+        Let the data-parallel ranks share the write of the model-states file.
+    timeout_s
+        Bound on every wait for this rank's writes.
+    save_options
+        :func:`gds_persist.save` keywords (:data:`SAVE_OPTIONS`).
+
+    Returns
+    -------
+    GdsPersistCheckpointEngine
+        The new checkpoint engine, also ``engine.checkpoint_engine``.
+
+    Raises
+    ------
+    TypeError
+        ``engine`` is not a DeepSpeed engine, or an option is unknown.
     """
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -141,8 +155,21 @@ def attach(engine: Any, *, decoupled: bool | None = None, data_parallel: bool = 
 
 def flush(engine: Any) -> None:
     """Block until the last ``save_checkpoint`` of ``engine`` is committed: every rank's files
-    durable, ``latest`` naming its tag; raise its error (on every rank) if it failed. Every rank
-    calls it. Only decoupled saves need it: not decoupled, ``save_checkpoint`` returns committed.
+    durable, ``latest`` naming its tag. Every rank calls it. Only decoupled saves need it: not
+    decoupled, ``save_checkpoint`` returns committed.
+
+    Parameters
+    ----------
+    engine
+        A DeepSpeed engine given to :func:`attach`.
+
+    Raises
+    ------
+    TypeError
+        :func:`attach` was not called on ``engine``.
+    CheckpointError
+        The save failed on some rank (raised on every rank, naming it);
+        :class:`~gds_persist.CheckpointTimeout` when a wait ran past its bound.
     """
     ours = engine.checkpoint_engine
     if not isinstance(ours, GdsPersistCheckpointEngine):
@@ -152,7 +179,18 @@ def flush(engine: Any) -> None:
 
 
 def configured_decoupling(engine: Any) -> tuple[bool, str]:
-    """Whether the engine's own configuration asks for decoupled checkpointing, and why."""
+    """Whether the engine's own configuration asks for decoupled checkpointing.
+
+    Parameters
+    ----------
+    engine
+        A DeepSpeed engine.
+
+    Returns
+    -------
+    tuple[bool, str]
+        Decoupled or not, and why (the ``decoupled_reason`` :func:`attach` records).
+    """
     from deepspeed.runtime.model_checkpointing.constants import (
         CHECKPOINT_WRITER,
         CHECKPOINT_WRITER_DECOUPLED,
@@ -225,6 +263,18 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     module docstring). Without :func:`attach` (no engine) it still saves and loads single files:
     ``create``, ``save`` of each file, ``commit``.
 
+    Parameters
+    ----------
+    config_params
+        DeepSpeed's checkpoint engine argument (unused).
+    decoupled
+        Write on a background thread (:mod:`gds_persist.training.background_writer`), the
+        commit queued behind the writes; False writes in ``save``.
+    timeout_s
+        Bound on every wait for this rank's writes.
+    save_options
+        :func:`gds_persist.save` keywords (:data:`SAVE_OPTIONS`); another raises ``TypeError``.
+
     Call order (DeepSpeed's, every rank): ``create(info)``, ``makedirs``, ``save(state, path)``
     per file, then ``commit(info)`` - at the end of ``save_checkpoint`` (not decoupled) or in the
     next ``engine.step()`` (decoupled, via ``get_commit_info``); ``load(path, map_location)`` per
@@ -261,18 +311,40 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     # ------------------------------------------------------------------ DeepSpeed's calls
 
     def is_decoupled(self) -> bool:
+        """Whether ``save`` returns before the bytes are written (``decoupled``)."""
         return self.decoupled
 
     def preserves_storage_sharing(self) -> bool:
-        return True  # views and tied tensors stay one storage, as in torch.save
+        """True: views and tied tensors stay one storage, as in ``torch.save``."""
+        return True
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        """Start the save of ``info.tag``; an uncommitted earlier one is committed first."""
+        """Start the save of ``info.tag``; an uncommitted earlier one is committed first.
+
+        Parameters
+        ----------
+        info
+            DeepSpeed's ``CheckpointCommitInfo`` (tag, save directory, ``save_latest``).
+        """
         self.flush()
         self._pending = info
 
     def save(self, state_dict: Any, path: str) -> None:
-        """Queue (or, not decoupled, run) the write of ``state_dict`` as the file ``path``."""
+        """Queue (or, not decoupled, run) the write of ``state_dict`` as the file ``path``: its
+        Python objects are pickled now, its tensors written as they are now.
+
+        Parameters
+        ----------
+        state_dict
+            What DeepSpeed saves in that file (tensors and Python objects).
+        path
+            The file, DeepSpeed's name for it.
+
+        Raises
+        ------
+        TypeError
+            What the state holds cannot be pickled. A failed write is raised by ``commit``.
+        """
         path = os.path.abspath(os.fspath(path))
         state, pickled = _detached(state_dict)
         held = self.held()
@@ -285,9 +357,22 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._submit(path, write)
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        """The state in the file ``path``, verified where gds_persist wrote it; a stock
-        ``torch.save`` file (DeepSpeed's own engine) loads unverified, a legacy (non-zip) one
-        through ``torch.load``. Unpickles DeepSpeed's objects: trusted files only."""
+        """The state in the file ``path``, once this rank's writes are done. Unpickles
+        DeepSpeed's objects: trusted files only.
+
+        Parameters
+        ----------
+        path
+            A file gds_persist wrote (verified), or a stock ``torch.save`` one (DeepSpeed's own
+            engine: unverified; a legacy non-zip one through ``torch.load``).
+        map_location
+            As ``torch.load``'s.
+
+        Returns
+        -------
+        Any
+            The state DeepSpeed saved in that file.
+        """
         self.wait()  # a file being written is read once it is complete
         if os.path.isfile(path) and not zipfile.is_zipfile(path):
             return torch.load(path, map_location=map_location, weights_only=False)
@@ -295,9 +380,25 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make ``info.tag`` durable on every rank, then (rank 0, ``info.save_latest``) write
-        ``save_dir/latest`` atomically. Raises on every rank, naming the failed rank and
-        file, if any write failed; ``latest`` is then left as it was. Where the commit was
-        queued by :meth:`commit_in_background`, waits for it (bounded)."""
+        ``save_dir/latest`` atomically. Where the commit was queued by
+        :meth:`commit_in_background`, waits for it (bounded).
+
+        Parameters
+        ----------
+        info
+            The ``CheckpointCommitInfo`` of the save to commit.
+
+        Returns
+        -------
+        bool
+            True (DeepSpeed's contract); a failure raises.
+
+        Raises
+        ------
+        CheckpointError
+            A write failed on some rank (on every rank, naming the rank and file; ``latest``
+            is left as it was); :class:`~gds_persist.CheckpointTimeout` past the bound.
+        """
         self._pending, committing, self._committing = None, self._committing, None
         if committing is None:
             self._commit_now(info, self._take_writes())
@@ -310,10 +411,12 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return True
 
     def get_commit_info(self) -> CheckpointCommitInfo | None:
+        """The save created and not yet committed (None if there is none)."""
         return self._pending
 
     def cleanup(self) -> None:
-        """``engine.destroy()``: commit the pending save, stop the writer thread."""
+        """``engine.destroy()`` (and a normal interpreter exit): commit the pending save, stop
+        the writer thread. Raises as :meth:`commit`."""
         try:
             self.flush()
         finally:
@@ -334,7 +437,8 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                                                 f"committing DeepSpeed checkpoint {info.tag!r}")
 
     def flush(self) -> None:
-        """Commit the pending save (waiting for a queued commit), then any other writes."""
+        """Commit the pending save (waiting for a queued commit), then wait for any other
+        writes; raises as :meth:`commit`. :func:`flush` calls it."""
         if self._pending is not None:
             self.commit(self._pending)
         self.wait()
@@ -351,8 +455,19 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     # ------------------------------------------------------------------ the writes
 
     def wait(self) -> list[SaveInfo | None]:
-        """Block (at most ``timeout_s``) until this rank's queued writes are done; raise the
-        first error. Returns their infos (None for a file another rank wrote)."""
+        """Block (at most ``timeout_s`` in all) until this rank's queued writes are done.
+
+        Returns
+        -------
+        list[SaveInfo | None]
+            Their infos, in order (None for a file another rank wrote).
+
+        Raises
+        ------
+        CheckpointError
+            The first write's error (the later ones logged and noted on it);
+            :class:`~gds_persist.CheckpointTimeout` naming the writes still running.
+        """
         return collect(self._take_writes(), self.timeout_s, KNOB)
 
     def _take_writes(self) -> list[tuple[str, Future[Any]]]:
