@@ -105,3 +105,4 @@ def test_a_write_queued_at_a_normal_exit_is_finished(tmp_path: Path) -> None:
                        timeout=120)
     assert r.returncode == 0 and not r.stderr, r.stderr
     assert gds_persist.load(tmp_path / "ck")["step"] == 2
+

@@ -73,27 +73,30 @@ class Lane:
 
     def _loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            future, call, what = item
-            if self._prepare is not None:
-                self._prepare()
-            if not future.set_running_or_notify_cancel():
-                continue
-            try:
-                result = call()
-            except Exception as e:  # noqa: BLE001 - the caller collects it from the future
-                future.set_exception(e)
-                continue
-            except BaseException as e:  # noqa: BLE001 - SystemExit & co. end this thread
-                log.error("gds_persist %s thread stopped by %s: %s", self.name,
-                          type(e).__name__, e)
-                with self._lock:
-                    if not self._stopping:
-                        self.thread = self._start()  # it takes the next calls
-                future.set_exception(WorkerDied(
-                    f"the gds_persist {self.name} thread died while {what} ({type(e).__name__}: "
-                    f"{e}); that work is lost, later work runs on a new thread"))
+            if not self._run(*item):
                 return
-            future.set_result(result)
+            del item  # its call's arguments (a checkpoint's tensors) go now, not at the next
+
+    def _run(self, future: Future[Any], call: Callable[[], Any], what: str) -> bool:
+        """Run one call into its future; False when it ended the thread."""
+        if self._prepare is not None:
+            self._prepare()
+        if not future.set_running_or_notify_cancel():
+            return True
+        try:
+            future.set_result(call())
+        except Exception as e:  # noqa: BLE001 - the caller collects it from the future
+            future.set_exception(e)
+        except BaseException as e:  # noqa: BLE001 - SystemExit & co. end this thread
+            log.error("gds_persist %s thread stopped by %s: %s", self.name, type(e).__name__, e)
+            with self._lock:
+                if not self._stopping:
+                    self.thread = self._start()  # it takes the next calls
+            future.set_exception(WorkerDied(
+                f"the gds_persist {self.name} thread died while {what} ({type(e).__name__}: "
+                f"{e}); that work is lost, later work runs on a new thread"))
+            return False
+        return True
 
 
 def finished(call: Callable[[], T]) -> Future[T]:
