@@ -23,7 +23,8 @@ checkpoint of the other kind at the path replaces it. ``remove_checkpoint`` remo
 ``save_checkpoint`` returns, with the Checkpointer's snapshot machinery (one bounded arena, pinned
 for CUDA tensors, reused from one save to the next; no second copy of the model in GPU memory):
 each storage is copied once, so tied weights and views stay shared, and the manifest records the
-device each storage was saved from. A background thread writes it while training goes on. The
+device each storage was saved from. The background writer's thread
+(:mod:`gds_persist.training.background_writer`) writes it while training goes on. The
 arena holds one checkpoint by default (the next save waits for the previous write);
 ``snapshot_bytes`` sets its size (twice a checkpoint: a save need not wait for the previous
 write). ``remove_checkpoint``, ``load_checkpoint`` and ``teardown`` wait for the writes in flight,
@@ -33,12 +34,9 @@ the tensors where they are, then calls this plugin from its thread).
 What a file may hold: what ``TorchCheckpointIO`` saves (any picklable object, e.g. a
 ``pathlib.Path`` hyper-parameter); it loads as Lightning loads it, through torch's weights-only
 unpickler unless ``weights_only=False`` is passed (objects beyond tensors and containers need
-that, or ``safe_globals``). Options: ``allow_pickle`` (directory format: leaves that are not
-tensors / JSON / the extra leaf types, stored pickled), ``safe_globals`` (classes the pickle
-may build, passed to ``torch.serialization.safe_globals`` on load), ``verify`` (check CRC32C on
-load, default True), and ``gds_persist.save`` keywords (``backend``, ``io_threads``, ...).
-``storage_options`` of ``Trainer.save_checkpoint`` may be None or a dict of those keywords
-(:data:`STORAGE_OPTIONS`); anything else raises a ``TypeError`` that lists them.
+that, or ``safe_globals``). The options: :class:`GdsPersistCheckpointIO`'s parameters.
+``storage_options`` of ``Trainer.save_checkpoint`` may be None or a dict of
+:data:`STORAGE_OPTIONS`; anything else raises a ``TypeError`` that lists them.
 
 ``LightningModule.load_from_checkpoint(path)`` reads a file with Lightning's own loader (no
 verification); :func:`load_from_checkpoint` (``load_from_checkpoint(MyModule, path,
