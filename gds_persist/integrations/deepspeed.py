@@ -421,7 +421,7 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
             self.flush()
         finally:
             if self._lane is not None:
-                self._lane.stop(deadline=time.monotonic())  # nothing is left in it
+                self._lane.stop(deadline=time.monotonic())  # a hung write ends it later
                 self._lane = None
 
     # ------------------------------------------------------------------ the edges of a save
