@@ -1,5 +1,5 @@
 """What the trainer integrations share: telling a checkpoint directory, and removing one safely.
-(Their background writer is :class:`gds_persist.training.background_writer.BackgroundWriter`.)"""
+(Their background writer, the Checkpointer's too: :mod:`gds_persist.training.background_writer`.)"""
 
 from __future__ import annotations
 

@@ -35,9 +35,13 @@ needs the same number of processes). ``allow_pickle`` is single-process only. Sh
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import os
 import random
 import re
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -57,9 +61,32 @@ RANK_LOCAL = ["rng", "dataloaders", "custom"]  # each process's own, with severa
 
 def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = None, *,
                allow_pickle: bool = False, **save_kwargs: Any) -> str:
-    """Save the accelerator's state to ``output_dir`` (a gds_persist checkpoint directory; an
-    existing one there is replaced atomically); return the directory. ``save_kwargs`` go to
-    :func:`gds_persist.save` (``backend``, ``io_threads``, ...)."""
+    """Save what ``accelerator.save_state`` saves as one gds_persist checkpoint directory (an
+    existing one there is replaced atomically). Every process calls it.
+
+    Parameters
+    ----------
+    accelerator
+        The ``accelerate.Accelerator`` whose prepared objects are saved.
+    output_dir
+        Where; None: the next ``checkpoint_<n>`` of ``automatic_checkpoint_naming``.
+    allow_pickle
+        Store leaves that are not tensors or plain data pickled (one process only).
+    save_kwargs
+        :func:`gds_persist.save` keywords (``backend``, ``io_threads``, ...).
+
+    Returns
+    -------
+    str
+        The checkpoint directory.
+
+    Raises
+    ------
+    NotImplementedError
+        Sharded training (FSDP, DeepSpeed, Megatron-LM) or XLA.
+    TypeError
+        A leaf a checkpoint cannot hold without ``allow_pickle=True``, naming its key path.
+    """
     several = _processes(accelerator) > 1
     if several and allow_pickle:
         raise ValueError("save_state(..., allow_pickle=True) is for single-process training; "
@@ -99,15 +126,35 @@ def save_state(accelerator: Any, output_dir: str | os.PathLike[str] | None = Non
 
 def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None, *,
                verify: bool = True, strict: bool = True) -> None:
-    """Restore the state saved by :func:`save_state` into the prepared objects of
-    ``accelerator`` (``input_dir`` None: the newest automatically named checkpoint). The
-    models' and optimizers' tensors are filled in place (``gds_persist.load(into=...)``);
-    ``strict`` applies to the models' keys as in ``load_state_dict``."""
+    """Restore the state :func:`save_state` saved into the prepared objects of ``accelerator``:
+    the models' and optimizers' tensors are filled in place (``gds_persist.load(into=...)``).
+    Every process calls it.
+
+    Parameters
+    ----------
+    accelerator
+        The ``accelerate.Accelerator``, with the same objects prepared as when it was saved.
+    input_dir
+        The checkpoint; None: the newest ``checkpoint_<n>`` (``automatic_checkpoint_naming``).
+    verify
+        Check every CRC32C while reading.
+    strict
+        As the models' ``load_state_dict(strict=...)``.
+
+    Raises
+    ------
+    CheckpointError
+        ``input_dir`` was not written by :func:`save_state`, or holds another number of models,
+        optimizers, schedulers, dataloaders or registered objects than ``accelerator``.
+    NotCommittedError
+        ``input_dir`` is None and no committed checkpoint is there.
+    """
     several = _processes(accelerator) > 1
     input_dir = _input_dir(accelerator, input_dir)
-    state = load(input_dir, map_location="cpu", verify=verify,
-                 process_group="default" if several else None, into=_live(accelerator),
-                 strict=False)  # what the live objects lack is loaded fresh; checked below
+    with _fresh_by_design():  # what the live objects lack is loaded fresh; checked below
+        state = load(input_dir, map_location="cpu", verify=verify,
+                     process_group="default" if several else None, into=_live(accelerator),
+                     strict=False)
     if not (isinstance(state, dict) and state.get("layout") == LAYOUT):
         raise CheckpointError(
             f"{input_dir} was not written by gds_persist.integrations.accelerate.save_state")
@@ -139,8 +186,37 @@ def _live(accelerator: Any) -> dict[str, Any]:
             "optimizers": [opt.state_dict() for opt in accelerator._optimizers]}
 
 
+@contextlib.contextmanager
+def _fresh_by_design() -> Iterator[None]:
+    """Drop ``load``'s report of the keys ``into=`` had no tensor for, for this thread's load.
+
+    ``into=`` holds only the live tensors of the prepared models and optimizers, so in every
+    correct resume the checkpoint's RNG states, registered objects and the moments of an
+    optimizer that has not stepped yet have none: ``strict=False`` loads them fresh, and
+    ``load`` logs them as "unexpected" (a warning naming 14 keys on a typical resume). They are
+    expected here; what a resume gets wrong is refused afterwards (the objects' counts, the
+    models' ``load_state_dict(strict=strict)``)."""
+    me = threading.get_ident()
+
+    def keep(record: logging.LogRecord) -> bool:
+        return not (record.thread == me and str(record.msg).startswith("load(into=) of "))
+
+    logger = logging.getLogger("gds_persist")
+    logger.addFilter(keep)
+    try:
+        yield
+    finally:
+        logger.removeFilter(keep)
+
+
 def rng_states() -> dict[str, Any]:
-    """The RNG states ``Accelerator.save_state`` saves (Python, numpy, torch, CUDA)."""
+    """The RNG states ``Accelerator.save_state`` saves.
+
+    Returns
+    -------
+    dict
+        Python's, numpy's and torch's states, and CUDA's where CUDA is available.
+    """
     states: dict[str, Any] = {
         "random_state": random.getstate(),
         "numpy_random_seed": np.random.get_state(),
@@ -152,6 +228,13 @@ def rng_states() -> dict[str, Any]:
 
 
 def set_rng_states(states: dict[str, Any]) -> None:
+    """Put back the RNG states of :func:`rng_states`.
+
+    Parameters
+    ----------
+    states
+        What :func:`rng_states` returned (CUDA's is skipped where CUDA is not available).
+    """
     random.setstate(states["random_state"])
     np.random.set_state(states["numpy_random_seed"])
     torch.set_rng_state(states["torch_manual_seed"])

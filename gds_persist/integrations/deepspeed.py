@@ -66,7 +66,7 @@ import time
 import weakref
 import zipfile
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -76,18 +76,17 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 )
 
 from .. import settings
-from ..errors import CheckpointTimeout
 from ..format.torch_pickle import replica_digest
 from ..loading.load import load as gds_load
 from ..parallel.distributed import background_group, make_comm
 from ..results import DistributedSaveInfo, SaveInfo
 from ..saving.save import save as gds_save
 from ..saving.torch_file import PickledState
-from ..training.at_exit import before_thread_pools_stop
+from ..training.at_exit import finish_at_exit
+from ..training.background_writer import Lane, collect, finished
 from ..training.capture import Capture, StorageId, fingerprints, held_by, storage_id
 from ..transfer.atomic_file import AtomicFile
 from ..transfer.commit import fsync_path
-from ..transfer.pipeline import result_within
 
 log = logging.getLogger("gds_persist")
 __all__ = ["SAVE_OPTIONS", "GdsPersistCheckpointEngine", "attach", "flush"]
@@ -97,23 +96,38 @@ SAVE_OPTIONS = frozenset({"backend", "block_bytes", "staging_bytes", "io_threads
 SHARED_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
 # ZeRO 1-2 optimizers' flat buffers, which the optimizer step alone changes
 ZERO_FLAT_TENSORS = ("single_partition_of_fp32_groups", "bit16_groups_flat")
+KNOB = "attach(engine, timeout_s=...)"  # what raises the bound on every wait for a write
 
 
 def attach(engine: Any, *, decoupled: bool | None = None, data_parallel: bool = True,
            timeout_s: float = 1800.0, **save_options: Any) -> GdsPersistCheckpointEngine:
     """Route ``engine.save_checkpoint`` / ``load_checkpoint`` through gds_persist (see the
-    module docstring); every rank calls it (it creates a process group), right after
-    ``deepspeed.initialize``. Returns the new checkpoint engine (also
-    ``engine.checkpoint_engine``).
+    module docstring). Every rank calls it (it creates a process group), right after
+    ``deepspeed.initialize``; a second call returns the engine already attached.
 
-    Parameters:
-        engine: what ``deepspeed.initialize`` returned first.
-        decoupled: None (default) follows the engine's config (``checkpoint.writer.decoupled``);
-            True returns from ``save_checkpoint`` before the bytes are written; False once the
-            checkpoint is committed.
-        data_parallel: let the data-parallel ranks share the write of the model-states file.
-        timeout_s: bound on every wait for this rank's writes.
-        save_options: :func:`gds_persist.save` keywords (:data:`SAVE_OPTIONS`).
+    Parameters
+    ----------
+    engine
+        What ``deepspeed.initialize`` returned first.
+    decoupled
+        None (default) follows the engine's config (``checkpoint.writer.decoupled``); True
+        returns from ``save_checkpoint`` before the bytes are written; False once committed.
+    data_parallel
+        Let the data-parallel ranks share the write of the model-states file.
+    timeout_s
+        Bound on every wait for this rank's writes.
+    save_options
+        :func:`gds_persist.save` keywords (:data:`SAVE_OPTIONS`).
+
+    Returns
+    -------
+    GdsPersistCheckpointEngine
+        The new checkpoint engine, also ``engine.checkpoint_engine``.
+
+    Raises
+    ------
+    TypeError
+        ``engine`` is not a DeepSpeed engine, or an option is unknown.
     """
     from deepspeed.runtime.engine import DeepSpeedEngine
 
@@ -141,8 +155,21 @@ def attach(engine: Any, *, decoupled: bool | None = None, data_parallel: bool = 
 
 def flush(engine: Any) -> None:
     """Block until the last ``save_checkpoint`` of ``engine`` is committed: every rank's files
-    durable, ``latest`` naming its tag; raise its error (on every rank) if it failed. Every rank
-    calls it. Only decoupled saves need it: not decoupled, ``save_checkpoint`` returns committed.
+    durable, ``latest`` naming its tag. Every rank calls it. Only decoupled saves need it: not
+    decoupled, ``save_checkpoint`` returns committed.
+
+    Parameters
+    ----------
+    engine
+        A DeepSpeed engine given to :func:`attach`.
+
+    Raises
+    ------
+    TypeError
+        :func:`attach` was not called on ``engine``.
+    CheckpointError
+        The save failed on some rank (raised on every rank, naming it);
+        :class:`~gds_persist.CheckpointTimeout` when a wait ran past its bound.
     """
     ours = engine.checkpoint_engine
     if not isinstance(ours, GdsPersistCheckpointEngine):
@@ -152,7 +179,18 @@ def flush(engine: Any) -> None:
 
 
 def configured_decoupling(engine: Any) -> tuple[bool, str]:
-    """Whether the engine's own configuration asks for decoupled checkpointing, and why."""
+    """Whether the engine's own configuration asks for decoupled checkpointing.
+
+    Parameters
+    ----------
+    engine
+        A DeepSpeed engine.
+
+    Returns
+    -------
+    tuple[bool, str]
+        Decoupled or not, and why (the ``decoupled_reason`` :func:`attach` records).
+    """
     from deepspeed.runtime.model_checkpointing.constants import (
         CHECKPOINT_WRITER,
         CHECKPOINT_WRITER_DECOUPLED,
@@ -225,6 +263,18 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     module docstring). Without :func:`attach` (no engine) it still saves and loads single files:
     ``create``, ``save`` of each file, ``commit``.
 
+    Parameters
+    ----------
+    config_params
+        DeepSpeed's checkpoint engine argument (unused).
+    decoupled
+        Write on a background thread (:mod:`gds_persist.training.background_writer`), the
+        commit queued behind the writes; False writes in ``save``.
+    timeout_s
+        Bound on every wait for this rank's writes.
+    save_options
+        :func:`gds_persist.save` keywords (:data:`SAVE_OPTIONS`); another raises ``TypeError``.
+
     Call order (DeepSpeed's, every rank): ``create(info)``, ``makedirs``, ``save(state, path)``
     per file, then ``commit(info)`` - at the end of ``save_checkpoint`` (not decoupled) or in the
     next ``engine.step()`` (decoupled, via ``get_commit_info``); ``load(path, map_location)`` per
@@ -251,27 +301,50 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._pending: CheckpointCommitInfo | None = None  # created, not yet committed
         self._committing: Future[int] | None = None  # the pending save's queued commit
         self._writes: list[tuple[str, Future[Any]]] = []
-        self._executor: ThreadPoolExecutor | None = None
+        self._lane: Lane | None = None  # decoupled: the writes, then their commit, in order
         self._capture = Capture()
         # what engine.step() holds until the pending save is committed (attach sets it)
         self.held: Callable[[], set[StorageId]] = set
-        _live.add(self)
+        finish_at_exit(self, GdsPersistCheckpointEngine.cleanup,
+                       "DeepSpeed engine: the last checkpoint was not committed")
 
     # ------------------------------------------------------------------ DeepSpeed's calls
 
     def is_decoupled(self) -> bool:
+        """Whether ``save`` returns before the bytes are written (``decoupled``)."""
         return self.decoupled
 
     def preserves_storage_sharing(self) -> bool:
-        return True  # views and tied tensors stay one storage, as in torch.save
+        """True: views and tied tensors stay one storage, as in ``torch.save``."""
+        return True
 
     def create(self, info: CheckpointCommitInfo) -> None:
-        """Start the save of ``info.tag``; an uncommitted earlier one is committed first."""
+        """Start the save of ``info.tag``; an uncommitted earlier one is committed first.
+
+        Parameters
+        ----------
+        info
+            DeepSpeed's ``CheckpointCommitInfo`` (tag, save directory, ``save_latest``).
+        """
         self.flush()
         self._pending = info
 
     def save(self, state_dict: Any, path: str) -> None:
-        """Queue (or, not decoupled, run) the write of ``state_dict`` as the file ``path``."""
+        """Queue (or, not decoupled, run) the write of ``state_dict`` as the file ``path``: its
+        Python objects are pickled now, its tensors written as they are now.
+
+        Parameters
+        ----------
+        state_dict
+            What DeepSpeed saves in that file (tensors and Python objects).
+        path
+            The file, DeepSpeed's name for it.
+
+        Raises
+        ------
+        TypeError
+            What the state holds cannot be pickled. A failed write is raised by ``commit``.
+        """
         path = os.path.abspath(os.fspath(path))
         state, pickled = _detached(state_dict)
         held = self.held()
@@ -284,9 +357,22 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self._submit(path, write)
 
     def load(self, path: str, map_location: Any = None) -> Any:
-        """The state in the file ``path``, verified where gds_persist wrote it; a stock
-        ``torch.save`` file (DeepSpeed's own engine) loads unverified, a legacy (non-zip) one
-        through ``torch.load``. Unpickles DeepSpeed's objects: trusted files only."""
+        """The state in the file ``path``, once this rank's writes are done. Unpickles
+        DeepSpeed's objects: trusted files only.
+
+        Parameters
+        ----------
+        path
+            A file gds_persist wrote (verified), or a stock ``torch.save`` one (DeepSpeed's own
+            engine: unverified; a legacy non-zip one through ``torch.load``).
+        map_location
+            As ``torch.load``'s.
+
+        Returns
+        -------
+        Any
+            The state DeepSpeed saved in that file.
+        """
         self.wait()  # a file being written is read once it is complete
         if os.path.isfile(path) and not zipfile.is_zipfile(path):
             return torch.load(path, map_location=map_location, weights_only=False)
@@ -294,31 +380,49 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make ``info.tag`` durable on every rank, then (rank 0, ``info.save_latest``) write
-        ``save_dir/latest`` atomically. Raises on every rank, naming the failed rank and
-        file, if any write failed; ``latest`` is then left as it was. Where the commit was
-        queued by :meth:`commit_in_background`, waits for it (bounded)."""
+        ``save_dir/latest`` atomically. Where the commit was queued by
+        :meth:`commit_in_background`, waits for it (bounded).
+
+        Parameters
+        ----------
+        info
+            The ``CheckpointCommitInfo`` of the save to commit.
+
+        Returns
+        -------
+        bool
+            True (DeepSpeed's contract); a failure raises.
+
+        Raises
+        ------
+        CheckpointError
+            A write failed on some rank (on every rank, naming the rank and file; ``latest``
+            is left as it was); :class:`~gds_persist.CheckpointTimeout` past the bound.
+        """
         self._pending, committing, self._committing = None, self._committing, None
         if committing is None:
             self._commit_now(info, self._take_writes())
         else:
-            result_within(committing, self.timeout_s + settings.current().collective_timeout_s,
-                          f"the commit of DeepSpeed checkpoint {info.tag!r}")
+            collect([(f"the commit of DeepSpeed checkpoint {info.tag!r}", committing)],
+                    self.timeout_s + settings.current().collective_timeout_s, KNOB)
         # ``latest`` is written (atomically); DeepSpeed's own rewrite of it after a decoupled
         # commit is a plain open-and-write that a kill can leave empty: skip it
         info.save_latest = False
         return True
 
     def get_commit_info(self) -> CheckpointCommitInfo | None:
+        """The save created and not yet committed (None if there is none)."""
         return self._pending
 
     def cleanup(self) -> None:
-        """``engine.destroy()``: commit the pending save, stop the writer thread."""
+        """``engine.destroy()`` (and a normal interpreter exit): commit the pending save, stop
+        the writer thread. Raises as :meth:`commit`."""
         try:
             self.flush()
         finally:
-            if self._executor is not None:
-                self._executor.shutdown(wait=False)
-                self._executor = None
+            if self._lane is not None:
+                self._lane.stop(deadline=time.monotonic())  # a hung write ends it later
+                self._lane = None
 
     # ------------------------------------------------------------------ the edges of a save
 
@@ -329,10 +433,12 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         if info is None or self._committing is not None or not self.decoupled:
             return
         writes = self._take_writes()
-        self._committing = self._executor_().submit(self._commit_now, info, writes)
+        self._committing = self._lane_().submit(functools.partial(self._commit_now, info, writes),
+                                                f"committing DeepSpeed checkpoint {info.tag!r}")
 
     def flush(self) -> None:
-        """Commit the pending save (waiting for a queued commit), then any other writes."""
+        """Commit the pending save (waiting for a queued commit), then wait for any other
+        writes; raises as :meth:`commit`. :func:`flush` calls it."""
         if self._pending is not None:
             self.commit(self._pending)
         self.wait()
@@ -349,9 +455,20 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     # ------------------------------------------------------------------ the writes
 
     def wait(self) -> list[SaveInfo | None]:
-        """Block (at most ``timeout_s``) until this rank's queued writes are done; raise the
-        first error. Returns their infos (None for a file another rank wrote)."""
-        return _results(self._take_writes(), self.timeout_s)
+        """Block (at most ``timeout_s`` in all) until this rank's queued writes are done.
+
+        Returns
+        -------
+        list[SaveInfo | None]
+            Their infos, in order (None for a file another rank wrote).
+
+        Raises
+        ------
+        CheckpointError
+            The first write's error (the later ones logged and noted on it);
+            :class:`~gds_persist.CheckpointTimeout` naming the writes still running.
+        """
+        return collect(self._take_writes(), self.timeout_s, KNOB)
 
     def _take_writes(self) -> list[tuple[str, Future[Any]]]:
         writes, self._writes = self._writes, []  # touched by the caller's thread only
@@ -360,7 +477,7 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
     def _finish_writes(self, writes: list[tuple[str, Future[Any]]]) -> int:
         """This rank's files durable (each was fsynced and renamed in place, its directory
         fsynced; here the tag directory's entry too); the bytes it wrote."""
-        self.infos = [i for i in _results(writes, self.timeout_s) if i is not None]
+        self.infos = [i for i in collect(writes, self.timeout_s, KNOB) if i is not None]
         for tag_dir in sorted({os.path.dirname(i.path) for i in self.infos}):
             fsync_path(os.path.dirname(tag_dir))
         return sum(i.rank_bytes if isinstance(i, DistributedSaveInfo) else i.bytes_written
@@ -394,34 +511,13 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         return run
 
     def _submit(self, path: str, write: Callable[[], Any]) -> None:
-        if not self.decoupled:
-            self._writes.append((path, _done(write)))
-            return
-        self._writes.append((path, self._executor_().submit(write)))
+        self._writes.append((path, self._lane_().submit(write, f"writing {path}")
+                             if self.decoupled else finished(write)))
 
-    def _executor_(self) -> ThreadPoolExecutor:
-        if self._executor is None:
-            self._executor = ThreadPoolExecutor(1, thread_name_prefix="gds_persist-deepspeed")
-        return self._executor
-
-
-def _results(writes: list[tuple[str, Future[Any]]], timeout_s: float) -> list[Any]:
-    """Every write's result, waiting at most ``timeout_s`` in all; the first error raised after
-    the rest were waited for."""
-    deadline = time.monotonic() + timeout_s
-    results: list[Any] = []
-    error: BaseException | None = None
-    for path, future in writes:
-        try:
-            results.append(future.result(timeout=max(0.0, deadline - time.monotonic())))
-        except BaseException as e:  # noqa: BLE001 - the first is raised, after the rest
-            error = error or (e if future.done() else CheckpointTimeout(  # the wait ran out
-                f"the write of {path} did not finish within {timeout_s:g} s (slow or "
-                "hung storage?); it goes on in the background. Raise attach(engine, "
-                "timeout_s=...) if the storage is only slow"))
-    if error is not None:
-        raise error
-    return results
+    def _lane_(self) -> Lane:
+        if self._lane is None:
+            self._lane = Lane("deepspeed")
+        return self._lane
 
 
 def _detached(state: Any) -> tuple[Any, bytes]:
@@ -440,29 +536,3 @@ def _replica_digest(pickled: bytes, state: Any, held: set[StorageId]) -> bytes:
     ranks - buffers such as BatchNorm's statistics, computed on each rank's own batches."""
     own = [s for s in state.storage_objects if storage_id(s) not in held]
     return (replica_digest(pickled) + repr(fingerprints(own))).encode()
-
-
-def _done(write: Callable[[], Any]) -> Future[Any]:
-    future: Future[Any] = Future()
-    try:
-        future.set_result(write())
-    except BaseException as e:  # noqa: BLE001 - raised by wait(), as a background error is
-        future.set_exception(e)
-    return future
-
-
-
-_live: weakref.WeakSet[GdsPersistCheckpointEngine] = weakref.WeakSet()
-
-
-def _flush_at_exit() -> None:
-    """Interpreter exit: commit every engine's last save rather than lose it (bounded)."""
-    for ours in list(_live):
-        try:
-            ours.cleanup()
-        except Exception as e:  # noqa: BLE001 - nothing is left to raise it to
-            log.error("gds_persist DeepSpeed engine at exit: the last checkpoint was not "
-                      "committed: %s: %s", type(e).__name__, e)
-
-
-before_thread_pools_stop(_flush_at_exit)

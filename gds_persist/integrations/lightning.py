@@ -23,7 +23,8 @@ checkpoint of the other kind at the path replaces it. ``remove_checkpoint`` remo
 ``save_checkpoint`` returns, with the Checkpointer's snapshot machinery (one bounded arena, pinned
 for CUDA tensors, reused from one save to the next; no second copy of the model in GPU memory):
 each storage is copied once, so tied weights and views stay shared, and the manifest records the
-device each storage was saved from. A background thread writes it while training goes on. The
+device each storage was saved from. The background writer's thread
+(:mod:`gds_persist.training.background_writer`) writes it while training goes on. The
 arena holds one checkpoint by default (the next save waits for the previous write);
 ``snapshot_bytes`` sets its size (twice a checkpoint: a save need not wait for the previous
 write). ``remove_checkpoint``, ``load_checkpoint`` and ``teardown`` wait for the writes in flight,
@@ -33,12 +34,9 @@ the tensors where they are, then calls this plugin from its thread).
 What a file may hold: what ``TorchCheckpointIO`` saves (any picklable object, e.g. a
 ``pathlib.Path`` hyper-parameter); it loads as Lightning loads it, through torch's weights-only
 unpickler unless ``weights_only=False`` is passed (objects beyond tensors and containers need
-that, or ``safe_globals``). Options: ``allow_pickle`` (directory format: leaves that are not
-tensors / JSON / the extra leaf types, stored pickled), ``safe_globals`` (classes the pickle
-may build, passed to ``torch.serialization.safe_globals`` on load), ``verify`` (check CRC32C on
-load, default True), and ``gds_persist.save`` keywords (``backend``, ``io_threads``, ...).
-``storage_options`` of ``Trainer.save_checkpoint`` may be None or a dict of those keywords
-(:data:`STORAGE_OPTIONS`); anything else raises a ``TypeError`` that lists them.
+that, or ``safe_globals``). The options: :class:`GdsPersistCheckpointIO`'s parameters.
+``storage_options`` of ``Trainer.save_checkpoint`` may be None or a dict of
+:data:`STORAGE_OPTIONS`; anything else raises a ``TypeError`` that lists them.
 
 ``LightningModule.load_from_checkpoint(path)`` reads a file with Lightning's own loader (no
 verification); :func:`load_from_checkpoint` (``load_from_checkpoint(MyModule, path,
@@ -136,7 +134,8 @@ class _GdsPersistCheckpointIO:
     def _start(self, snapshot_bytes: int | None) -> None:
         """What is the plugin's own and never copied: its locks, writer thread, snapshot arena."""
         self._last_info: SaveInfo | None = None
-        self._writer = BackgroundWriter(self._write, snapshot_bytes, self.timeout_s)
+        self._writer = BackgroundWriter(self._write, snapshot_bytes, self.timeout_s,
+                                        "GdsPersistCheckpointIO(timeout_s=...)")
         self._saving = _Saving()
 
     # A copy (copy.deepcopy, pickle) is a fresh plugin with the same options and its own locks,
@@ -163,6 +162,25 @@ class _GdsPersistCheckpointIO:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], path: Any,
                         storage_options: Any = None) -> None:
+        """Save Lightning's checkpoint dict at ``path`` (durably, atomically; ``background``:
+        from a snapshot, written on the background writer's thread).
+
+        Parameters
+        ----------
+        checkpoint
+            What Lightning saves (any picklable object in the torch format).
+        path
+            A file (torch format) or directory path; a URL goes to Lightning's
+            ``TorchCheckpointIO``.
+        storage_options
+            None or a dict of :data:`STORAGE_OPTIONS`.
+
+        Raises
+        ------
+        TypeError
+            ``storage_options`` is not one, or the checkpoint holds what cannot be saved
+            (naming its key path). A failed background write is raised by the next call.
+        """
         if _remote(path):
             self.wait()  # in order with the local saves before it
             self._torch_io().save_checkpoint(checkpoint, path, storage_options)
@@ -192,12 +210,32 @@ class _GdsPersistCheckpointIO:
 
     def load_checkpoint(self, path: Any, map_location: Any = None,
                         weights_only: bool | None = None) -> dict[str, Any]:
-        """Load a checkpoint file (``torch.save``'s format: written by this plugin, verified, or
-        by Lightning's ``TorchCheckpointIO``) or a checkpoint directory, through gds_persist.
-        ``weights_only`` as in ``torch.load`` (None: True; a directory never runs code);
-        ``map_location`` likewise; default: everything on the CPU, as Lightning's. A URL
-        (``http://``, fsspec's ``s3://``, ``memory://``) is read by Lightning's
-        ``TorchCheckpointIO``, unverified."""
+        """Load a checkpoint through gds_persist, after the background saves.
+
+        Parameters
+        ----------
+        path
+            A ``torch.save``-format file (written by this plugin: verified; or by Lightning's
+            ``TorchCheckpointIO``), a checkpoint directory, or a URL (``s3://``, read by
+            Lightning's ``TorchCheckpointIO``, unverified).
+        map_location
+            As in ``torch.load``; None: everything on the CPU, as Lightning's.
+        weights_only
+            As in ``torch.load`` (None: True); a directory never runs code.
+
+        Returns
+        -------
+        dict
+            Lightning's checkpoint dict.
+
+        Raises
+        ------
+        FileNotFoundError
+            Nothing at ``path``.
+        CheckpointError
+            The file does not hold a checkpoint dict, or fails verification
+            (:class:`~gds_persist.ChecksumError`).
+        """
         self.wait()
         if _remote(path):
             return self._torch_io().load_checkpoint(  # type: ignore[no-any-return]
@@ -217,7 +255,20 @@ class _GdsPersistCheckpointIO:
 
     def remove_checkpoint(self, path: Any) -> None:
         """Remove the checkpoint at ``path`` whole, after the background saves (if any) and a
-        save of that path running on another thread (``AsyncCheckpointIO``'s) have finished."""
+        save of that path running on another thread (``AsyncCheckpointIO``'s) have finished.
+
+        Parameters
+        ----------
+        path
+            The file, directory or link Lightning names.
+
+        Raises
+        ------
+        CheckpointError
+            ``path`` is a directory that is not a gds_persist checkpoint (refused).
+        CheckpointTimeout
+            The save of ``path`` on another thread did not finish within ``timeout_s``.
+        """
         self.wait()
         if _remote(path):
             self._torch_io().remove_checkpoint(path)
@@ -232,14 +283,21 @@ class _GdsPersistCheckpointIO:
         remove_checkpoint(path)
 
     def teardown(self) -> None:
-        """Finish the background saves, if any (raising the first error), stop the thread and
-        free the snapshot memory."""
+        """Finish the background saves, if any, stop the thread and free the snapshot memory;
+        raises as :meth:`wait`."""
         self._writer.close()
 
     # ------------------------------------------------------------------ background
 
     def wait(self) -> None:
-        """Block until the background saves (if any) are committed; raise the first error."""
+        """Block until the background saves (if any) are committed.
+
+        Raises
+        ------
+        CheckpointError
+            The first failed save's error (the later ones logged and noted on it);
+            :class:`~gds_persist.CheckpointTimeout` when they run past ``timeout_s``.
+        """
         self._writer.wait()
 
     def _write(self, flat: Flattened, path: str, kwargs: dict[str, Any]) -> SaveInfo:
@@ -313,15 +371,39 @@ def load_from_checkpoint(cls: type, checkpoint_path: Any, map_location: Any = No
                          **kwargs: Any) -> Any:
     """``cls.load_from_checkpoint(checkpoint_path, ...)`` for a checkpoint this plugin wrote
     (Lightning's own reads the path as a file: ``IsADirectoryError``) or a ``torch.save`` file.
+    The arguments mean what they mean in Lightning.
 
-    ``cls``: a LightningModule or LightningDataModule class of the ``lightning`` package. The
-    arguments mean what they mean in Lightning: ``map_location`` (default: where each tensor
-    was saved, the CPU where that device is missing), ``hparams_file`` (.yaml/.yml/.csv,
-    replacing the saved hyper-parameters), ``strict`` (the model's ``load_state_dict``),
-    ``weights_only`` (for ``torch.save`` files; a checkpoint directory never runs code), and
-    ``**kwargs`` overriding saved hyper-parameters. ``checkpoint_io``: the plugin to read with
-    (its ``verify``, ``safe_globals``); a default one otherwise. Returns the instance, a module
-    on the device of its first saved tensor as in Lightning."""
+    Parameters
+    ----------
+    cls
+        A LightningModule or LightningDataModule class of the ``lightning`` package.
+    checkpoint_path
+        The checkpoint file or directory.
+    map_location
+        Default: where each tensor was saved, the CPU where that device is missing.
+    hparams_file
+        A .yaml/.yml/.csv file replacing the saved hyper-parameters.
+    strict
+        As the model's ``load_state_dict``.
+    weights_only
+        For ``torch.save`` files; a checkpoint directory never runs code.
+    checkpoint_io
+        The plugin to read with (its ``verify``, ``safe_globals``); default a new one.
+    kwargs
+        Hyper-parameters overriding the saved ones.
+
+    Returns
+    -------
+    LightningModule or LightningDataModule
+        The instance; a module on the device of its first saved tensor, as in Lightning.
+
+    Raises
+    ------
+    TypeError
+        ``cls`` is not such a class.
+    ValueError
+        ``hparams_file`` is not .csv, .yml or .yaml.
+    """
     import lightning.pytorch as pl
     from lightning.pytorch.core import saving
 
@@ -362,7 +444,35 @@ def _hparams_from(hparams_file: Any) -> Any:
 class GdsPersistCheckpointIO(_GdsPersistCheckpointIO, _CheckpointIO):
     """Lightning ``CheckpointIO`` writing each checkpoint through gds_persist, as a
     ``torch.save``-format file by default (for the ``lightning`` package;
-    :func:`pytorch_lightning_checkpoint_io` for ``pytorch_lightning``)."""
+    :func:`pytorch_lightning_checkpoint_io` for ``pytorch_lightning``).
+
+    Parameters
+    ----------
+    format
+        ``"torch"`` (default: one ``torch.save``-format file a path) or ``"directory"``.
+    background
+        Snapshot each checkpoint before ``save_checkpoint`` returns and write it on the
+        background writer's thread (:mod:`gds_persist.training.background_writer`).
+    allow_pickle
+        Directory format: store leaves that are not tensors or plain data pickled.
+    safe_globals
+        Classes the pickle may build on load (``torch.serialization.safe_globals``).
+    verify
+        Check every CRC32C on load.
+    timeout_s
+        Bound on every wait for the background saves.
+    snapshot_bytes
+        The snapshot arena's size (default: one checkpoint, plus an eighth).
+    save_kwargs
+        :func:`gds_persist.save` keywords (:data:`STORAGE_OPTIONS`).
+
+    Raises
+    ------
+    ValueError
+        An unknown ``format``.
+    TypeError
+        An unknown save keyword, listing :data:`STORAGE_OPTIONS`.
+    """
 
     _torch_io = _TorchCheckpointIO
 
@@ -370,7 +480,18 @@ class GdsPersistCheckpointIO(_GdsPersistCheckpointIO, _CheckpointIO):
 
 def pytorch_lightning_checkpoint_io(**kwargs: Any) -> Any:
     """The plugin for a ``pytorch_lightning.Trainer`` (whose plugins derive from
-    ``lightning_fabric``'s ``CheckpointIO``, another class than ``lightning``'s)."""
+    ``lightning_fabric``'s ``CheckpointIO``, another class than ``lightning``'s).
+
+    Parameters
+    ----------
+    kwargs
+        :class:`GdsPersistCheckpointIO`'s.
+
+    Returns
+    -------
+    CheckpointIO
+        A ``GdsPersistCheckpointIO`` deriving from ``lightning_fabric``'s ``CheckpointIO``.
+    """
     from lightning_fabric.plugins import CheckpointIO, TorchCheckpointIO
 
     cls = type("GdsPersistCheckpointIO", (_GdsPersistCheckpointIO, CheckpointIO),

@@ -51,8 +51,8 @@ naming the key), and that Flattened (or its snapshot) is what core ``save`` writ
 error is raised by ``handle.wait()``, else by the next ``save``/``wait``/``close``.
 
 This module is the public API and joins the parts: handles, counters and bounded waits
-(:mod:`.handles`), threads (:mod:`.workers`), CUDA streams and events (:mod:`.streams`), the
-snapshot arena (:mod:`.snapshot`), where each step goes (:mod:`.tiers`).
+(:mod:`.handles`), threads (:mod:`.background_writer`), CUDA streams and events
+(:mod:`.streams`), the snapshot arena (:mod:`.snapshot`), where each step goes (:mod:`.tiers`).
 """
 
 from __future__ import annotations
@@ -79,8 +79,9 @@ from ..saving.compression import check_mode as check_compression
 from ..transfer.warmup import BackgroundWarmup
 from . import steps as _steps
 from .at_exit import before_thread_pools_stop
+from .background_writer import Workers, add_note
 from .capture import Capture, GuardHandle, held_by
-from .handles import CheckpointerStats, Job, Pending, SaveHandle, add_note
+from .handles import CheckpointerStats, Job, Pending, SaveHandle
 from .helper import HelperProcess
 from .mode import ModeChoice, choose_mode, host_memory
 from .snapshot import ArenaOwner, snapshot_nbytes
@@ -89,7 +90,6 @@ from .tier.memory import MemoryTier, job_name
 from .tier.reading import Request
 from .tier.recovery import Restored, restore
 from .tiers import Tiers, check_rank_local, check_tiers
-from .workers import Workers
 
 log = logging.getLogger("gds_persist")
 

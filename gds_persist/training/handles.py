@@ -22,6 +22,7 @@ from typing import Any
 from ..errors import CheckpointTimeout
 from ..results import SaveInfo
 from ..state.flatten import Flattened
+from .background_writer import raise_first
 from .snapshot import Reservation
 from .streams import Events
 
@@ -234,16 +235,4 @@ class Pending:
         with self._lock:
             failed = list(self._undelivered)
             self._undelivered.clear()
-        if not failed:
-            return
-        first = failed[0].error
-        assert first is not None
-        if len(failed) > 1:
-            later = ", ".join(f"step {h.step} ({type(h.error).__name__})" for h in failed[1:])
-            add_note(first, f"later background saves also failed: {later}")
-        raise first
-
-
-def add_note(exc: BaseException, note: str) -> None:
-    if hasattr(exc, "add_note") and note not in getattr(exc, "__notes__", ()):
-        exc.add_note(note)
+        raise_first([(f"step {h.step}", h.error) for h in failed if h.error is not None])
