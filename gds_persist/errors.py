@@ -59,6 +59,17 @@ class ReferencedCheckpointError(CheckpointError):
     a standalone checkpoint (``gds-persist materialize`` makes one while the base exists)."""
 
 
+class ArchiveError(CheckpointError, ValueError):
+    """Bytes that are not a ``torch.save`` archive gds_persist can lay out or read in place (a
+    truncated file, a compressed record, a bad zip directory); the message says which. A
+    ``ValueError`` too, as it was in 0.1."""
+
+
+class SafetensorsError(CheckpointError, ValueError):
+    """Bytes that are not a well-formed safetensors file (the message says what is wrong). A
+    ``ValueError`` too, as it was in 0.1."""
+
+
 class BackendError(CheckpointError):
     """The requested I/O backend cannot be used here (unknown name, no O_DIRECT, no GPU stack)."""
 
