@@ -420,3 +420,12 @@ def test_an_exception_class_outside_errors_is_found() -> None:
     assert found == [f"{ROOT}.format.x:3 BadInput", f"{ROOT}.format.y:2 Worse",
                      f"{ROOT}.format.y:3 Worst", f"{ROOT}.format.y:4 Odd",
                      f"{ROOT}.format.y:5 Noisy"]
+
+
+def test_the_architecture_map_names_every_folder_at_its_layer() -> None:
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    drawn = {m[2]: int(m[1]) for m in re.finditer(r"^ {1,2}(\d+) {2}(\w+)/ ", text, re.M)}
+    folders = {u: n for u, n in LAYERS.items() if u not in ("vocabulary", "package", "__main__")}
+    assert drawn == folders, ("docs/ARCHITECTURE.md's map and LAYERS differ: drawn "
+                              f"{sorted(drawn.items() - folders.items())}, in the tree "
+                              f"{sorted(folders.items() - drawn.items())}")
