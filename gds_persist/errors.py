@@ -60,14 +60,13 @@ class ReferencedCheckpointError(CheckpointError):
 
 
 class ArchiveError(CheckpointError, ValueError):
-    """Bytes that are not a ``torch.save`` archive gds_persist can lay out or read in place (a
-    truncated file, a compressed record, a bad zip directory); the message says which. A
-    ``ValueError`` too, as it was in 0.1."""
+    """Bytes that are not a ``torch.save`` archive gds_persist can lay out or read in place (the
+    message says why). A ``ValueError`` too, as in 0.1."""
 
 
 class SafetensorsError(CheckpointError, ValueError):
-    """Bytes that are not a well-formed safetensors file (the message says what is wrong). A
-    ``ValueError`` too, as it was in 0.1."""
+    """Bytes that are not a well-formed safetensors file (the message says why). A
+    ``ValueError`` too, as in 0.1."""
 
 
 class BackendError(CheckpointError):
