@@ -36,6 +36,7 @@ import torch  # noqa: E402
 from bench import machine  # noqa: E402
 from bench.bench_io import parse_size  # noqa: E402
 from bench.methods import _empty_like  # noqa: E402
+from bench.report import save_json  # noqa: E402
 from bench.state import make_state_dict, summarize  # noqa: E402
 from gds_persist.progress import cli_progress  # noqa: E402
 
@@ -222,10 +223,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "methods": {k: METHODS[k] for k in args.methods},
         **result,
     }
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f, indent=1)
-    return record
+    return save_json(record, args.json)
 
 
 if __name__ == "__main__":

@@ -445,7 +445,7 @@ def print_report(record: dict[str, Any], disk: dict[str, int]) -> None:
     lines.append("")
     lines += report.table_lines(record["rows"], disk)
     lines.append("")
-    lines += report.legend_lines(record)
+    lines += report.LEGEND
     for m in record["methods"]:
         if not m["available"]:
             lines.append(f"not run: {m['label'] or m['key']}: {m['reason']}")

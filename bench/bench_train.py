@@ -30,22 +30,27 @@ Every write includes fsync. ``--json FILE`` writes the same numbers (``gds-persi
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
 import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-import gds_persist
-from gds_persist.state.flatten import flatten
-from gds_persist.training.capture import Captured
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gds_persist  # noqa: E402
+from bench.report import save_json  # noqa: E402
+from gds_persist.state.flatten import flatten  # noqa: E402
+from gds_persist.training.capture import Captured  # noqa: E402
 
 MODES = ("none", "torch_save", "gds_blocking", "gds_fence", "gds_snapshot", "gds_snapshot_process",
          "gds_auto", "gds_memory", "gds_fence_uncaptured", "gds_snapshot_uncaptured")
@@ -406,12 +411,10 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse(argv)
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(args.threads or (1 if args.device == "cpu" else threads_before))
     base = args.dir or os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
     os.makedirs(base, exist_ok=True)
-    root = tempfile.mkdtemp(prefix="bench_train-", dir=base)
-    try:
+    threads = args.threads or (1 if args.device == "cpu" else torch.get_num_threads())
+    with scratch(threads, "bench_train-", base) as root:
         model, opt = build(args)
         train_step(model, opt, args)  # optimizer state exists from here on
         ckpt_bytes = sum(s.nbytes for s in flatten(state(model, opt, 0)).storages)
@@ -468,12 +471,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         report = {"config": {k: v for k, v in vars(args).items()},
                   "header": header(args, model, ckpt_bytes, root), "checkpoint_bytes": ckpt_bytes,
                   "compute_s": compute, "write_s": write, "results": results}
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(report, f, indent=1)
-        return report
+        return save_json(report, args.json)
+
+
+@contextlib.contextmanager
+def scratch(threads: int, prefix: str, base: str) -> Iterator[str]:
+    """A fresh directory in ``base`` and ``threads`` intra-op threads for one run; both undone
+    after it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    root = tempfile.mkdtemp(prefix=prefix, dir=base)
+    try:
+        yield root
     finally:
-        torch.set_num_threads(threads_before)
+        torch.set_num_threads(before)
         shutil.rmtree(root, ignore_errors=True)
 
 

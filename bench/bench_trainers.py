@@ -34,11 +34,11 @@ directory beside the current one) and both remove replaced top-k checkpoints the
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import shutil
 import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -50,9 +50,12 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
-import gds_persist
-from gds_persist.integrations.lightning import GdsPersistCheckpointIO
-from gds_persist.transfer.commit import fsync_path
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import gds_persist  # noqa: E402
+from bench.report import save_json  # noqa: E402
+from gds_persist.integrations.lightning import GdsPersistCheckpointIO  # noqa: E402
+from gds_persist.transfer.commit import fsync_path  # noqa: E402
 
 METHODS = ("none", "torch", "torch_async", "gds", "gds_async", "gds_background")
 
@@ -207,12 +210,10 @@ def _mean(xs: list[float]) -> float | None:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--width", type=int, default=1024)
-    ap.add_argument("--layers", type=int, default=8)
-    ap.add_argument("--batch", type=int, default=32)
-    ap.add_argument("--steps", type=int, default=40)
-    ap.add_argument("--every", type=int, default=5, help="checkpoint every N steps")
-    ap.add_argument("--runs", type=int, default=3)
+    for name, default in (("width", 1024), ("layers", 8), ("batch", 32), ("steps", 40),
+                          ("every", 5), ("runs", 3)):
+        ap.add_argument(f"--{name}", type=int, default=default,
+                        help="checkpoint every N steps" if name == "every" else None)
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads on CPU")
@@ -270,10 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print(f"{m:<16}{cell(r['step_ms'], 10)}{cell(r['overhead_pct'], 12, 1)}"
               f"{cell(r['blocking_ms'], 11)}{cell(r['durable_ms'], 12)}"
               f"{r['checkpoint_mb']:9.2f}")
-    if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(report, fh, indent=1)
-    return report
+    return save_json(report, args.json)
 
 
 if __name__ == "__main__":

@@ -70,6 +70,10 @@ from typing import Any
 
 import pytest
 
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.suites import read_records, run_or_report  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 # deepspeedai/DeepSpeed master of 2026-08-22 ("Fix ZeRO-1/2 with zero-sized parameters
 # (#8280)"), version.txt 0.19.6: the newest revision in the mirror; it has no 0.19.7 or 0.19.8
@@ -366,12 +370,6 @@ def remaining(collected: Iterable[str], records: dict[str, dict[str, Any]]) -> l
     return [nodeid for nodeid in collected if nodeid not in records]
 
 
-def read_records(path: Path) -> dict[str, dict[str, Any]]:
-    if not path.exists():
-        return {}
-    return {r["nodeid"]: r for r in map(json.loads, path.read_text().splitlines())}
-
-
 # ---------------------------------------------------------------- the report
 
 def _outcome(record: dict[str, Any] | None) -> str:
@@ -455,18 +453,7 @@ def _totals(stock: dict[str, dict[str, Any]], ours: dict[str, dict[str, Any]],
 def main(argv: list[str] | None = None) -> None:
     args = arguments(argv)
     args.work.mkdir(parents=True, exist_ok=True)
-    saved_header = args.work / "header.txt"
-    if args.report_only:
-        header = saved_header.read_text().splitlines()
-        stock, ours = (read_records(args.work / f"{label}.jsonl")
-                       for label in ("stock", "attached"))
-    else:
-        header, stock, ours = run_both(args, args.work)
-        saved_header.write_text("\n".join(header) + "\n")
-    text = "\n".join(report(stock, ours, header)) + "\n"
-    print(text, end="")
-    if args.out:
-        args.out.write_text(text)
+    run_or_report(args, ("stock", "attached"), lambda: run_both(args, args.work), report)
 
 
 def arguments(argv: list[str] | None) -> argparse.Namespace:

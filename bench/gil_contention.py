@@ -28,13 +28,10 @@ tiny deep GPT: many small ops, the loop mostly in the interpreter).
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
-import shutil
 import statistics
 import sys
-import tempfile
 import threading
 import time
 from typing import Any
@@ -204,11 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = p.parse_args(argv)
     if args.tiny:
         args.workloads, args.cycles, args.window = "python", 1, 2
-    threads_before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    directory = tempfile.mkdtemp(prefix="gil_contention-", dir=args.dir)
     out: dict[str, Any] = {}
-    try:
+    with bench_train.scratch(1, "gil_contention-", args.dir) as directory:
         print(f"training on 1 intra-op thread, {os.cpu_count()} cores, load average "
               f"{os.getloadavg()[0]:.1f}; writer: gds_persist.save back to back into "
               f"{directory}; {args.cycles} interleaved windows per condition")
@@ -227,13 +221,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                   f"({100 * wait / 1e3 / rows['none']['iter_s']:+.1f}% of an iteration); "
                   f"thread - process slowdown {gil:+.1f} points (noisy when loaded)")
             out[name] = {"rows": rows, "gil_cost_points": gil, "gil_wait_ms_per_iter": wait}
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump(out, f, indent=1)
-        return out
-    finally:
-        torch.set_num_threads(threads_before)
-        shutil.rmtree(directory, ignore_errors=True)
+        return bench_train.save_json(out, args.json)
 
 
 if __name__ == "__main__":

@@ -52,6 +52,10 @@ from typing import Any
 
 import pytest
 
+if __package__ in (None, ""):  # run as a script: make the repository root importable
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from bench.suites import read_records, run_or_report  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 TESTS = "tests/tests_pytorch"
 # trainer/test_trainer.py is large: only its checkpoint and ckpt_path tests
@@ -290,10 +294,6 @@ def run_suite(python: Path, root: Path, label: str, env_io: str) -> dict[str, di
     return read_records(record)
 
 
-def read_records(path: Path) -> dict[str, dict[str, Any]]:
-    return {r["nodeid"]: r for r in map(json.loads, path.read_text().splitlines())}
-
-
 # ---------------------------------------------------------------- the report
 
 def _outcome(record: dict[str, Any] | None) -> str:
@@ -336,17 +336,8 @@ def report(stock: dict[str, dict[str, Any]], ours: dict[str, dict[str, Any]],
 
 def main(argv: list[str] | None = None) -> None:
     args = _arguments(argv)
-    saved_header = args.work / "header.txt"
-    if args.report_only:
-        header = saved_header.read_text().splitlines()
-        stock, ours = (read_records(args.work / f"{label}.jsonl") for label in ("stock", "ours"))
-    else:
-        header, stock, ours = run_both(args.lightning_git, args.tag, args.work)
-        saved_header.write_text("\n".join(header) + "\n")
-    text = "\n".join(report(stock, ours, header)) + "\n"
-    print(text, end="")
-    if args.out:
-        args.out.write_text(text)
+    run_or_report(args, ("stock", "ours"),
+                  lambda: run_both(args.lightning_git, args.tag, args.work), report)
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:

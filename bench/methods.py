@@ -22,6 +22,7 @@ a file mapping, and the harness touches every page inside the timed region.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -100,6 +101,15 @@ def register(factory: Callable[[], Method], key: str | None = None) -> Callable[
         raise ValueError(f"method key {name!r} is empty or already registered")
     REGISTRY[name] = factory
     return factory
+
+
+def not_importable(module: str, fix: str = "") -> str | None:
+    """Why ``module`` cannot be imported here, ``fix`` appended (None: it can)."""
+    try:
+        importlib.import_module(module)
+    except Exception as e:  # noqa: BLE001
+        return f"{module} not importable ({e}){fix}"
+    return None
 
 
 def remove(path: str) -> None:
@@ -369,11 +379,7 @@ class DcpFileSystem(Method):
         self.threads = 1
 
     def unavailable(self, ctx: Context) -> str | None:
-        try:
-            import torch.distributed.checkpoint  # noqa: F401
-        except Exception as e:  # noqa: BLE001
-            return f"torch.distributed.checkpoint not importable: {e}"
-        return None
+        return not_importable("torch.distributed.checkpoint")
 
     def prepare(self, ctx: Context) -> None:
         counts = sorted(set(ctx.dcp_threads))
@@ -479,11 +485,7 @@ class SafeTensors(Method):
         self.metadata: dict[str, str] = {}
 
     def unavailable(self, ctx: Context) -> str | None:
-        try:
-            import safetensors.torch  # noqa: F401
-        except Exception as e:  # noqa: BLE001
-            return f"safetensors not importable ({e}); pip install safetensors"
-        return None
+        return not_importable("safetensors.torch", "; pip install safetensors")
 
     def prepare(self, ctx: Context) -> None:
         seen: set[tuple[str, int]] = set()

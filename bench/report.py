@@ -155,13 +155,19 @@ def table_lines(table: list[dict[str, Any]], disk: dict[str, int]) -> list[str]:
     return lines
 
 
-def legend_lines(record: dict[str, Any]) -> list[str]:
-    return [
-        "GB/s = state-dict payload bytes (distinct storages, 1 GB = 1e9 B) / seconds, median of "
-        "the runs; min-max and IQR over the runs.",
-        "x drive / x torch = median over repetitions of the ratio to the drive-limit row / the "
-        "torch.save (save) or torch.load (load) row measured in the same repetition.",
-    ]
+LEGEND = (
+    "GB/s = state-dict payload bytes (distinct storages, 1 GB = 1e9 B) / seconds, median of "
+    "the runs; min-max and IQR over the runs.",
+    "x drive / x torch = median over repetitions of the ratio to the drive-limit row / the "
+    "torch.save (save) or torch.load (load) row measured in the same repetition.",
+)
+
+
+def save_json(record: dict[str, Any], path: str | None) -> dict[str, Any]:
+    """``--json PATH``: ``record`` written there if a path is given; returns ``record``."""
+    if path:
+        to_json(record, path)
+    return record
 
 
 def to_json(record: dict[str, Any], path: str) -> None:

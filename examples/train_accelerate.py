@@ -11,7 +11,6 @@ counter) in one atomic, fsynced, CRC32C-verified gds_persist directory, nothing 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
@@ -21,6 +20,7 @@ from accelerate import Accelerator
 from gds_persist.integrations.accelerate import load_state, save_state
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from example_args import example_parser  # noqa: E402
 from train_plain import params_digest  # noqa: E402
 
 
@@ -39,11 +39,7 @@ class Progress:
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt-dir", required=True)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--stop-after", type=int, help="stop at this step (as if interrupted)")
-    ap.add_argument("--width", type=int, default=64)
+    ap = example_parser(__doc__, steps=20, width=64)
     ap.add_argument("--every", type=int, default=4, help="checkpoint every N steps")
     args = ap.parse_args(argv)
 

@@ -16,7 +16,6 @@ K to try it.
 
 from __future__ import annotations
 
-import argparse
 import inspect
 import os
 import sys
@@ -28,6 +27,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 import gds_persist
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from example_args import example_parser  # noqa: E402
 from train_plain import batch, build, params_digest  # noqa: E402
 
 
@@ -52,12 +52,7 @@ def load_checkpoint(path: str, device: str) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt-dir", required=True)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--stop-after", type=int, default=None, help="end after this step")
-    args = ap.parse_args()
+    args = example_parser(__doc__, steps=20, width=256).parse_args()
 
     cuda = torch.cuda.is_available()
     dist.init_process_group("nccl" if cuda else "gloo")

@@ -16,7 +16,6 @@ gloo on CPU (``fully_shard`` works on a CPU device mesh in torch >= 2.6), NCCL o
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
@@ -32,6 +31,7 @@ from torch.distributed.fsdp import fully_shard
 from gds_persist.dcp import GdsPersistReader, GdsPersistWriter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from example_args import example_parser  # noqa: E402
 from train_plain import batch, build  # noqa: E402
 
 
@@ -62,12 +62,7 @@ def full_params_digest(model: torch.nn.Module) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt-dir", required=True)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--width", type=int, default=256)
-    ap.add_argument("--stop-after", type=int, default=None, help="end after this step")
-    args = ap.parse_args()
+    args = example_parser(__doc__, steps=20, width=256).parse_args()
     warnings.filterwarnings("ignore", module="torch.distributed")
 
     cuda = torch.cuda.is_available()

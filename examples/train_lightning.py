@@ -13,7 +13,6 @@ a CRC32C of every storage that gds_persist checks on load; ``torch.load`` opens 
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import warnings
@@ -25,6 +24,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from gds_persist.integrations.lightning import GdsPersistCheckpointIO
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from example_args import example_parser  # noqa: E402
 from train_plain import params_digest  # noqa: E402
 
 BATCHES = 4  # per epoch; a checkpoint at each epoch end
@@ -56,11 +56,7 @@ class Regressor(L.LightningModule):
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt-dir", required=True)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--stop-after", type=int, help="stop at this step (as if interrupted)")
-    ap.add_argument("--width", type=int, default=64)
+    ap = example_parser(__doc__, steps=12, width=64)
     ap.add_argument("--background", action="store_true", help="gds_persist's background writer")
     args = ap.parse_args(argv)
 

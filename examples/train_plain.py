@@ -12,13 +12,13 @@ loaded straight back onto the device. Sizes default to a few seconds on a CPU; r
 
 from __future__ import annotations
 
-import argparse
 import hashlib
 import os
 import sys
 import time
 
 import torch
+from example_args import example_parser
 
 import gds_persist
 
@@ -51,17 +51,8 @@ def params_digest(model: torch.nn.Module) -> str:
 
 
 def main(argv: list[str] | None = None) -> str:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--ckpt-dir", required=True)
-    ap.add_argument("--steps", type=int, default=20)
-    ap.add_argument("--width", type=int, default=256)
+    ap = example_parser(__doc__, steps=20, width=256)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument(
-        "--stop-after",
-        type=int,
-        default=None,
-        help="exit after this step (simulates a crash; rerun to resume)",
-    )
     args = ap.parse_args(argv)
 
     model, opt = build(args.width, args.device)

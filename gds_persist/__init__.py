@@ -19,6 +19,7 @@ from .convert.export import export_checkpoint
 from .convert.importing import import_checkpoint
 from .convert.materialize import materialize
 from .errors import (
+    ArchiveError,
     BackendError,
     CheckpointError,
     CheckpointPermissionError,
@@ -35,6 +36,7 @@ from .errors import (
     PickleRefusedError,
     ReferencedCheckpointError,
     ReplicationError,
+    SafetensorsError,
     SnapshotTooLarge,
     StateMismatchError,
     TornCheckpointError,
@@ -55,6 +57,7 @@ LAZY_SUBMODULES = ("advice", "cli", "dcp", "integrations")
 __getattr__, __dir__ = lazy_submodules(__name__, globals(), LAZY_SUBMODULES)
 
 __all__ = [
+    "ArchiveError",
     "BackendError",
     "CheckpointError",
     "CheckpointPermissionError",
@@ -73,6 +76,7 @@ __all__ = [
     "ReferencedCheckpointError",
     "PeerLostError",
     "ReplicationError",
+    "SafetensorsError",
     "SaveHandle",
     "SaveInfo",
     "SnapshotTooLarge",

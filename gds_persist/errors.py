@@ -59,6 +59,16 @@ class ReferencedCheckpointError(CheckpointError):
     a standalone checkpoint (``gds-persist materialize`` makes one while the base exists)."""
 
 
+class ArchiveError(CheckpointError, ValueError):
+    """Bytes that are not a ``torch.save`` archive gds_persist can lay out or read in place (the
+    message says why). A ``ValueError`` too, as in 0.1."""
+
+
+class SafetensorsError(CheckpointError, ValueError):
+    """Bytes that are not a well-formed safetensors file (the message says why). A
+    ``ValueError`` too, as in 0.1."""
+
+
 class BackendError(CheckpointError):
     """The requested I/O backend cannot be used here (unknown name, no O_DIRECT, no GPU stack)."""
 

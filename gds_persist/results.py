@@ -15,19 +15,34 @@ from .errors import ChecksumError
 
 @dataclass
 class SaveInfo:
-    """What a save did: where, with which backend and why, how many bytes, how long."""
+    """What a save did: where, with which backend and why, how many bytes, how long.
+
+    Attributes:
+        path: the committed checkpoint (directory or file).
+        backend: the I/O backend that wrote it (``"direct"``, ``"buffered"``, ``"kvikio"``).
+        reason: why that backend (and, for ``"auto"``, what was measured or missing).
+        bytes_written: data file bytes including alignment padding: what hit the drive.
+        payload_bytes: tensor bytes.
+        seconds: wall time of the save, fsync and commit included; ``gbps`` is
+            ``bytes_written / seconds``.
+        tensors, storages: how many tensors, and the distinct storages holding them.
+        files: the data files written, relative to ``path``.
+        referenced_bytes: payload bytes not written because the checkpoint refers to identical
+            bytes of ``base`` (format version 4).
+        compression, compression_reason: what compression did (``"none"`` / ``"lossless"``)
+            and why.
+        base: the earlier checkpoint referred to, or None.
+    """
 
     path: str
     backend: str
     reason: str
-    bytes_written: int  # data file bytes incl. alignment padding (what hit the drive)
-    payload_bytes: int  # tensor bytes
+    bytes_written: int
+    payload_bytes: int
     seconds: float
     tensors: int
     storages: int
     files: list[str] = field(default_factory=list)
-    # writing fewer bytes (format version 4): payload bytes not written because the checkpoint
-    # refers to identical bytes of ``base``; what compression did ("none" / "lossless") and why
     referenced_bytes: int = 0
     compression: str = "none"
     compression_reason: str = ""
@@ -40,10 +55,17 @@ class SaveInfo:
 
 @dataclass
 class DistributedSaveInfo(SaveInfo):
-    """:class:`SaveInfo` of a data-parallel save, as seen by one rank.
+    """:class:`SaveInfo` of a data-parallel save, as seen by one rank: ``bytes_written`` and
+    ``gbps`` are for the whole checkpoint (all ranks).
 
-    ``bytes_written`` and ``gbps`` are for the whole checkpoint (all ranks); ``rank_bytes`` and
-    ``rank_gbps`` for this rank's own files.
+    Attributes:
+        rank, world_size: this rank and the group's size.
+        writers: the ranks that wrote data files.
+        rank_bytes, rank_files, rank_write_seconds: this rank's own writing (``rank_gbps``).
+        writer_balance, node_balance: max/mean of the bytes per writer, per node (1.0: even).
+        nodes: how many nodes the group spans.
+        placement: how writers were chosen, including whether NVML was usable and why not.
+        phases: seconds per phase on this rank.
     """
 
     rank: int = 0
@@ -55,8 +77,8 @@ class DistributedSaveInfo(SaveInfo):
     writer_balance: float = 1.0
     node_balance: float = 1.0
     nodes: int = 1
-    placement: str = ""  # how writers were chosen, incl. whether NVML was usable and why not
-    phases: dict[str, float] = field(default_factory=dict)  # seconds per phase on this rank
+    placement: str = ""
+    phases: dict[str, float] = field(default_factory=dict)
 
     @property
     def rank_gbps(self) -> float:
@@ -66,18 +88,28 @@ class DistributedSaveInfo(SaveInfo):
 
 @dataclass
 class LoadInfo:
-    """What a load did (``load(..., return_info=True)``): backend(s) and why, bytes, seconds."""
+    """What a load did (``load(..., return_info=True)``): backend(s) and why, bytes, seconds.
+
+    Attributes:
+        path: the checkpoint read.
+        backend, reason: the backend(s) that read it (comma-separated) and why.
+        bytes_read: data file bytes this process read, including alignment padding.
+        payload_bytes: tensor bytes returned; ``gbps`` is ``payload_bytes / seconds``.
+        seconds: wall time of the load.
+        missing_keys: with ``into=`` and ``strict=False``, keys of ``into`` not in the checkpoint.
+        unexpected_keys: checkpoint keys not in ``into``, loaded fresh.
+        in_place_bytes: bytes read straight into the tensors of ``into``.
+    """
 
     path: str
     backend: str
     reason: str
-    bytes_read: int  # data file bytes this process read, incl. alignment padding
-    payload_bytes: int  # tensor bytes returned
+    bytes_read: int
+    payload_bytes: int
     seconds: float
-    # load(into=): keys of into= not in the checkpoint, checkpoint keys loaded fresh (strict=False)
     missing_keys: list[str] = field(default_factory=list)
     unexpected_keys: list[str] = field(default_factory=list)
-    in_place_bytes: int = 0  # read straight into the tensors of into=
+    in_place_bytes: int = 0
 
     @property
     def gbps(self) -> float:
@@ -121,9 +153,14 @@ class ExportInfo:
 
 @dataclass
 class WarmupReport:
-    """What ``warmup`` did: per step (``cuda``, ``staging``, ``backend``, ``crc_kernel``,
-    ``hash_kernel``) its
-    outcome (``"done: ..."``, ``"skipped: why"`` or ``"failed: why"``) and seconds."""
+    """What ``warmup`` did, printable in one line.
+
+    Attributes:
+        steps: per step (``cuda``, ``staging``, ``backend``, ``crc_kernel``, ``hash_kernel``)
+            its outcome (``"done: ..."``, ``"skipped: why"`` or ``"failed: why"``) and seconds.
+        seconds: wall time of the whole warm-up.
+        failed: (property) the steps that failed -> why.
+    """
 
     steps: dict[str, tuple[str, float]] = field(default_factory=dict)
     seconds: float = 0.0

@@ -169,6 +169,20 @@ def device_kernel_or_skip(status: Callable[[], tuple[bool, str]]) -> Any:
     return torch
 
 
+def random_device_pieces(total: int, lengths: list[int], more: int,
+                         seed: int) -> list[tuple[Any, Any]]:
+    """(CUDA slice, its host bytes) of one random uint8 CUDA tensor of ``total`` bytes: one
+    piece of each of ``lengths``, then ``more`` of random lengths, each at a random start."""
+    import random
+
+    rng = random.Random(seed)
+    big = torch.randint(0, 256, (total,), dtype=torch.uint8, device="cuda")
+    host = big.cpu().numpy()
+    lengths = lengths + [rng.randrange(1, total) for _ in range(more)]
+    starts = [rng.randrange(0, total - n + 1) if n < total else 0 for n in lengths]
+    return [(big[s : s + n], host[s : s + n]) for s, n in zip(starts, lengths, strict=True)]
+
+
 # --- the CUDA kernels without a GPU: compilers only ----------------------------------------------
 
 NVCC_FLAGS = ["-arch=sm_90", "-Werror", "all-warnings"]

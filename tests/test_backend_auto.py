@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import itertools
+import re
 from pathlib import Path
 
 import pytest
@@ -54,14 +55,19 @@ def test_compatibility_mode_takes_direct_quoting_the_measurement() -> None:
     name, reason = decide(AutoEnvironment(True, True, "/ck accepts O_DIRECT", COMPAT))
     assert name == "direct"
     assert COMPAT.why in reason and MEASURED in reason
-    assert "bench/results/2026-11-30-h200/bench-8GiB.txt" in reason
+    assert 'docs/GPU.md, "What happens to CUDA tensors"' in reason
     assert "direct 2.34 vs kvikio 1.59 GB/s" in reason
     assert "GDS_PERSIST_AUTO_KVIKIO=always" in reason  # how to override after a measurement
 
 
-def test_measured_file_is_in_the_repository() -> None:
-    path = Path(__file__).resolve().parent.parent / MEASURED.split(":")[0]
-    text = path.read_text()
+def test_the_measurement_is_in_the_cited_doc_section_and_its_file() -> None:
+    repo = Path(__file__).resolve().parent.parent
+    doc, section = re.fullmatch(r'(docs/\S+), "([^"]+)"', MEASURED.split(":")[0]).groups()
+    text = (repo / doc).read_text()
+    body = text[text.index(f"## {section}\n"):]
+    body = body[:body.index("\n## ", 1)]
+    assert "1.59 against 2.34 GB/s" in body
+    text = (repo / re.search(r"`(bench/results/\S+)`", body)[1]).read_text()
     assert "gds_persist direct                 2.34" in text
     assert "gds_persist kvikio (cuFile com     1.59" in text
 

@@ -237,10 +237,16 @@ def test_missing_data_file(tmp_path: Path) -> None:
 
 
 def test_checkpoint_errors_share_one_base() -> None:
-    for cls in (BackendError, ChecksumError, DiskFullError, ManifestError, TruncatedError,
-                gds_persist.NotCommittedError, gds_persist.CheckpointReplacedError,
-                gds_persist.NotACheckpointDirectoryError, gds_persist.CheckpointPermissionError):
-        assert issubclass(cls, CheckpointError)
+    from gds_persist import errors
+    classes = [c for c in vars(errors).values()
+               if isinstance(c, type) and issubclass(c, BaseException)]
+    assert len(classes) > 20
+    for cls in classes:
+        assert issubclass(cls, Warning) or issubclass(cls, CheckpointError), cls
+        assert cls.__name__ in gds_persist.__all__, f"export {cls.__name__} from gds_persist"
+    # 0.1's users caught these two as ValueError
+    assert issubclass(gds_persist.ArchiveError, ValueError)
+    assert issubclass(gds_persist.SafetensorsError, ValueError)
 
 
 # --- corrupted and hostile manifests --------------------------------------------------------

@@ -239,13 +239,18 @@ def test_no_cufile_log_in_working_directory(tmp_path):
     assert (tmp_path / "b" / "cufile.log").exists()  # control: the problem is real
 
 
-def test_import_does_not_touch_the_gpu_stack():
-    code = ("import sys, gds_persist, gds_persist.parallel.topology, "
-            "gds_persist.transfer.device_crc, gds_persist.transfer.cuda_copy\n"
-            "bad = [m for m in ('kvikio', 'cupy') if m in sys.modules]\n"
-            "assert not bad, bad\n")
+def _fresh_python(code: str) -> None:
+    """``code`` in a fresh interpreter (what it imports is what is checked), this checkout's
+    gds_persist first on the path."""
     subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
                    env={**os.environ, "PYTHONPATH": str(REPO)})
+
+
+def test_import_does_not_touch_the_gpu_stack():
+    _fresh_python("import sys, gds_persist, gds_persist.parallel.topology, "
+                  "gds_persist.transfer.device_crc, gds_persist.transfer.cuda_copy\n"
+                  "bad = [m for m in ('kvikio', 'cupy') if m in sys.modules]\n"
+                  "assert not bad, bad\n")
 
 
 # --- side-stream copies (CPU behaviour) ------------------------------------------------------
@@ -287,12 +292,10 @@ def test_topology_defaults_without_nvml():
 
 def test_topology_without_nvidia_ml_py_installed():
     """As if nvidia-ml-py were not installed (its import blocked): still a clean answer."""
-    code = ("import sys; sys.modules['pynvml'] = None\n"
-            "from gds_persist.parallel.topology import topology\n"
-            "t = topology(); print(t.reason)\n"
-            "assert not t.nvml and 'nvidia-ml-py not importable' in t.reason\n")
-    subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO,
-                   env={**os.environ, "PYTHONPATH": str(REPO)})
+    _fresh_python("import sys; sys.modules['pynvml'] = None\n"
+                  "from gds_persist.parallel.topology import topology\n"
+                  "t = topology(); print(t.reason)\n"
+                  "assert not t.nvml and 'nvidia-ml-py not importable' in t.reason\n")
 
 
 # --- on a GPU ------------------------------------------------------------------------------------

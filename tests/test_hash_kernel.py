@@ -10,18 +10,26 @@ gds_persist/transfer/device_hash.py launches it (tests/blake3_host_harness.cu), 
 
 from __future__ import annotations
 
+import functools
 import random
 import subprocess
 from pathlib import Path
 
 import pytest
-from helpers import nvcc_build, nvcc_harness, nvrtc_cubin
+from helpers import (
+    device_kernel_or_skip,
+    nvcc_build,
+    nvcc_harness,
+    nvrtc_cubin,
+    random_device_pieces,
+)
 
 from gds_persist.format.hashing import content_hash
 from gds_persist.transfer.device_hash import (
     CHUNKS_KERNEL,
     KERNEL_FILE,
     PARENTS_KERNEL,
+    device_hash_status,
     level_counts,
 )
 from gds_persist.transfer.device_kernels import kernel_source
@@ -103,18 +111,7 @@ def test_wheel_lists_the_kernel_as_package_data():
     assert KERNEL.is_file()
 
 
-def test_an_unusable_hash_kernel_raises_its_reason(monkeypatch):
-    import torch
-
-    from gds_persist import BackendError
-    from gds_persist.transfer import device_hash
-
-    with pytest.raises(TypeError, match="hashing.hash_pieces"):
-        device_hash.cuda_hash_many([torch.zeros(4, dtype=torch.uint8)])
-    monkeypatch.setattr(device_hash.KERNELS, "unavailable", "device BLAKE3 kernel unusable (t)")
-    with pytest.raises(BackendError, match=r"BLAKE3 kernel unusable \(t\)"):
-        device_hash.cuda_hash_many([])
-    assert device_hash.device_hash_status() == (False, "device BLAKE3 kernel unusable (t)")
+# an unusable kernel raising its reason: tests/test_kernels.py, for both kernels
 
 
 def test_without_a_gpu_the_status_says_why():
@@ -131,29 +128,18 @@ def test_without_a_gpu_the_status_says_why():
 
 # --- on a GPU -------------------------------------------------------------------------------
 
-def _cuda_or_skip():
-    from helpers import device_kernel_or_skip
-
-    from gds_persist.transfer.device_hash import device_hash_status
-
-    return device_kernel_or_skip(device_hash_status)
+_cuda_or_skip = functools.partial(device_kernel_or_skip, device_hash_status)
 
 
 @pytest.mark.gpu
 def test_gpu_kernel_matches_host_hash():
-    torch = _cuda_or_skip()
+    _cuda_or_skip()
     import gds_persist.transfer.device_hash as dh
 
-    rng = random.Random(5)
-    big = torch.randint(0, 256, (48 << 20,), dtype=torch.uint8, device="cuda")
-    host = big.cpu().numpy()
-    lengths = [0, 1, 64, 1023, 1024, 1025, 4097, (1 << 20) + 3, 16 << 20, 48 << 20]
-    lengths += [rng.randrange(1, 48 << 20) for _ in range(10)]
-    starts = [rng.randrange(0, (48 << 20) - n + 1) if n < (48 << 20) else 0 for n in lengths]
-    pieces = [big[s : s + n] for s, n in zip(starts, lengths, strict=True)]
-    got = dh.cuda_hash_many(pieces)  # one batch: every tree depth in the same launches
-    want = [content_hash(host[s : s + n]) for s, n in zip(starts, lengths, strict=True)]
-    assert got == want
+    pieces = random_device_pieces(48 << 20, [0, 1, 64, 1023, 1024, 1025, 4097, (1 << 20) + 3,
+                                             16 << 20, 48 << 20], 10, seed=5)
+    got = dh.cuda_hash_many([d for d, _ in pieces])  # one batch: every tree depth at once
+    assert got == [content_hash(h) for _, h in pieces]
     assert dh.KERNELS.unavailable is None, dh.KERNELS.unavailable
 
 

@@ -9,6 +9,7 @@ GPU checks (marked ``gpu``): kernel CRC == host CRC for random lengths and align
 
 from __future__ import annotations
 
+import functools
 import os
 import random
 import re
@@ -19,7 +20,13 @@ import zipfile
 from pathlib import Path
 
 import pytest
-from helpers import nvcc_build, nvcc_harness, nvrtc_cubin
+from helpers import (
+    device_kernel_or_skip,
+    nvcc_build,
+    nvcc_harness,
+    nvrtc_cubin,
+    random_device_pieces,
+)
 
 from gds_persist.format.checksum import (
     POLY_REFLECTED,
@@ -36,6 +43,7 @@ from gds_persist.transfer.device_crc import (
     KERNEL_NAME,
     MAX_SEGMENT,
     MIN_SEGMENT,
+    device_crc_status,
     segment_bytes_for,
 )
 from gds_persist.transfer.device_kernels import kernel_source
@@ -304,18 +312,24 @@ def test_dispatch_of_host_tensors_is_the_host_crc():
                               ) == [0, crc32c(bytes(range(7)))]
 
 
-def test_an_unusable_kernel_raises_its_reason(monkeypatch):
+@pytest.mark.parametrize(("module", "many", "status", "cpu_refusal"), [
+    ("device_crc", "cuda_crc32c_many", "device_crc_status", "takes CUDA tensors"),
+    ("device_hash", "cuda_hash_many", "device_hash_status", "hashing.hash_pieces"),
+])
+def test_an_unusable_kernel_raises_its_reason(monkeypatch, module, many, status, cpu_refusal):
+    import importlib
+
     import torch
 
     from gds_persist import BackendError
-    from gds_persist.transfer import device_crc
 
-    with pytest.raises(TypeError, match="takes CUDA tensors"):
-        device_crc.cuda_crc32c_many([torch.zeros(4, dtype=torch.uint8)])
-    monkeypatch.setattr(device_crc.KERNELS, "unavailable", "device CRC32C kernel unusable (test)")
+    m = importlib.import_module(f"gds_persist.transfer.{module}")
+    with pytest.raises(TypeError, match=cpu_refusal):
+        getattr(m, many)([torch.zeros(4, dtype=torch.uint8)])
+    monkeypatch.setattr(m.KERNELS, "unavailable", f"{module} kernel unusable (test)")
     with pytest.raises(BackendError, match=r"unusable \(test\)"):
-        device_crc.cuda_crc32c_many([])
-    assert device_crc.device_crc_status() == (False, "device CRC32C kernel unusable (test)")
+        getattr(m, many)([])
+    assert getattr(m, status)() == (False, f"{module} kernel unusable (test)")
 
 
 # --- the kernel's stream, with the real cupy (wrapping a stream needs no driver) -----------------
@@ -359,28 +373,17 @@ def test_kernel_source_uses_no_deprecated_stream_api():
 
 # --- on a GPU -------------------------------------------------------------------------------------
 
-def _cuda_or_skip():
-    from helpers import device_kernel_or_skip
-
-    from gds_persist.transfer.device_crc import device_crc_status
-
-    return device_kernel_or_skip(device_crc_status)
+_cuda_or_skip = functools.partial(device_kernel_or_skip, device_crc_status)
 
 
 @pytest.mark.gpu
 def test_gpu_kernel_matches_host_random_lengths_and_alignments():
-    torch = _cuda_or_skip()
+    _cuda_or_skip()
     import gds_persist.transfer.device_crc as cc
 
-    rng = random.Random(1)
-    big = torch.randint(0, 256, (64 << 20,), dtype=torch.uint8, device="cuda")
-    host = big.cpu().numpy()
-    lengths = [0, 1, 7, 8, 9, 4095, 4096, 4097, 16383, 16385, (1 << 20) + 3, 64 << 20]
-    lengths += [rng.randrange(1, 64 << 20) for _ in range(20)]
-    for n in lengths:
-        start = rng.randrange(0, (64 << 20) - n + 1) if n < (64 << 20) else 0
-        piece = big[start : start + n]
-        assert cc.cuda_crc32c(piece) == crc32c(host[start : start + n]), (n, start)
+    for piece, host in random_device_pieces(64 << 20, [0, 1, 7, 8, 9, 4095, 4096, 4097, 16383,
+                                                       16385, (1 << 20) + 3, 64 << 20], 20, 1):
+        assert cc.cuda_crc32c(piece) == crc32c(host), (piece.numel(), piece.data_ptr())
     # the kernel ran, not the host fallback
     assert cc.KERNELS.unavailable is None, cc.KERNELS.unavailable
 

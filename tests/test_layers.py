@@ -14,6 +14,8 @@ runs); ``from a.b import c`` is an edge to ``a.b.c`` when that is a module, else
 from __future__ import annotations
 
 import ast
+import builtins
+import re
 from pathlib import Path
 
 import pytest
@@ -301,3 +303,129 @@ def test_a_long_module_and_a_new_root_module_are_found(monkeypatch: pytest.Monke
     monkeypatch.setitem(globals(), "VOCABULARY", ("errors",))
     with pytest.raises(AssertionError, match=r"beyond the vocabulary: \[.*'settings'"):
         test_the_root_holds_only_the_vocabulary()
+
+
+# --- CONTRIBUTING.md's module table is the tree ------------------------------------------------
+
+CONTRIBUTING = PACKAGE.parent / "CONTRIBUTING.md"
+ROOT_ROW = "root (vocabulary)"
+# in a row's last cell, a lower-case word in backticks is a module of that folder (``name`` or
+# ``name.py``), a word with a trailing slash a subfolder (``tier/``); other code is written so
+# it does not look like one (``"direct"``, ``save()``, ``SaveRequest``)
+_MODULE_TOKEN = re.compile(r"`([a-z_][a-z0-9_]*)(?:\.py)?`")
+_FOLDER_TOKEN = re.compile(r"`([a-z_][a-z0-9_/]*)/`")
+
+
+def table_rows(text: str) -> dict[str, str]:
+    """Folder (``root (vocabulary)`` or ``format``) -> the last cell of its row of the table."""
+    rows = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0].isdigit():
+            folder = cells[1] if cells[1] == ROOT_ROW else cells[1].strip("`").rstrip("/")
+            rows[folder] = cells[2]
+    return rows
+
+
+def table_errors(rows: dict[str, str], modules: dict[str, Path]) -> list[str]:
+    """What the table and the tree disagree on, each as the edit that fixes it."""
+    tree: dict[str, dict[str, str]] = {}  # row -> module stem or subfolder (``tier/``) -> path
+    for path in modules.values():
+        rel = path.relative_to(PACKAGE)
+        row = ROOT_ROW if len(rel.parts) == 1 else rel.parts[0]
+        names = tree.setdefault(row, {})
+        for k in range(2, len(rel.parts)):
+            names.setdefault("/".join(rel.parts[1:k]) + "/", "/".join(rel.parts[:k]) + "/")
+        if rel.stem != "__init__" or row == ROOT_ROW:
+            names[rel.stem] = str(rel)
+    errors = []
+    for row, names in sorted(tree.items()):
+        if row not in rows:
+            errors.append(f"CONTRIBUTING.md's table has no row for {row}/: add one")
+            continue
+        prefix = "" if row == ROOT_ROW else row + "/"
+        named = set(_MODULE_TOKEN.findall(rows[row])) | {
+            f.removeprefix(prefix) + "/" for f in _FOLDER_TOKEN.findall(rows[row])}
+        where = "the root row" if row == ROOT_ROW else f"the row of `{row}/`"
+        errors += [f"{ROOT}/{names[n]} is not in CONTRIBUTING.md's table: add `{n}` to {where}"
+                   for n in sorted(set(names) - named)]
+        errors += [f"CONTRIBUTING.md's table names `{n}` in {where}, but {ROOT}/{prefix} has "
+                   "no such module or folder: remove it (or, if it is not meant as a module, "
+                   "write it so it does not look like one: `save()`, `\"direct\"`)"
+                   for n in sorted(named - set(names))]
+    errors += [f"CONTRIBUTING.md's table has a row for {row}/, which is not a folder of {ROOT}"
+               for row in sorted(set(rows) - set(tree))]
+    return errors
+
+
+def test_contributing_table_names_every_module() -> None:
+    errors = table_errors(table_rows(CONTRIBUTING.read_text()), MODULES)
+    assert not errors, "\n".join(errors)
+
+
+def test_a_module_missing_from_the_table_and_a_stale_name_are_found() -> None:
+    rows = table_rows(CONTRIBUTING.read_text())
+    modules = dict(MODULES, **{f"{ROOT}.format.brand_new": PACKAGE / "format" / "brand_new.py"})
+    del modules[f"{ROOT}.format.tree"]
+    errors = "\n".join(table_errors(rows, modules))
+    assert ("gds_persist/format/brand_new.py is not in CONTRIBUTING.md's table: add `brand_new` "
+            "to the row of `format/`") in errors
+    assert "names `tree` in the row of `format/`, but gds_persist/format/ has no such" in errors
+
+
+# --- every exception and warning class lives in errors.py ----------------------------------------
+
+_BUILTIN_EXCEPTIONS = {n for n in dir(builtins)
+                       if isinstance(getattr(builtins, n), type)
+                       and issubclass(getattr(builtins, n), BaseException)}
+
+
+def exception_classes(sources: dict[str, str]) -> list[str]:
+    """``module:line class`` for every class (in modules other than ``errors``) whose bases are
+    exceptions or warnings: builtin ones, a package class that is one, or any base named
+    ``...Error`` / ``...Exception`` / ``...Warning`` (``pickle.UnpicklingError``)."""
+    trees = {name: ast.parse(text) for name, text in sources.items()}
+    classes = {(name, node.name): node for name, tree in trees.items()
+               for node in ast.walk(tree) if isinstance(node, ast.ClassDef)}
+    known = set(_BUILTIN_EXCEPTIONS) | {c for (m, c) in classes if m.endswith(".errors")}
+    grew = True
+    while grew:  # a class deriving from a package exception class is one too
+        grew = False
+        for (_, cls), node in classes.items():
+            bases = {b.attr if isinstance(b, ast.Attribute) else getattr(b, "id", "")
+                     for b in node.bases}
+            if cls not in known and any(b in known or b.endswith(("Error", "Exception", "Warning"))
+                                        for b in bases):
+                known.add(cls)
+                grew = True
+    return sorted(f"{m}:{node.lineno} {c}" for (m, c), node in classes.items()
+                  if c in known and not m.endswith(".errors"))
+
+
+def test_every_exception_class_lives_in_errors() -> None:
+    found = exception_classes({n: p.read_text() for n, p in MODULES.items()})
+    assert not found, (f"exception or warning classes outside {ROOT}/errors.py: {found}; move "
+                       "each to errors.py (deriving from CheckpointError) and export it from "
+                       f"{ROOT}/__init__.py")
+
+
+def test_an_exception_class_outside_errors_is_found() -> None:
+    found = exception_classes({
+        f"{ROOT}.errors": "class CheckpointError(Exception): pass",
+        f"{ROOT}.format.x": "class Plain:\n    pass\nclass BadInput(ValueError):\n    pass",
+        f"{ROOT}.format.y": "from .. import errors\nclass Worse(errors.CheckpointError): pass\n"
+                            "class Worst(Worse): pass\nclass Odd(pickle.UnpicklingError): pass\n"
+                            "class Noisy(UserWarning): pass",
+    })
+    assert found == [f"{ROOT}.format.x:3 BadInput", f"{ROOT}.format.y:2 Worse",
+                     f"{ROOT}.format.y:3 Worst", f"{ROOT}.format.y:4 Odd",
+                     f"{ROOT}.format.y:5 Noisy"]
+
+
+def test_the_architecture_map_names_every_folder_at_its_layer() -> None:
+    text = (PACKAGE.parent / "docs" / "ARCHITECTURE.md").read_text()
+    drawn = {m[2]: int(m[1]) for m in re.finditer(r"^ {1,2}(\d+) {2}(\w+)/ ", text, re.M)}
+    folders = {u: n for u, n in LAYERS.items() if u not in ("vocabulary", "package", "__main__")}
+    assert drawn == folders, ("docs/ARCHITECTURE.md's map and LAYERS differ: drawn "
+                              f"{sorted(drawn.items() - folders.items())}, in the tree "
+                              f"{sorted(folders.items() - drawn.items())}")

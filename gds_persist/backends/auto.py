@@ -25,8 +25,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Where the compatibility-mode rule comes from (in the repository; docs/GPU.md explains it).
-MEASURED = ("bench/results/2026-11-30-h200/bench-8GiB.txt: H200, cuFile without nvidia-fs, "
+# Where the compatibility-mode rule comes from (the doc section cites the measurement's file).
+MEASURED = ("docs/GPU.md, \"What happens to CUDA tensors\": H200, cuFile without nvidia-fs, "
             "8 GiB from GPU memory, durable save direct 2.34 vs kvikio 1.59 GB/s, "
             "cold load 2.06 vs 1.47")
 

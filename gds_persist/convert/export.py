@@ -45,15 +45,28 @@ def export_checkpoint(
     backend: str | None = None,
     progress: ProgressCallback | None = None,
 ) -> ExportInfo:
-    """Write the checkpoint at ``path`` to the file ``out`` as ``to="torch"`` (a ``torch.save``
-    file that ``torch.load(out, weights_only=True)`` reads) or ``to="safetensors"`` (read by
-    ``safetensors.torch.load_file``); ``None`` infers it from the suffix of ``out``.
+    """Write the checkpoint at ``path`` to the one file ``out``, every CRC32C verified. A
+    checkpoint written through DCP (:class:`gds_persist.dcp.GdsPersistWriter`) is consolidated
+    into one full state dict first (DCP's own planner; in memory). Memory use:
+    :mod:`gds_persist.convert`; what safetensors cannot hold:
+    :mod:`gds_persist.convert.safetensors`.
 
-    A checkpoint written through DCP (:class:`gds_persist.dcp.GdsPersistWriter`) is first
-    consolidated into one full state dict (DCP's own planner; in memory). Every CRC32C is
-    verified; a mismatch raises :class:`ChecksumError` and leaves no output file. See
-    :mod:`gds_persist.convert` for memory use and :mod:`gds_persist.convert.safetensors` for
-    what safetensors cannot hold.
+    Parameters:
+        path: a committed gds_persist checkpoint.
+        out: the file to write (replaced atomically; none is left on error).
+        to: ``"torch"`` (``torch.load(out, weights_only=True)`` reads it), ``"safetensors"``
+            (``safetensors.torch.load_file`` reads it), or None: from the suffix of ``out``.
+        sep: joins nested keys into safetensors' flat names.
+        backend: the I/O backend, as for :func:`gds_persist.load`.
+        progress: ``progress(done_bytes, total_bytes)``, called as data is written.
+
+    Returns:
+        :class:`~gds_persist.results.ExportInfo`: where, which format, tensors, bytes, notes.
+
+    Raises:
+        ChecksumError: stored bytes do not match their checksum (no output file is left).
+        NotCommittedError: no committed checkpoint at ``path``.
+        ValueError: an unknown ``to``, or a suffix that names no format.
     """
     path, out = os.fspath(path), os.fspath(out)
     to = _infer_format(out, to)

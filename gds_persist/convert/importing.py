@@ -47,14 +47,25 @@ def import_checkpoint(
     **save_options: Any,
 ) -> SaveInfo:
     """Save the contents of a ``torch.save`` file or a safetensors file as a gds_persist
-    checkpoint at ``path`` (atomically, like :func:`gds_persist.save`).
+    checkpoint at ``path`` (atomically, like :func:`gds_persist.save`). torch files are read
+    with ``torch.load(weights_only=True)`` only: one that needs any other class is refused,
+    never unpickled. A safetensors file written by :func:`gds_persist.export_checkpoint` gets
+    its nesting, non-tensor leaves, parameters and tied tensors back; any other gives a flat
+    ``{name: tensor}`` dict.
 
-    ``format``: ``"auto"`` (from the file's first bytes), ``"torch"`` or ``"safetensors"``.
-    torch files are read with ``torch.load(weights_only=True)`` only: a file that needs any
-    other class is refused with a clear error, never unpickled. A safetensors file written by
-    :func:`gds_persist.export_checkpoint` gets its nesting, non-tensor leaves, parameters and
-    tied tensors back; any other gives a flat ``{name: tensor}`` dict. ``save_options`` go to
-    :func:`gds_persist.save` (``block_bytes``, ``staging_bytes``, ``io_threads``).
+    Parameters:
+        file: the ``torch.save`` or safetensors file.
+        path: where the checkpoint goes.
+        format: ``"auto"`` (from the file's first bytes), ``"torch"`` or ``"safetensors"``.
+        backend, progress: as for :func:`gds_persist.save`.
+        save_options: further keywords of :func:`gds_persist.save`.
+
+    Returns:
+        The :class:`~gds_persist.SaveInfo` of the save.
+
+    Raises:
+        ValueError: ``file`` is neither format, or an unknown ``format``.
+        CheckpointError: a torch file that needs a class ``weights_only=True`` refuses.
     """
     file, path = os.fspath(file), os.fspath(path)
     kind = detect_format(file) if format == "auto" else format

@@ -41,9 +41,22 @@ COPY_CHUNK = 16 << 20
 
 def materialize(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
                 progress: ProgressCallback | None = None) -> ExportInfo:
-    """Write a standalone copy of the checkpoint at ``path`` to the directory ``out`` (replaced
-    atomically if it exists); raises :class:`ChecksumError` naming the tensor of any stored byte
-    that does not match its checksum, :class:`ReferencedCheckpointError` for a missing base."""
+    """Write a standalone copy of the checkpoint at ``path``: an incremental checkpoint's bytes
+    held by its bases are copied in, so the copy needs none of them.
+
+    Parameters:
+        path: a committed checkpoint.
+        out: the directory to write (replaced atomically if it exists; not ``path``).
+        progress: ``progress(done_bytes, total_bytes)``, called as data is copied.
+
+    Returns:
+        :class:`~gds_persist.results.ExportInfo` of the copy.
+
+    Raises:
+        ChecksumError: a stored byte does not match its checksum (names the tensor).
+        ReferencedCheckpointError: a base is missing or was replaced.
+        ValueError: ``out`` is ``path``.
+    """
     path, out = os.fspath(path), os.fspath(out)
     if os.path.abspath(path) == os.path.abspath(out):
         raise ValueError(f"materialize {path} onto itself: give another output directory")

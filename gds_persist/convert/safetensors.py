@@ -42,9 +42,9 @@ from typing import Any
 
 import torch
 
-from ..errors import CheckpointError
+from ..errors import CheckpointError, SafetensorsError
 from ..format import DTYPES, TensorRecord
-from ..format.safetensors import MAX_HEADER, ST_DTYPES, SafetensorsError, parse_header
+from ..format.safetensors import MAX_HEADER, ST_DTYPES, parse_header
 from ..format.tree import decode, path_str, tensor_key_paths, validate
 
 META_KEY = "gds_persist"

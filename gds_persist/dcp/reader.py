@@ -128,21 +128,27 @@ def dcp_records(m: Manifest, where: str) -> dict[MetadataIndex, ItemRecord]:
 
 
 class GdsPersistReader(CheckpointPath, StorageReader):
-    """Read checkpoints written by :class:`GdsPersistWriter`, verifying every CRC32C.
-
+    """Read checkpoints written by :class:`GdsPersistWriter`, verifying every CRC32C:
     ``dcp.load(state_dict, storage_reader=GdsPersistReader(path))`` works unchanged, with any
-    number of ranks (DCP reshards). ``backend``: as in :func:`gds_persist.load`.
-    ``verify=False`` skips the checksum comparison (the bytes read are the same).
+    number of ranks (DCP reshards).
 
     Non-tensor values (DCP "bytes" items) are the planner's own serialized bytes and go to its
     ``load_bytes`` as ``FileSystemReader`` hands them (DCP's ``DefaultLoadPlanner`` unpickles
     them with ``torch.load(weights_only=False)``, so load checkpoints you trust).
-    ``weights_only=True`` is stricter: each must first load with ``torch.load(weights_only=True)``
-    (which runs no arbitrary code), or the load is refused naming the item and the unpickler's
-    whole reason.
 
-    A corrupted data file raises :class:`gds_persist.ChecksumError` naming the DCP item; DCP
-    wraps it in ``CheckpointException`` (``exc.failures[rank][0]`` is the original).
+    Parameters:
+        path: the checkpoint directory (or pass ``checkpoint_id=`` to ``dcp.load``).
+        backend: the I/O backend, as for :func:`gds_persist.load`.
+        verify: False skips the checksum comparison (the bytes read are the same).
+        weights_only: True refuses a "bytes" item that ``torch.load(weights_only=True)`` does
+            not load (which runs no arbitrary code), naming the item and the unpickler's reason.
+        read_budget_bytes: non-tensor ("bytes") items are read into buffers of at most this
+            many bytes at a time.
+        progress: ``progress(done_bytes, total_bytes)``, called as data is read.
+
+    Raises:
+        ChecksumError: a corrupted data file, naming the DCP item; DCP wraps it in
+            ``CheckpointException`` (``exc.failures[rank][0]`` is the original).
     """
 
     def __init__(

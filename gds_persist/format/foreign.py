@@ -22,7 +22,7 @@ from . import tree as _tree
 from .manifest import Manifest
 from .records import DataFile, Extent, StorageRecord, TensorRecord, dtype_name
 from .safetensors import StHeader
-from .torch_pickle import Skeleton, TensorRef
+from .torch_pickle import Skeleton
 
 TORCH = "torch"
 SAFETENSORS = "safetensors"
@@ -36,10 +36,8 @@ def torch_manifest(name: str, file_size: int, sk: Skeleton, offsets: list[int],
     tensors: list[TensorRecord] = []
 
     def leaf(obj: Any) -> Any:
-        if isinstance(obj, TensorRef):
-            tensors.append(TensorRecord(int(obj.storage.key), dtype_name(obj.dtype), obj.shape,
-                                        obj.stride, obj.storage_offset, obj.requires_grad,
-                                        obj.parameter))
+        if isinstance(obj, TensorRecord):
+            tensors.append(obj)
             return _tree.tensor(len(tensors) - 1)
         if isinstance(obj, Mapping):
             keys = [k for k in obj if type(k) in (str, int)]  # others: not reachable by path

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 from typing import Any
 
-HASH_NAME = "blake3-128"
 DIGEST_BYTES = 16
 EMPTY = "af1349b9f5f9a1a6a0404dea36dcc949"  # blake3(b"").digest(16).hex()
 

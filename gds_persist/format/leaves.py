@@ -58,7 +58,6 @@ KINDS = (NDARRAY, NPSCALAR, BYTES, PATH, ENUM, PICKLE)
 TYPED = ("dict", "odict", "list", "tuple")  # container kinds that may carry a "type" member
 TYPE = "type"
 PICKLE_OPTION = "allow_pickle=True"
-REBUILT = ("argparse.Namespace", "types.SimpleNamespace", "torch.Size")  # typed, loaded as such
 _TYPE_NAME = re.compile(r"^[\w.<>]{1,300}$")
 _HEX = re.compile(r"^(?:[0-9a-f]{2})*$")
 # numpy dtypes stored as arrays and scalars: bool, ints, floats, complex, datetime/timedelta,

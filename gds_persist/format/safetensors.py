@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..errors import SafetensorsError
+
 MAX_HEADER = 100 << 20  # what safetensors itself accepts
 
 # safetensors dtype codes. The uint16/32/64, complex64 and fnuz float8 codes are known to recent
@@ -39,10 +41,6 @@ ST_DTYPES: dict[torch.dtype, str] = {
     torch.uint64: "U64",
 }
 ST_CODES = {v: k for k, v in ST_DTYPES.items()}
-
-
-class SafetensorsError(ValueError):
-    """Bytes that are not a well-formed safetensors file (the message says what is wrong)."""
 
 
 @dataclass(frozen=True)

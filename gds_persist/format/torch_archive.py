@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..errors import ArchiveError
 from .checksum import crc32c
 from .records import ALIGNMENT, align_up
 
@@ -61,10 +62,6 @@ _FLAG_DESCRIPTOR, _FLAG_UTF8 = 0x0008, 0x0800
 _STORED, _ZIP64_EXTRA = 0, 0x0001
 _DOS_DATE = (1 << 5) | 1  # 1980-01-01: a constant keeps the file deterministic
 _VERSION_STORED, _VERSION_ZIP64 = 20, 45
-
-
-class ArchiveError(ValueError):
-    """Bytes that are not a torch.save archive this module can lay out or read in place."""
 
 
 # --- one record -----------------------------------------------------------------------------

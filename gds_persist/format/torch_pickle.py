@@ -6,7 +6,7 @@ read three ways.
   (``torch._utils._rebuild_tensor_v2`` and friends), so ``torch.load`` rebuilds exactly what was
   saved: views, shared storages, parameters, ``OrderedDict`` metadata, Python leaves.
 * :func:`skeleton`: the structure *without running any global of the file*: known rebuild
-  functions build :class:`TensorRef` placeholders, every other global is an inert
+  functions build :class:`~.records.TensorRecord` placeholders, every other global is an inert
   :class:`Opaque` stand-in. It says which storages there are (key, dtype, bytes, location),
   which tensors view them and where those sit in nested dicts/lists/tuples - all a load needs
   to plan its reads and to match ``into=`` before reading a byte. Safe on any file.
@@ -23,13 +23,13 @@ import hashlib
 import io
 import pickle
 import re
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
-from .tree import objects_of
+from .records import TensorRecord, dtype_name
 
 PROTOCOL = 2  # torch.save's; torch's weights-only unpickler knows only protocol 2's opcodes
 StorageFor = Callable[[str, torch.dtype, int, str], torch.UntypedStorage]  # key, dtype, nbytes,
@@ -110,19 +110,6 @@ class StorageRef:
     location: str
 
 
-@dataclass(eq=False)
-class TensorRef:
-    """A tensor as the file rebuilds it, with no bytes: a view of ``storage``."""
-
-    storage: StorageRef
-    storage_offset: int
-    shape: tuple[int, ...]
-    stride: tuple[int, ...]
-    dtype: torch.dtype
-    requires_grad: bool = False
-    parameter: bool = False
-
-
 class Opaque:
     """Stands in for any global of the file that is not a tensor rebuild: accepts whatever the
     pickle does to it (call, new, setstate, items) and runs nothing."""
@@ -154,23 +141,17 @@ class _StorageType:
 
 @dataclass
 class Skeleton:
-    """What :func:`skeleton` found: the structure with :class:`TensorRef` leaves, the storages in
-    key order, and every tensor the pickle builds (also those inside opaque objects)."""
+    """What :func:`skeleton` found: the structure with :class:`~.records.TensorRecord` leaves
+    (``storage``: the storage's key) and the storages in key order."""
 
     obj: Any
     storages: list[StorageRef]
-    tensors: list[TensorRef] = field(default_factory=list)
-
-    def visible(self) -> Iterator[tuple[tuple[Any, ...], TensorRef]]:
-        """(key path, tensor) of the tensors in nested dicts, lists and tuples."""
-        yield from objects_of(self.obj, TensorRef)
 
 
 class _SkeletonUnpickler(pickle.Unpickler):
     def __init__(self, data: bytes) -> None:
         super().__init__(io.BytesIO(data), encoding="utf-8")
         self.storages: dict[str, StorageRef] = {}
-        self.tensors: list[TensorRef] = []
 
     def find_class(self, module: str, name: str) -> Any:
         if module == "collections" and name == "OrderedDict":
@@ -206,10 +187,9 @@ class _SkeletonUnpickler(pickle.Unpickler):
                 dtype: torch.dtype | None = None) -> Any:
         if not isinstance(storage, StorageRef):
             return Opaque
-        ref = TensorRef(storage, int(offset), tuple(size), tuple(stride), dtype or storage.dtype,
-                        bool(requires_grad))
-        self.tensors.append(ref)
-        return ref
+        key = int(storage.key) if storage.key.isdigit() else -1  # refused by skeleton()
+        return TensorRecord(key, dtype_name(dtype or storage.dtype), tuple(size), tuple(stride),
+                            int(offset), bool(requires_grad))
 
     def _v2(self, storage: Any, offset: int, size: Any, stride: Any, requires_grad: Any = False,
             hooks: Any = None, metadata: Any = None) -> Any:
@@ -220,8 +200,8 @@ class _SkeletonUnpickler(pickle.Unpickler):
         return self._tensor(storage, offset, size, stride, requires_grad, dtype)
 
     def _parameter(self, data: Any, requires_grad: Any, *rest: Any) -> Any:
-        if isinstance(data, TensorRef):
-            data.requires_grad, data.parameter = bool(requires_grad), True
+        if isinstance(data, TensorRecord):
+            return replace(data, requires_grad=bool(requires_grad), parameter=True)
         return data
 
     def _from_type(self, func: Any, new_type: Any, args: Any, state: Any) -> Any:
@@ -250,7 +230,7 @@ def skeleton(data: bytes) -> Skeleton:
     keys = sorted(u.storages, key=lambda k: int(k) if k.isdigit() else -1)
     if [k for k in keys] != [str(i) for i in range(len(keys))]:
         raise pickle.UnpicklingError(f"storage keys {keys[:8]} are not 0..{len(keys) - 1}")
-    return Skeleton(obj, [u.storages[k] for k in keys], u.tensors)
+    return Skeleton(obj, [u.storages[k] for k in keys])
 
 
 # --- the real objects -----------------------------------------------------------------------

@@ -69,7 +69,18 @@ from .extents import read_extents
 
 log = logging.getLogger("gds_persist")
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
-    """The validated manifest of the committed checkpoint at ``path``."""
+    """The validated manifest of the committed checkpoint at ``path``, read without any data.
+
+    Parameters:
+        path: a checkpoint directory, or a ``torch.save`` / safetensors file.
+
+    Returns:
+        The :class:`~gds_persist.format.Manifest`.
+
+    Raises:
+        NotCommittedError: no committed checkpoint at ``path``.
+        ManifestError: the manifest is malformed or of an unknown version.
+    """
     return opened(path, lambda ck: ck.manifest)
 
 

@@ -32,10 +32,21 @@ def verify(
 
     Extents of an incremental checkpoint that live in its base checkpoints are checked like its
     own (the bases are identified first); encoded extents are checked twice: the stored bytes
-    against ``stored_crc32c``, then the decoded bytes against ``crc32c``.
+    against ``stored_crc32c``, then the decoded bytes against ``crc32c``. A ``torch.save`` file
+    gds_persist did not write is checked against its zip CRC-32s.
 
-    Raises for problems that stop the check (bad manifest, missing or truncated file).
-    ``data_dirs`` as for :func:`load`.
+    Parameters:
+        path: a checkpoint directory, or a ``torch.save`` / safetensors file.
+        backend: the I/O backend, as for :func:`gds_persist.load`.
+        progress: ``progress(done_bytes, total_bytes)``, called as data is read.
+        data_dirs: as for :func:`gds_persist.load`.
+
+    Returns:
+        :class:`~gds_persist.results.VerifyReport`: what was checked and every mismatch
+        (``report.ok``), not raised.
+
+    Raises:
+        ManifestError, TruncatedError, NotCommittedError: what stops the check.
     """
     path = os.fspath(path)
     cfg = settings.current(backend=backend)

@@ -66,11 +66,21 @@ def balance(
     align: int = ALIGN,
 ) -> list[list[Piece]]:
     """Assign every item's bytes to ranks that hold it, minimising the largest per-rank total.
+    Items held by one rank go to it; the others, largest first, are water-filled over their
+    holders in byte ranges, or given whole to the least-loaded holder when small.
 
-    Items held by one rank go to it. The others, largest first: an item of at least
-    ``split_min_bytes`` is water-filled over its holders in ``align``-multiple byte ranges; a
-    smaller one goes whole to its least-loaded holder. Returns, per item, its pieces in byte
-    order (an empty item gets no piece).
+    Parameters:
+        sizes: each item's bytes.
+        holders: for each item, the ranks that can write it.
+        world_size: the number of ranks.
+        split_min_bytes: smaller items are never split.
+        align: split points are multiples of this.
+
+    Returns:
+        Per item, its :class:`Piece` s in byte order (an empty item gets none).
+
+    Raises:
+        ValueError: lengths differ, a holder outside ``0..world_size-1``, a negative size.
     """
     if len(sizes) != len(holders):
         raise ValueError("sizes and holders must have the same length")
@@ -106,7 +116,12 @@ def balance(
 
 
 def rank_bytes(pieces: Sequence[Sequence[Piece]], world_size: int) -> list[int]:
-    """Bytes each rank writes under an assignment."""
+    """Bytes each rank writes under an assignment.
+
+    Parameters:
+        pieces: what :func:`balance` returned.
+        world_size: the number of ranks.
+    """
     totals = [0] * world_size
     for item in pieces:
         for p in item:

@@ -15,7 +15,4 @@ and the node-memory tier (docs/RECOVERY.md).
 * :mod:`.steps`: the layout of a root: step directories, ``latest``, retention;
 * :mod:`.optimizer_state`: ``init_optimizer_state``, for a restore fully in place;
 * :mod:`.tier`: the memory tier: its layout and room, the replicas, the restore.
-
-:mod:`.levels` and :mod:`.wear` only re-export :mod:`gds_persist.advice.levels` and
-:mod:`gds_persist.advice.wear` (how often to checkpoint), which lived here before.
 """

@@ -73,16 +73,26 @@ class CheckpointerStats:
 
 class SaveHandle:
     """One background save. ``done()`` / ``wait()``: committed and published (or failed);
-    ``released()`` / ``wait_released()``: the tensors passed to ``save`` may change again."""
+    ``released()`` / ``wait_released()``: the tensors passed to ``save`` may change again.
+
+    Attributes:
+        step: the step saved.
+        path: the checkpoint directory it commits.
+        mode: ``"snapshot"`` or ``"fence"`` (also a snapshot too large for the arena).
+        mode_reason: why the Checkpointer is in that mode.
+        info: the :class:`~gds_persist.SaveInfo` once committed (None before, or on failure).
+        error: the exception the save raised, if it failed.
+        blocked_s: seconds the snapshot waited for arena memory.
+    """
 
     def __init__(self, owner: Pending, step: int, path: str, mode: str, mode_reason: str = ""):
         self.step = step
         self.path = path
-        self.mode = mode  # "snapshot" or "fence" (also a snapshot too large for the arena)
-        self.mode_reason = mode_reason  # why the Checkpointer is in that mode
+        self.mode = mode
+        self.mode_reason = mode_reason
         self.info: SaveInfo | None = None
         self.error: BaseException | None = None
-        self.blocked_s = 0.0  # time the snapshot waited for arena memory
+        self.blocked_s = 0.0
         self._owner = owner
         self._released = threading.Event()
         self._done = threading.Event()

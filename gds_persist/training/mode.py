@@ -22,10 +22,11 @@ import os
 from dataclasses import dataclass
 
 HOST_FRACTION = 0.5  # of MemAvailable, for every arena of this node: the rest stays for the job
-CPU_FIGURES = ("bench/results/2026-11-30-cpu-bench_train.txt: CPU-only training, 64 MB "
-               "checkpoint every iteration, fence +2.5% vs snapshot +6.3%")
-GPU_FIGURES = ("bench/results/2026-11-30-h200/train.txt: H200, 1.02 GB checkpoint every "
-               "575 ms iteration, snapshot +0.1% vs fence +72.6%")
+_MEASURED = 'docs/TRAINING.md, "Fence, snapshot, or auto (the default)": '
+CPU_FIGURES = (_MEASURED + "CPU-only training, 64 MB checkpoint every iteration, fence +2.5% "
+               "vs snapshot +6.3%")
+GPU_FIGURES = (_MEASURED + "H200, 1.02 GB checkpoint every 575 ms iteration, snapshot +0.1% "
+               "vs fence +72.6%")
 GB = 1e9
 
 

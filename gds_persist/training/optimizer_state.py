@@ -15,12 +15,17 @@ import torch
 
 
 def init_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create ``optimizer``'s state by one step with zero gradients and a learning rate of 0,
-    leaving the parameters as they are (with ``lr=0`` neither the update nor decoupled weight
-    decay moves them); the learning rates are put back and the gradients cleared.
+    """Create ``optimizer``'s state (so ``load(into=)`` can restore it in place) by one step
+    with zero gradients and a learning rate of 0, leaving the parameters as they are (with
+    ``lr=0`` neither the update nor decoupled weight decay moves them); the learning rates are
+    put back and the gradients cleared. Does nothing if the optimizer already has state.
 
-    Does nothing if the optimizer already has state. Refuses (``ValueError``) when a parameter
-    already holds a gradient, which the step would consume: call it before the backward pass.
+    Parameters:
+        optimizer: any ``torch.optim.Optimizer`` whose groups have an ``lr``.
+
+    Raises:
+        ValueError: a parameter already holds a gradient, which the step would consume: call
+            it before the backward pass.
     """
     if optimizer.state:
         return

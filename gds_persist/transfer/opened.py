@@ -35,12 +35,14 @@ from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 from ..errors import (
+    ArchiveError,
     CheckpointPermissionError,
     CheckpointReplacedError,
     ManifestError,
     NotACheckpointDirectoryError,
     NotCommittedError,
     ReferencedCheckpointError,
+    SafetensorsError,
     TruncatedError,
 )
 from ..format import (
@@ -54,7 +56,7 @@ from ..format import (
     torch_pickle,
 )
 from ..format.checksum import crc32c as _crc32c
-from ..format.safetensors import SafetensorsError, looks_like_safetensors, parse_header
+from ..format.safetensors import looks_like_safetensors, parse_header
 from .commit import commit_lock_path, is_temporary
 
 T = TypeVar("T")
@@ -289,19 +291,19 @@ def _torch_file(path: str, read_at: Callable[[int, int], bytes],
         raw = read_at(stored.data, stored.size) if stored is not None else b""
         checksums = torch_archive.parse_checksums(raw) if stored is not None else None
         if checksums is not None and checksums.get(rec.name) != _crc32c(data):
-            raise torch_archive.ArchiveError(f"{rec.name} does not match its recorded CRC32C: "
+            raise ArchiveError(f"{rec.name} does not match its recorded CRC32C: "
                                              "the file is corrupted")
         sk = torch_pickle.skeleton(data)
         offsets, zip_crcs = [], {}
         for k, s in enumerate(sk.storages):
             r = index.checked(f"data/{s.key}")
             if r.size != s.nbytes:
-                raise torch_archive.ArchiveError(f"data/{s.key} holds {r.size} bytes, its "
+                raise ArchiveError(f"data/{s.key} holds {r.size} bytes, its "
                                                  f"tensors need {s.nbytes}")
             offsets.append(r.data)
             if r.crc32 or not r.size:  # 0: not recorded (torch's set_crc32_options(False))
                 zip_crcs[k] = r.crc32
-    except (torch_archive.ArchiveError, pickle.UnpicklingError) as e:
+    except (ArchiveError, pickle.UnpicklingError) as e:
         raise ManifestError(f"{path}: not a torch.save archive gds_persist can read: {e}"
                             ) from None
     writer = torch_archive.writer_of(raw) if raw else {}

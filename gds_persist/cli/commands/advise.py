@@ -56,7 +56,8 @@ def arguments(p: argparse.ArgumentParser) -> None:
                    help="stall per checkpoint when checkpointing every iteration with overlap "
                    "(default: --cost)")
     p.add_argument("--from-bench", metavar="JSON",
-                   help="take the iteration time and costs from `bench/bench_train.py --json`: "
+                   help="take the iteration time and costs from the training benchmark's "
+                   "--json (docs/TRAINING.md, \"Benchmark\"): "
                    "--cost = blocking torch.save's overhead, --per-iteration-cost = the "
                    "gds_persist mode's overhead")
     p.add_argument("--mode", default="gds_fence", help="bench mode for --from-bench "
@@ -120,8 +121,8 @@ def _from_bench(path: str, mode: str) -> tuple[float, float, float]:
         blocking = max(results["torch_save"]["overhead_s"], 0.0)
         overlapped = max(results[mode]["overhead_s"], 0.0)
     except KeyError as e:
-        raise SystemExit(f"gds-persist advise: {path} has no result {e} (run bench_train.py "
-                         "with that mode)") from None
+        raise SystemExit(f"gds-persist advise: {path} has no result {e} (run the training "
+                         "benchmark with that mode: docs/TRAINING.md, \"Benchmark\")") from None
     return iteration, blocking, overlapped
 
 
