@@ -26,7 +26,7 @@ import torch
 
 import gds_persist
 from gds_persist.training.tier import recovery, replicate, shares
-from gds_persist.training.tier.memory import MemoryTier, job_name, lacks_room
+from gds_persist.training.tier.memory import MemoryStore, job_name, lacks_room
 from tests.forkserver import ForkServer
 from tests.tier_worker import Job, reference, reference_tensors
 
@@ -132,7 +132,7 @@ def test_candidates_need_a_copy_of_every_share():
     assert recovery.candidates(invs, drive=[4]) == [6, 4]  # rank 1's share of 6 on node a only
     assert recovery.holder_of(invs, 1, 6) == 0 and recovery.holder_of(invs, 1, 5) is None
     assert recovery.candidates(invs, drive=[]) == [6]
-    tier = MemoryTier("/m", 0)
+    tier = MemoryStore("/m", 0)
     plan = recovery.plan_step(invs, 6, set(), tier)
     assert plan is not None
     assert [(s.node, s.kind) for s in plan.reads[0].values()] == [("a", "memory"), ("a", "replica")]
@@ -147,7 +147,7 @@ def test_plan_reads_what_each_node_holds_and_sends_only_what_it_lacks():
     for r, hs in enumerate(holders):
         for h in hs:
             invs[h]["replicas"][str(r)] = [3]
-    tier = MemoryTier("/m", 0)
+    tier = MemoryStore("/m", 0)
     plan = recovery.plan_step(invs, 3, set(), tier)
     assert plan is not None and plan.sends == []  # 2 nodes, 1 replica: each holds every share
     assert all(sorted(reads) == [0, 1, 2, 3] for reads in plan.reads)
@@ -177,7 +177,7 @@ def test_tiers_by_interval_and_restore_from_memory(tmp_path):
     assert [h.info.backend for h in handles][0] == "none"  # step 1: in neither tier
     assert "neither tier" in handles[0].info.reason and handles[0].done()
     assert ckpt.steps() == [3, 6]
-    tier = MemoryTier(os.path.join(mem, job_name(str(root))), 0)
+    tier = MemoryStore(os.path.join(mem, job_name(str(root))), 0)
     assert tier.inventory() == {"own": [6], "replicas": {}}  # only the latest step is kept
     with gds_persist.Checkpointer(root, memory_root=mem, warmup=False) as again:
         got = again.load()

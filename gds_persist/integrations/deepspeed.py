@@ -79,6 +79,7 @@ from .. import settings
 from ..errors import CheckpointTimeout
 from ..format.torch_pickle import replica_digest
 from ..loading.load import load as gds_load
+from ..loading.options import LoadOptions
 from ..parallel.distributed import background_group, make_comm
 from ..results import DistributedSaveInfo, SaveInfo
 from ..saving.save import save as gds_save
@@ -290,7 +291,8 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.wait()  # a file being written is read once it is complete
         if os.path.isfile(path) and not zipfile.is_zipfile(path):
             return torch.load(path, map_location=map_location, weights_only=False)
-        return gds_load(path, map_location=map_location, weights_only=False)
+        return gds_load(path, map_location=map_location,
+                        options=LoadOptions(weights_only=False))
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make ``info.tag`` durable on every rank, then (rank 0, ``info.save_latest``) write

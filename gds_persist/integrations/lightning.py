@@ -62,6 +62,7 @@ import torch
 
 from ..errors import CheckpointError, CheckpointTimeout
 from ..loading.load import load
+from ..loading.options import LoadOptions
 from ..results import SaveInfo
 from ..saving.options import FORMATS
 from ..saving.save import save
@@ -210,7 +211,8 @@ class _GdsPersistCheckpointIO:
                 else contextlib.nullcontext())
         with safe:
             state = load(path, map_location="cpu" if map_location is None else map_location,
-                         verify=self.verify, weights_only=weights_only is not False)
+                         verify=self.verify,
+                         options=LoadOptions(weights_only=weights_only is not False))
         if not isinstance(state, dict):
             raise CheckpointError(f"{path} does not hold a Lightning checkpoint dict")
         return state

@@ -37,7 +37,7 @@ def verify(
     Raises for problems that stop the check (bad manifest, missing or truncated file).
     ``data_dirs`` as for :func:`load`.
     """
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     cfg = settings.current(backend=backend)
 
     def check(ck: OpenCheckpoint) -> VerifyReport:

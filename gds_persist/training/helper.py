@@ -156,6 +156,7 @@ def main(conn: Connection, parent: int) -> None:
     _die_with(parent)
     import torch
 
+    from .. import settings
     from ..saving.save import save
     from .snapshot import map_shared, over_copies
 
@@ -174,13 +175,13 @@ def main(conn: Connection, parent: int) -> None:
                 for old in maps.values():
                     old.close()
                 maps = {key: map_shared(*key)}
-            time.sleep(job.get("test_sleep_s", 0))  # tests: a write that takes a while
             views = [torch.frombuffer(maps[key], dtype=torch.uint8, count=s.nbytes, offset=off)
                      if s.nbytes else torch.empty(0, dtype=torch.uint8)
                      for s, off in zip(job["storages"], job["offsets"], strict=True)]
             flat = over_copies(job["tree"], job["tensors"], job["storages"], views,
                                job["crc_at_save"])
-            info = save(flat, job["path"], **job["kwargs"])
+            with settings.set(**job["settings"]):  # the training process's, at the write
+                info = save(flat, job["path"], **job["kwargs"])
             del flat, views  # nothing here may touch the arena bytes once the answer is sent
             conn.send(("ok", job["seq"], info))
         except Exception as e:  # noqa: BLE001 - sent back to the Checkpointer

@@ -42,6 +42,7 @@ import torch
 
 from .. import settings
 from ..backends import choose_backend
+from ..keywords import as_settings, removed_keywords
 from ..results import WarmupReport
 from .device_kernels import DeviceKernels
 from .staging import borrow_ring
@@ -50,28 +51,38 @@ log = logging.getLogger("gds_persist")
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
 
 
+@removed_keywords(as_settings("block_bytes", "staging_bytes", "io_threads"))
 def warmup(directory: str | os.PathLike[str] | None = None, *, device: Any = None,
-           backend: str | None = None, block_bytes: int | None = None,
-           staging_bytes: int | None = None, io_threads: int | None = None) -> WarmupReport:
+           backend: str | None = None) -> WarmupReport:
     """Do the start-up work of the first save/load now; return what each step did and took.
 
-    ``directory``: where checkpoints will go (the backend probe runs there; skipped when None).
-    ``device``: the CUDA device the tensors live on (default: see the module doc; ignored without
-    CUDA). ``backend``, ``block_bytes``, ``staging_bytes``, ``io_threads``: as for
-    :func:`gds_persist.save` (None: the settings in force). Invalid settings raise as ``save``
-    would; anything the machine lacks is a skipped or failed step in the report, never an error.
+    The staging ring it prepares is the one the settings in force describe
+    (:func:`gds_persist.settings.set`).
+
+    Parameters
+    ----------
+    directory : path, optional
+        Where checkpoints will go: the backend probe runs there (skipped when None).
+    device : torch.device or int, optional
+        The CUDA device the tensors live on (default: see the module doc; ignored without CUDA).
+    backend : {"auto", "direct", "buffered", "kvikio"}, optional
+        As for :func:`gds_persist.save` (default: the ``backend`` setting).
+
+    Returns
+    -------
+    WarmupReport
+        Each step, what it did and took; a step the machine cannot do is skipped or failed in
+        the report, never an error.
+
+    Raises
+    ------
+    ValueError, BackendError
+        Invalid settings, as ``save`` would raise them.
     """
-    cfg = _settings(backend, block_bytes, staging_bytes, io_threads)
+    cfg = settings.current(backend=backend)
     dev, why = default_device() if device is None else (_device(device), NO_CUDA)
-    return _run(None if directory is None else os.fspath(directory), dev, why, cfg)
-
-
-def _settings(backend: str | None, block_bytes: int | None, staging_bytes: int | None,
-              io_threads: int | None) -> settings.Settings:
-    """The settings a warm-up needs: the ones that shape the staging ring and the backend probe.
-    A save's other arguments (content_hash, compression, ...) change nothing it prepares."""
-    return settings.current(backend=backend, block_bytes=block_bytes,
-                            staging_bytes=staging_bytes, io_threads=io_threads)
+    return _run(None if directory is None else os.path.expanduser(os.fspath(directory)), dev,
+                why, cfg)
 
 
 class BackgroundWarmup:
@@ -79,11 +90,8 @@ class BackgroundWarmup:
     None until it is done; :meth:`wait` waits for it (bounded). The settings are
     :func:`warmup`'s."""
 
-    def __init__(self, directory: str | os.PathLike[str] | None, *, backend: str | None = None,
-                 block_bytes: int | None = None, staging_bytes: int | None = None,
-                 io_threads: int | None = None):
-        # invalid settings raise here, in the caller
-        cfg = _settings(backend, block_bytes, staging_bytes, io_threads)
+    def __init__(self, directory: str | os.PathLike[str] | None, *, backend: str | None = None):
+        cfg = settings.current(backend=backend)  # invalid settings raise here, in the caller
         dev, why = default_device()  # the caller's device: a new thread starts on GPU 0
         self.report: WarmupReport | None = None
         self._done = threading.Event()
@@ -188,7 +196,9 @@ def _staging(cfg: settings.Settings) -> str:
 
 
 def _backend(cfg: settings.Settings, directory: str, cuda: bool) -> str:
-    os.makedirs(directory, exist_ok=True)
+    directory = os.path.abspath(directory)
+    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)  # not there yet: probe where it will be made
     be, reason = choose_backend(cfg.backend, directory, cuda, cfg.io_threads, cfg.block_bytes)
     return f"done: {be.name} ({reason})"
 

@@ -60,9 +60,11 @@ def local_bytes(local: Flattened | None) -> int:
     return 0 if local is None else sum(s.nbytes for s in local.storages) + MANIFEST_SLACK
 
 
-def save_local(share_dir: str, local: Flattened, io_kwargs: dict[str, Any]) -> int:
+def save_local(share_dir: str, local: Flattened, backend: str | None) -> int:
     """Write a rank's rank-local part into its (uncommitted) share directory; bytes written."""
-    return core_save(local, os.path.join(share_dir, LOCAL_DIR), **io_kwargs).bytes_written
+    with settings.in_this_thread(io_threads=settings.current().memory_io_threads):
+        return core_save(local, os.path.join(share_dir, LOCAL_DIR),
+                         backend=backend).bytes_written
 
 
 def structure_digest(flat: Flattened) -> str:
@@ -87,7 +89,7 @@ def check_same_structure(digests: list[str], step: int) -> None:
 
 
 def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
-               io_kwargs: dict[str, Any], step: int, local: Flattened | None = None) -> SaveInfo:
+               backend: str | None, step: int, local: Flattened | None = None) -> SaveInfo:
     """Every rank: commit its share of ``flat`` at ``path`` (its own ``rank-R/step-N``), with
     its rank-local part ``local`` beside it.
     Two agreed phases: write and fsync the share, then seal every rank's directory with the
@@ -95,8 +97,7 @@ def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
     stays (the previous step is kept until every rank holds the new one)."""
     t0 = time.perf_counter()
     # tmpfs writes are copies, off the training thread's path: the tier's own thread count
-    io_kwargs = {**io_kwargs, "io_threads": settings.current().memory_io_threads}
-    cfg = settings.current(**io_kwargs)
+    cfg = settings.current(backend=backend, io_threads=settings.current().memory_io_threads)
     mine = [plan.files[i].plan for i in plan.files_of(comm.rank)]
     what = f"memory-tier save of step {step} at {path}"
     held: dict[str, Any] = {}
@@ -107,7 +108,7 @@ def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
         held["backend"] = (be.name, reason)
         sealed = write_plan(be, tmp.dir, mine, flat.storage_objects, cfg) if mine else []
         if local is not None:
-            held["local_written"] = save_local(tmp.dir, local, io_kwargs)
+            held["local_written"] = save_local(tmp.dir, local, backend)
         return [[e.storage, e.start, e.length, e.file, e.offset, e.crc32c] for e in sealed]
 
     try:

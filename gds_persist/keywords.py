@@ -1,0 +1,38 @@
+"""Keywords that 0.1 took and 0.2 moved: a call that still passes one raises a TypeError naming
+the new spelling (``docs/USAGE.md``, "Moving from 0.1"), not Python's bare "unexpected keyword"."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def as_settings(*names: str) -> dict[str, str]:
+    """I/O tuning keywords that became settings only."""
+    return {n: f"{n} is a setting since 0.2: use `with gds_persist.settings.set({n}=...)` "
+               "(or call gds_persist.settings.set once, for the whole process)" for n in names}
+
+
+def in_options(options: str, *names: str, renamed: dict[str, str] | None = None) -> dict[str, str]:
+    """Rarer keywords that moved into an options object (``renamed``: old name -> field)."""
+    return {n: f"{n} moved into the options object in 0.2: use "
+               f"options=gds_persist.{options}({(renamed or {}).get(n, n)}=...)"
+            for n in (*names, *(renamed or {}))}
+
+
+def removed_keywords(moved: dict[str, str]) -> Callable[[F], F]:
+    """Decorate a function (or ``__init__``) whose 0.1 keywords ``moved`` (name -> what to use
+    instead) are gone: passing one raises a TypeError saying so."""
+    def decorate(f: F) -> F:
+        @functools.wraps(f)
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            old = sorted(set(kwargs) & moved.keys())
+            if old:
+                where = f.__qualname__.removesuffix(".__init__")
+                raise TypeError(f"{where}({old[0]}=...): {moved[old[0]]}")
+            return f(*args, **kwargs)
+        return checked  # type: ignore[return-value]
+    return decorate
