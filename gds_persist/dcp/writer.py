@@ -130,8 +130,9 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
     ``FileSystemWriter``'s arguments (docs/INTEGRATIONS.md, "FileSystemWriter's arguments"):
     ``overwrite=False`` refuses to replace a checkpoint at ``path`` (checked when the save starts
     and again under the commit lock); ``thread_count`` is the ``io_threads`` setting;
-    ``sync_files=True`` and ``single_file_per_rank=True`` are what this writer always does, and ``False`` is refused (an
-    atomic commit needs fsynced files; one aligned file per rank is the layout);
+    ``sync_files=True`` and ``single_file_per_rank=True`` are what this writer always does, and
+    ``False`` is refused (an atomic commit needs fsynced files; one aligned file per rank is the
+    layout);
     ``cache_staged_state_dict=True`` keeps the ``dcp.async_save`` staging copy between saves
     (pinned where CUDA is available). As ``FileSystemWriter``, the writer is the ``AsyncStager``
     that ``dcp.async_save`` uses when no ``async_stager`` is given.
