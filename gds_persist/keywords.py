@@ -16,11 +16,10 @@ def as_settings(*names: str) -> dict[str, str]:
                "(or call gds_persist.settings.set once, for the whole process)" for n in names}
 
 
-def in_options(options: str, *names: str, renamed: dict[str, str] | None = None) -> dict[str, str]:
-    """Rarer keywords that moved into an options object (``renamed``: old name -> field)."""
+def in_options(options: str, *names: str) -> dict[str, str]:
+    """Rarer keywords that moved into an options object."""
     return {n: f"{n} moved into the options object in 0.2: use "
-               f"options=gds_persist.{options}({(renamed or {}).get(n, n)}=...)"
-            for n in (*names, *(renamed or {}))}
+               f"options=gds_persist.{options}({n}=...)" for n in names}
 
 
 def removed_keywords(moved: dict[str, str]) -> Callable[[F], F]:
@@ -31,7 +30,7 @@ def removed_keywords(moved: dict[str, str]) -> Callable[[F], F]:
         def checked(*args: Any, **kwargs: Any) -> Any:
             old = sorted(set(kwargs) & moved.keys())
             if old:
-                where = f.__qualname__.removesuffix(".__init__")
+                where = f.__qualname__.removesuffix(".__init__").rsplit("<locals>.", 1)[-1]
                 raise TypeError(f"{where}({old[0]}=...): {moved[old[0]]}")
             return f(*args, **kwargs)
         return checked  # type: ignore[return-value]

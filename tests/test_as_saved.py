@@ -17,7 +17,7 @@ from torch import nn
 
 import gds_persist
 from gds_persist.training.capture import COPY_BYTES
-from tests.helpers import assert_tree_equal
+from tests.helpers import HookedCheckpointer, assert_tree_equal
 
 STEPS = 6
 
@@ -98,7 +98,7 @@ class Run:
 
 
 def _checkpointer(tmp_path: Path, **kwargs: Any) -> gds_persist.Checkpointer:
-    return gds_persist.Checkpointer(tmp_path / "ckpt", keep_last=None, **kwargs)
+    return HookedCheckpointer(tmp_path / "ckpt", keep_last=None, **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["auto", "fence", "snapshot"])
@@ -178,7 +178,7 @@ def _gated(ckpt: Any) -> threading.Event:
         assert gate.wait(30)
         gate.clear()
 
-    ckpt._before_write = before_write
+    ckpt.before_write = before_write
     return gate
 
 

@@ -105,7 +105,8 @@ def test_rank_local_parts_return_to_their_rank(gang: Gang, tmp_path: Path) -> No
     # one process, no group: every rank's parts, by rank; or one chosen rank's
     everything = gds_persist.load(path)
     assert tasks.check_loaded(everything, {r: tasks.make_local(r) for r in range(WORLD)}) == []
-    assert tasks.check_loaded(gds_persist.load(path, rank_local=2), tasks.make_local(2)) == []
+    assert tasks.check_loaded(gds_persist.load(path, options=gds_persist.LoadOptions(rank_local=2)),
+                              tasks.make_local(2)) == []
     # another world size cannot guess who gets which shard, and says what to do
     errors = [e for e in gang.run(tasks.load_expect_error, 2, str(path)) if e]
     assert all(e["type"] == "ManifestError" and "rank_local='all'" in e["message"] for e in errors)
@@ -186,7 +187,8 @@ def test_writers_per_node_and_data_dirs(gang: Gang, tmp_path: Path) -> None:
     os.rename(roots[1], moved)
     with pytest.raises(gds_persist.TruncatedError, match="missing"):
         gds_persist.load(path)
-    out = gds_persist.load(path, data_dirs={str(roots[1]): str(moved)})
+    out = gds_persist.load(path,
+                           options=gds_persist.LoadOptions(data_dirs={str(roots[1]): str(moved)}))
     assert tasks.check_loaded(out) == []
     assert gds_persist.verify(path, data_dirs=[str(roots[0]), str(moved)]).ok
 

@@ -340,7 +340,8 @@ class Marker:
 def test_model_hyperparameters_travel_through_fit(tmp_path: Path) -> None:
     model, _ = fit(BATCHES, GdsPersistCheckpointIO(), tmp_path,
                    model={"data_dir": pathlib.Path("/runs/a")})
-    hp = gds_persist.load(tmp_path / "last.ckpt", weights_only=False)["hyper_parameters"]
+    hp = gds_persist.load(tmp_path / "last.ckpt",
+                          options=gds_persist.LoadOptions(weights_only=False))["hyper_parameters"]
     assert hp == {"width": 16, "data_dir": pathlib.Path("/runs/a")}
     assert model.hparams.data_dir == pathlib.Path("/runs/a")
 

@@ -46,11 +46,11 @@ REQUIRED_DTYPES = [
 ]
 
 
-def roundtrip(sd: Any, path: Path, backend: BackendCase, **save_kw: Any) -> Any:
-    info = gds_persist.save(sd, path, backend=backend.name, **save_kw)
-    assert info.backend == backend.name
-    ring = {k: v for k, v in save_kw.items() if k in ("block_bytes", "staging_bytes")}
+def roundtrip(sd: Any, path: Path, backend: BackendCase, **ring: Any) -> Any:
+    """Save and load ``sd`` with the staging ring ``ring`` (block_bytes, staging_bytes)."""
     with gds_persist.settings.set(**ring):
+        info = gds_persist.save(sd, path, backend=backend.name)
+        assert info.backend == backend.name
         return gds_persist.load(path, backend=backend.name)
 
 

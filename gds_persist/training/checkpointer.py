@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import reprlib
 import threading
 import weakref
 from dataclasses import replace
@@ -218,8 +219,9 @@ class Checkpointer(WriterThreads, Restoring):
         Any error of an earlier background save not yet raised.
         """
         if isinstance(step, bool) or not hasattr(step, "__index__"):
-            raise TypeError(f"Checkpointer.save(step={step!r}, ...): step must be an int (the "
-                            f"training step), not a {type(step).__name__}; the state comes second")
+            raise TypeError(f"Checkpointer.save(step={reprlib.repr(step)}, ...): step must be an "
+                            f"int (the training step), not a {type(step).__name__}; the state "
+                            "comes second")
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step={step} must be >= 0")

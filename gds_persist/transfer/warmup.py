@@ -197,8 +197,10 @@ def _staging(cfg: settings.Settings) -> str:
 
 def _backend(cfg: settings.Settings, directory: str, cuda: bool) -> str:
     directory = os.path.abspath(directory)
-    while not os.path.isdir(directory) and os.path.dirname(directory) != directory:
+    while not os.path.lexists(directory) and os.path.dirname(directory) != directory:
         directory = os.path.dirname(directory)  # not there yet: probe where it will be made
+    if not os.path.isdir(directory):
+        raise NotADirectoryError(f"{directory} is not a directory")
     be, reason = choose_backend(cfg.backend, directory, cuda, cfg.io_threads, cfg.block_bytes)
     return f"done: {be.name} ({reason})"
 
