@@ -4,7 +4,7 @@ the new spelling (``docs/USAGE.md``, "Moving from 0.1"), not Python's bare "unex
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -22,16 +22,23 @@ def in_options(options: str, *names: str) -> dict[str, str]:
                f"options=gds_persist.{options}({n}=...)" for n in names}
 
 
+def refuse_moved(where: str, given: Iterable[str], moved: dict[str, str]) -> None:
+    """TypeError naming the new spelling of the first of the keywords ``given`` that ``moved``
+    lists (for callables that take ``**options`` and pass them on)."""
+    old = sorted(set(given) & moved.keys())
+    if old:
+        raise TypeError(f"{where}({old[0]}=...): {moved[old[0]]}")
+
+
 def removed_keywords(moved: dict[str, str]) -> Callable[[F], F]:
     """Decorate a function (or ``__init__``) whose 0.1 keywords ``moved`` (name -> what to use
     instead) are gone: passing one raises a TypeError saying so."""
     def decorate(f: F) -> F:
+        where = f.__qualname__.removesuffix(".__init__").rsplit("<locals>.", 1)[-1]
+
         @functools.wraps(f)
         def checked(*args: Any, **kwargs: Any) -> Any:
-            old = sorted(set(kwargs) & moved.keys())
-            if old:
-                where = f.__qualname__.removesuffix(".__init__").rsplit("<locals>.", 1)[-1]
-                raise TypeError(f"{where}({old[0]}=...): {moved[old[0]]}")
+            refuse_moved(where, kwargs, moved)
             return f(*args, **kwargs)
         return checked  # type: ignore[return-value]
     return decorate

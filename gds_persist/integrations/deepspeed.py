@@ -78,6 +78,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 from .. import settings
 from ..errors import CheckpointTimeout
 from ..format.torch_pickle import replica_digest
+from ..keywords import as_settings, refuse_moved
 from ..loading.load import load as gds_load
 from ..loading.options import LoadOptions
 from ..parallel.distributed import background_group, make_comm
@@ -93,7 +94,7 @@ from ..transfer.pipeline import result_within
 log = logging.getLogger("gds_persist")
 __all__ = ["SAVE_OPTIONS", "GdsPersistCheckpointEngine", "attach", "flush"]
 
-SAVE_OPTIONS = frozenset({"backend", "block_bytes", "staging_bytes", "io_threads"})
+SAVE_OPTIONS = frozenset({"backend"})
 # the file every data-parallel rank of ZeRO 0-2 holds alike (DeepSpeed's _get_ckpt_name)
 SHARED_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
 # ZeRO 1-2 optimizers' flat buffers, which the optimizer step alone changes
@@ -237,6 +238,8 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                  timeout_s: float = 1800.0, **save_options: Any):
         super().__init__(config_params)
         self.name = "GdsPersistCheckpointEngine"
+        refuse_moved("GdsPersistCheckpointEngine", save_options,
+                     as_settings("block_bytes", "staging_bytes", "io_threads"))
         unknown = sorted(set(save_options) - SAVE_OPTIONS)
         if unknown:
             raise TypeError(f"GdsPersistCheckpointEngine: unknown option(s) {unknown}; it takes "

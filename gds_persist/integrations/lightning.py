@@ -61,10 +61,11 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CheckpointTimeout
+from ..keywords import refuse_moved
 from ..loading.load import load
 from ..loading.options import LoadOptions
 from ..results import SaveInfo
-from ..saving.options import FORMATS
+from ..saving.options import FORMATS, MOVED
 from ..saving.save import save
 from ..saving.torch_file import PickledState
 from ..state.flatten import Flattened, flatten
@@ -104,6 +105,7 @@ def _save_options(options: Any, where: str) -> dict[str, Any]:
             f"({', '.join(sorted(STORAGE_OPTIONS))}), not {type(options).__name__} "
             f"{str(options)[:60]!r}"
         )
+    refuse_moved(where, options, MOVED)
     unknown = sorted(str(k) for k in options if k not in STORAGE_OPTIONS)
     if unknown:
         raise TypeError(

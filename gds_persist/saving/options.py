@@ -10,12 +10,17 @@ from typing import Any
 
 from .. import settings
 from ..format.tree import KeyPath
+from ..keywords import as_settings, in_options
 from ..parallel.replicas import CHECK_REPLICAS
 from ..progress import ProgressCallback
 from ..state.rank_local import normalize_paths
 from .incremental import check_base_path
 
 FORMATS = ("directory", "torch")  # a checkpoint directory, or one torch.save file
+# save()'s keywords of 0.1 and their spelling since (gds_persist.keywords)
+MOVED = {**as_settings("block_bytes", "staging_bytes", "io_threads"),
+         **in_options("SaveOptions", "compression", "content_hash", "writers_per_node",
+                      "data_dirs", "check_replicas")}
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,7 @@ from .. import settings
 from ..backends.base import Backend
 from ..format import Manifest, align_up, codec, data_file_name, storage_keys
 from ..format.layout import SavePlan, file_streams, plan_single_writer
-from ..keywords import as_settings, in_options, removed_keywords
+from ..keywords import removed_keywords
 from ..progress import ByteCounter, ProgressCallback
 from ..results import SaveInfo
 from ..stages import stage
@@ -21,7 +21,7 @@ from ..transfer.writer import write_plan
 from .as_saved import refuse_torn
 from .data_parallel import save_parallel
 from .incremental import BaseIndex, References, describe_references, open_base
-from .options import SaveOptions, SaveRequest
+from .options import MOVED, SaveOptions, SaveRequest
 from .torch_file import PickledState, save_torch_file
 from .torch_file_parallel import save_torch_file_parallel
 from .units import (
@@ -37,9 +37,7 @@ from .units import (
 )
 
 
-@removed_keywords({**as_settings("block_bytes", "staging_bytes", "io_threads"),
-                   **in_options("SaveOptions", "compression", "content_hash", "writers_per_node",
-                                "data_dirs", "check_replicas")})
+@removed_keywords(MOVED)
 def save(
     state_dict: Any,
     path: str | os.PathLike[str],
