@@ -217,17 +217,3 @@ def in_this_thread(**values: Any) -> Iterator[None]:
         yield
     finally:
         _thread.overrides = previous
-
-
-@contextmanager
-def _cleared() -> Iterator[None]:
-    """Test helper: run with no programmatic overrides."""
-    with _lock:
-        saved = dict(_overrides)
-        _overrides.clear()
-    try:
-        yield
-    finally:
-        with _lock:
-            _overrides.clear()
-            _overrides.update(saved)

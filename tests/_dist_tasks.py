@@ -261,7 +261,8 @@ def modified_state(local_rank: int | None = None) -> dict[str, Any]:
 
 
 def save_incremental(ctx: Any, n: int, path: str, base: str | None, modified: bool,
-                     with_local: bool = False, **kw: Any) -> dict[str, Any] | None:
+                     with_local: bool = False, compression: str | None = None,
+                     **kw: Any) -> dict[str, Any] | None:
     group = ctx.group(n)
     if group is None:
         return None
@@ -274,7 +275,8 @@ def save_incremental(ctx: Any, n: int, path: str, base: str | None, modified: bo
     if with_local:
         kw["rank_local"] = "zero"
     info = gds_persist.save(state, path, process_group=group, base=base, **kw,
-                            options=gds_persist.SaveOptions(content_hash=True))
+                            options=gds_persist.SaveOptions(content_hash=True,
+                                                            compression=compression))
     return {"referenced": info.referenced_bytes, "bytes": info.bytes_written,
             "compression": info.compression, "payload": info.payload_bytes}
 

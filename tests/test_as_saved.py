@@ -132,7 +132,8 @@ def test_helper_process_writer_memory_tier_and_incremental_saves(
     kwargs: dict[str, Any] = {
         "helper-process": {"mode": "snapshot", "writer": "process"},
         "incremental": {"incremental": True},
-        "memory-tier": {"mode": "snapshot", "memory_root": tmp_path / "shm", "drive_every": 3},
+        "memory-tier": {"mode": "snapshot", "memory": gds_persist.MemoryTier(tmp_path / "shm"),
+                        "drive_every": 3},
     }[case]
     run = Run()
     with _checkpointer(tmp_path, **kwargs) as ckpt:

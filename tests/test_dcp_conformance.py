@@ -188,7 +188,7 @@ def test_bytesio_items_and_a_stateful_holding_one(tmp_path: Path) -> None:
     # the stricter mode refuses it, naming the item and keeping the unpickler's whole reason
     with pytest.raises(CheckpointException) as info:
         load({"blob": io.BytesIO(), "app": Counter(0), "w": torch.zeros(3)}, tmp_path / "ck",
-             options=gds_persist.LoadOptions(weights_only=True))
+             weights_only=True)
     text = str(original(info.value))
     assert "weights_only=True" in text and "DCP item" in text
     assert "Unsupported global: GLOBAL _io.BytesIO" in text  # past the first line

@@ -37,7 +37,7 @@ def test_save_load_verify(tmp_path: Path) -> None:
                                     {"compression": "auto"}], ids=lambda o: repr(o))
 def test_save_with_one_option(tmp_path: Path, option: dict[str, Any]) -> None:
     state = _state()
-    gds_persist.save(state, tmp_path / "ck", **option)
+    gds_persist.save(state, tmp_path / "ck", options=gds_persist.SaveOptions(**option))
     assert_tree_equal(gds_persist.load(tmp_path / "ck"), state)
 
 

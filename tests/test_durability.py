@@ -407,7 +407,8 @@ def test_concurrent_saves_and_loads_of_different_paths(tmp_path: Path) -> None:
         sd = {"i": i, "w": torch.full((5000 + i,), float(i))}
         ring = {"block_bytes": 4096 * (1 + i % 2), "staging_bytes": 4096 * (2 + i % 2) * 2}
         for _ in range(3):
-            gds_persist.save(sd, tmp_path / f"ck{i}", **ring)
+            with gds_persist.settings.in_this_thread(**ring):  # each thread its own ring
+                gds_persist.save(sd, tmp_path / f"ck{i}")
             assert_tree_equal(gds_persist.load(tmp_path / f"ck{i}"), sd)
 
     with ThreadPoolExecutor(4) as pool:

@@ -60,7 +60,7 @@ def test_a_new_process_starts_from_the_history_of_earlier_ones(tmp_path: Path) -
         "import json, gds_persist\n"
         "from gds_persist.backends import read_mode\n"
         f"with gds_persist.settings.set(block_bytes={MiB}, staging_bytes={8 * MiB}):\n"
-        f"    s, info = gds_persist.load({str(path)!r}, return_info=True)\n"
+        f"    s, info = gds_persist.load_with_info({str(path)!r})\n"
         f"print(json.dumps([info.reason, read_mode.recent({dev})]))\n")
     reason, after = json.loads(out)
     assert "median of the last 3 measured load(s)" in reason, reason

@@ -224,7 +224,8 @@ def test_data_files_byte_identical_across_backends(tmp_path: Path) -> None:
         }
         sd["tied"] = sd["a"][10:20]
         path = tmp_path / b.name
-        gds_persist.save(sd, path, backend=b.name, **SMALL_RING)
+        with gds_persist.settings.set(**SMALL_RING):
+            gds_persist.save(sd, path, backend=b.name)
         body = manifest_doc(path)["body"]
         body.pop("writer")
         if b.device != "cpu":  # the device a storage came from is recorded; nothing else differs

@@ -48,9 +48,9 @@ MOVED = [  # (callable, keyword, the new spelling the TypeError names)
       for k in ("block_bytes", "staging_bytes", "io_threads")],
     *[(gds_persist.Checkpointer, k, SETTING.format(k))
       for k in ("block_bytes", "staging_bytes", "io_threads")],
-    *[(gds_persist.Checkpointer, k, rf"use memory=gds_persist.MemoryTier\(root=..., {f}=...\)")
-      for k, f in (("memory_root", "root"), ("memory_every", "every"), ("replicas", "replicas"),
-                   ("peer_timeout_s", "peer_timeout_s"))],
+    *[(gds_persist.Checkpointer, k, rf"use memory=gds_persist.MemoryTier\(root=...{f}\)$")
+      for k, f in (("memory_root", ""), ("memory_every", ", every=..."),
+                   ("replicas", ", replicas=..."), ("peer_timeout_s", ", peer_timeout_s=..."))],
 ]
 
 

@@ -64,9 +64,10 @@ log = logging.getLogger("gds_persist")
 MODES = ("auto", "fence", "snapshot")
 WRITERS = ("thread", "process")
 _MEMORY = {name: f"{name} is a field of the memory tier since 0.2: use "
-                 f"memory=gds_persist.MemoryTier(root=..., {field}=...)"
-           for name, field in (("memory_root", "root"), ("memory_every", "every"),
-                               ("replicas", "replicas"), ("peer_timeout_s", "peer_timeout_s"))}
+                 f"memory=gds_persist.MemoryTier(root=...{field})"
+           for name, field in (("memory_root", ""), ("memory_every", ", every=..."),
+                               ("replicas", ", replicas=..."),
+                               ("peer_timeout_s", ", peer_timeout_s=..."))}
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
@@ -280,9 +281,20 @@ class Checkpointer(WriterThreads, Restoring):
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step()`` wait until in-flight saves no longer read the tensors.
 
-        Returns a handle whose ``.remove()`` undoes it (its tensors are then copied at ``save``).
-        The wait is bounded by ``timeout_s`` and raises :class:`CheckpointTimeout` or
-        :class:`WorkerDied`; a failed save's error is raised by the next ``save``/``wait``.
+        Parameters
+        ----------
+        optimizer : torch.optim.Optimizer
+            Its tensors are then read live by the saves instead of copied at ``save``.
+
+        Returns
+        -------
+        A handle whose ``.remove()`` undoes it.
+
+        Raises
+        ------
+        CheckpointTimeout, WorkerDied
+            From ``optimizer.step()``: the wait (bounded by ``timeout_s``) ran out, or a thread
+            died. A failed save's own error is raised by the next ``save`` / ``wait``.
         """
         ref = weakref.ref(self)
 
@@ -295,13 +307,23 @@ class Checkpointer(WriterThreads, Restoring):
                            self._guarded)
 
     def wait_released(self, timeout: float | None = None) -> None:
-        """Block until saves so far and a restore's healing no longer read the tensors (guard)."""
+        """Block until saves so far and a restore's healing no longer read the tensors (what
+        ``guard`` waits for). ``timeout``: seconds (default ``timeout_s``)."""
         self._pending.wait_released(timeout)
         self._tiers.wait_heal_read(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save so far is committed; raise the first error not yet raised.
-        ``timeout`` (default ``timeout_s``) bounds the whole wait."""
+        """Block until every save so far is committed.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Bound on the whole wait, seconds (default ``timeout_s``).
+
+        Raises
+        ------
+        The first background error not yet raised; :class:`CheckpointTimeout` past ``timeout``.
+        """
         self._pending.await_all(timeout)
         self._pending.raise_undelivered()
 
@@ -349,6 +371,7 @@ class Checkpointer(WriterThreads, Restoring):
 
     @property
     def stats(self) -> CheckpointerStats:
+        """Counters and timings so far (saves, bytes, waits, the mode and why, restores)."""
         with self._lock:
             s = replace(self._stats)
         if self._snapshots is not None:
@@ -358,8 +381,18 @@ class Checkpointer(WriterThreads, Restoring):
         return s
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish in-flight saves (bounded), stop the threads, raise any error not yet raised.
-        Idempotent. ``load`` and ``latest_step`` still work afterwards."""
+        """Finish in-flight saves, stop the threads; idempotent (``load`` and ``latest_step``
+        still work afterwards).
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Bound on the wait for in-flight saves, seconds (default ``timeout_s``).
+
+        Raises
+        ------
+        Any background error not yet raised.
+        """
         if self._closed:
             return
         self._closed = True

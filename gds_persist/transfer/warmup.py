@@ -1,32 +1,11 @@
-"""``warmup``: pay the one-time start-up cost of the save/load path before the first checkpoint.
-
-On the H200 the first save of a process ran at about half the speed of the next ones (kvikio,
-1 GiB: 0.94 then 1.72 GB/s; a 2 GiB state: 1.18 then 2.37): library initialisation and the NVRTC
-compile of the CRC kernel happened inside it. :func:`warmup` does that work ahead, and
-:class:`gds_persist.Checkpointer` starts it in a background thread when it is created, so it
-overlaps the model's set-up and first steps. Steps, each timed, none ever raising:
-
-1. ``cuda``: the CUDA context of the device and torch's pool of side streams (the staged path
-   copies on a side stream);
-2. ``staging``: the bounded staging ring the settings in force describe, allocated, pinned where
-   CUDA exists, its pages touched, and left in the one-ring cache that the next save or load
-   borrows (``transfer.staging.borrow_ring``: same buffer count and size, so it is reused);
-3. ``backend``: ``choose_backend`` for ``directory`` as a save of CUDA (or host) tensors there
-   would call it: the O_DIRECT probe; with CUDA tensors, importing kvikio and asking cuFile for
-   its mode (the driver open), plus the 4 KiB cuFile probe where kvikio is chosen;
-4. ``crc_kernel``: with CUDA and cupy, the device CRC32C kernel compiled (NVRTC; cupy keeps the
-   binary in its on-disk cache, ``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``, so a later
-   process only loads it), loaded and run once on 4 KiB against the host CRC32C;
-5. ``hash_kernel``: the same for the device BLAKE3-128 kernel (``kernels/blake3.cu``), which
-   incremental saves (``Checkpointer(incremental=True)``, ``save(..., base=...)``) run on CUDA
-   tensors.
-
-The device is the calling thread's current CUDA device where CUDA is initialised, the only GPU
-where there is one, else unknown (several GPUs and no ``torch.cuda.set_device`` yet: warming GPU 0
-from every rank would put a context of each rank on it), and the CUDA steps are skipped with the
-reason. ``bench/bench_warmup.py`` measures the first save of a process against the next, with and
-without it.
-"""
+"""``warmup``: pay the one-time start-up cost of the save/load path before the first checkpoint
+(``docs/TRAINING.md``, "Warm-up"). Steps, each timed, none ever raising: ``cuda`` (the context
+and torch's side streams), ``staging`` (the ring the settings describe, pinned, left for the next
+save or load to borrow: ``transfer.staging.borrow_ring``), ``backend`` (``choose_backend`` as a
+save into ``directory`` would call it, probed in its nearest existing parent: nothing is
+created), ``crc_kernel`` and ``hash_kernel`` (the device kernels compiled, loaded and checked on
+4 KiB). :class:`gds_persist.Checkpointer` starts it in a background thread
+(:class:`BackgroundWarmup`)."""
 
 from __future__ import annotations
 
