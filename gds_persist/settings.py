@@ -114,9 +114,9 @@ def _convert(name: str, value: Any) -> Any:
 
 def _validate(s: Settings) -> Settings:
     if s.backend not in BACKEND_NAMES:
-        raise BackendError(f"unknown backend {s.backend!r} (setting backend, environment "
-                           f"variable {ENV_VARS['backend']}); valid backends: "
-                           f"{', '.join(BACKEND_NAMES)}")
+        raise BackendError(f"unknown backend {s.backend!r}; valid backends: "
+                           f"{', '.join(BACKEND_NAMES)} (argument backend=, setting backend, "
+                           f"environment variable {ENV_VARS['backend']})")
     if s.block_bytes <= 0 or s.block_bytes % 4096:
         raise _bad("block_bytes", s.block_bytes, "must be a positive multiple of 4096 (e.g. 16MiB)")
     if s.staging_bytes < 2 * s.block_bytes:
