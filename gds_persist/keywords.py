@@ -4,10 +4,13 @@ the new spelling (``docs/USAGE.md``, "Moving from 0.1"), not Python's bare "unex
 from __future__ import annotations
 
 import functools
+import inspect
 from collections.abc import Callable, Iterable
-from typing import Any, TypeVar
+from typing import Any, ParamSpec, TypeVar
 
 F = TypeVar("F", bound=Callable[..., Any])
+P = ParamSpec("P")
+R = TypeVar("R")
 
 
 def as_settings(*names: str) -> dict[str, str]:
@@ -41,4 +44,23 @@ def removed_keywords(moved: dict[str, str]) -> Callable[[F], F]:
             refuse_moved(where, kwargs, moved)
             return f(*args, **kwargs)
         return checked  # type: ignore[return-value]
+    return decorate
+
+
+def same_keywords(model: Callable[P, Any]) -> Callable[[Callable[..., R]], Callable[P, R]]:
+    """Give the decorated ``f(path, **keywords)`` the parameters of ``model`` (for help() and
+    type checkers), its own return type kept: one signature for two entry points."""
+    def decorate(f: Callable[..., R]) -> Callable[P, R]:
+        signature = inspect.signature(model)
+
+        @functools.wraps(f)
+        def checked(*args: Any, **kwargs: Any) -> R:
+            try:  # an unknown keyword is f's, not model's
+                signature.bind(*args, **kwargs)
+            except TypeError as e:
+                raise TypeError(f"{f.__name__}(): {e}") from None
+            return f(*args, **kwargs)
+        checked.__signature__ = signature.replace(  # type: ignore[attr-defined]
+            return_annotation=inspect.signature(f).return_annotation)
+        return checked
     return decorate

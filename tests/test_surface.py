@@ -29,7 +29,7 @@ def test_save_and_load_take_at_most_8_keywords(fn: Any) -> None:
     params = inspect.signature(fn).parameters.values()
     assert len([p for p in params if p.kind is p.KEYWORD_ONLY]) <= 8
     assert "options" in inspect.signature(fn).parameters
-    assert "Parameters\n    ----------" in (fn.__doc__ or "")
+    assert "Parameters\n    ----------" in (fn.__doc__ or "") or "as :func:`load`" in fn.__doc__
 
 
 SETTING = r"{0} is a setting since 0.2: use `with gds_persist.settings.set\({0}=...\)`"
@@ -76,6 +76,11 @@ def test_removed_keywords_keeps_the_signature_and_passes_other_calls_through() -
     assert list(inspect.signature(f).parameters) == ["a", "new"]
     with pytest.raises(TypeError, match=r"^f\(old=...\): old is gone: use new$"):
         f(1, old=2)
+
+
+def test_an_unknown_keyword_of_load_names_load(tmp_path: Path) -> None:
+    with pytest.raises(TypeError, match=r"^load\(\): got an unexpected keyword argument 'bogus'"):
+        gds_persist.load(tmp_path, bogus=1)
 
 
 def test_options_objects_reach_the_save_and_the_load(tmp_path: Path) -> None:

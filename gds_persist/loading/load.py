@@ -38,7 +38,7 @@ from .. import settings
 from ..errors import CheckpointReplacedError, ManifestError, NotCommittedError
 from ..format import Extent, Manifest, align_up, sections_tree, storage_descriptions
 from ..format.tree import decode, tensor_indices
-from ..keywords import in_options, removed_keywords
+from ..keywords import in_options, removed_keywords, same_keywords
 from ..parallel.distributed import Comm, make_comm
 from ..parallel.exchange import exchange
 from ..parallel.shared_reads import check_joined, shared_pieces
@@ -80,7 +80,7 @@ _MOVED = {**in_options("LoadOptions", "strategy", "rank_local", "data_dirs", "we
 
 
 @removed_keywords(_MOVED)
-def load(
+def load_with_info(
     path: str | os.PathLike[str],
     *,
     into: Any = None,
@@ -91,10 +91,46 @@ def load(
     process_group: Any = None,
     progress: ProgressCallback | None = None,
     options: LoadOptions | None = None,
-) -> Any:
+) -> tuple[Any, LoadInfo]:
+    """:func:`load`, also returning what it did: ``state, info = load_with_info(path, ...)``:
+    the state, and a :class:`~gds_persist.LoadInfo` (the backend used and why, bytes, seconds;
+    with ``strict=False`` the keys that did not match). Parameters: as :func:`load`."""
+    check_into(into)
+    more = options if options is not None else LoadOptions()
+    strategy, rank_local, weights_only = more.strategy, more.rank_local, more.weights_only
+    data_dirs = more.data_dirs
+    t0 = time.perf_counter()
+    path = os.path.expanduser(os.fspath(path))
+    cfg = settings.current(backend=backend, load_strategy=strategy)
+    comm = make_comm(process_group, cfg.collective_timeout_s)
+    distributed = process_group is not None
+    what = f"gds_persist load of {path} (rank {comm.rank} of {comm.size})"
+    if rank_local is None:
+        rank_local = comm.rank if distributed else "all"
+    if rank_local != "all" and (type(rank_local) is not int or rank_local < 0):
+        raise ValueError(f"rank_local={rank_local!r}: use None (own rank with a process group, "
+                         "all ranks without), 'all', or a rank number")
+
+    def plan_for(ck: OpenCheckpoint) -> _LoadPlan:
+        ck.set_data_dirs(data_dirs)
+        return _plan_load(ck.manifest, path, rank_local, comm, cfg, distributed)
+
+    with stage("open (manifest, data files)"):
+        ck, lp = _open_agreed(path, comm, what, plan_for)
+    with ck:
+        single_file.check_pickle(ck, weights_only)
+        state, info = _load_held(ck, lp, comm, cfg, what, map_location, verify, progress,
+                                 distributed, into, strict, weights_only)
+    info.seconds = time.perf_counter() - t0
+    return state, info
+
+
+@removed_keywords(_MOVED)
+@same_keywords(load_with_info)
+def load(path: str | os.PathLike[str], **keywords: Any) -> Any:
     """Load the checkpoint at ``path`` and return its state, every byte checked (CRC32C).
 
-    Reference: ``docs/USAGE.md``, "load"; the same with what the load did:
+    Reference: ``docs/USAGE.md``, "Reference: load"; the same with what the load did:
     :func:`load_with_info`.
 
     Parameters
@@ -132,64 +168,7 @@ def load(
     TypeError
         ``into`` is not a state (a module: pass ``into=model.state_dict()``), or a 0.1 keyword.
     """
-    return load_with_info(path, into=into, strict=strict, map_location=map_location,
-                          verify=verify, backend=backend, process_group=process_group,
-                          progress=progress, options=options)[0]
-
-
-@removed_keywords(_MOVED)
-def load_with_info(
-    path: str | os.PathLike[str],
-    *,
-    into: Any = None,
-    strict: bool = True,
-    map_location: MapLocation = None,
-    verify: bool = True,
-    backend: str | None = None,
-    process_group: Any = None,
-    progress: ProgressCallback | None = None,
-    options: LoadOptions | None = None,
-) -> tuple[Any, LoadInfo]:
-    """:func:`load`, also returning what it did: ``state, info = load_with_info(path, ...)``.
-
-    Parameters
-    ----------
-    As :func:`load`.
-
-    Returns
-    -------
-    (state, LoadInfo)
-        The state, and the backend used and why, bytes, seconds; with ``strict=False`` the
-        keys that did not match (``missing_keys``, ``unexpected_keys``).
-    """
-    check_into(into)
-    more = options if options is not None else LoadOptions()
-    strategy, rank_local, weights_only = more.strategy, more.rank_local, more.weights_only
-    data_dirs = more.data_dirs
-    t0 = time.perf_counter()
-    path = os.path.expanduser(os.fspath(path))
-    cfg = settings.current(backend=backend, load_strategy=strategy)
-    comm = make_comm(process_group, cfg.collective_timeout_s)
-    distributed = process_group is not None
-    what = f"gds_persist load of {path} (rank {comm.rank} of {comm.size})"
-    if rank_local is None:
-        rank_local = comm.rank if distributed else "all"
-    if rank_local != "all" and (type(rank_local) is not int or rank_local < 0):
-        raise ValueError(f"rank_local={rank_local!r}: use None (own rank with a process group, "
-                         "all ranks without), 'all', or a rank number")
-
-    def plan_for(ck: OpenCheckpoint) -> _LoadPlan:
-        ck.set_data_dirs(data_dirs)
-        return _plan_load(ck.manifest, path, rank_local, comm, cfg, distributed)
-
-    with stage("open (manifest, data files)"):
-        ck, lp = _open_agreed(path, comm, what, plan_for)
-    with ck:
-        single_file.check_pickle(ck, weights_only)
-        state, info = _load_held(ck, lp, comm, cfg, what, map_location, verify, progress,
-                                 distributed, into, strict, weights_only)
-    info.seconds = time.perf_counter() - t0
-    return state, info
+    return load_with_info(path, **keywords)[0]
 
 
 @dataclass

@@ -55,7 +55,7 @@ def save(
 
     An existing checkpoint at ``path`` is replaced only once the new one is complete and
     fsynced. I/O tuning (``block_bytes``, ``staging_bytes``, ``io_threads``) is set with
-    :func:`gds_persist.settings.set`. Reference: ``docs/USAGE.md``, "save".
+    :func:`gds_persist.settings.set`. Reference: ``docs/USAGE.md``, "Reference: save".
 
     Parameters
     ----------
