@@ -181,19 +181,17 @@ def set(**values: Any) -> _Scope:  # noqa: A001 - mirrors kvikio.defaults.set
     Parameters
     ----------
     **values
-        Settings by name (``block_bytes``, ``staging_bytes``, ``io_threads``, ``backend``, ...:
-        the fields of :class:`Settings`). Byte settings also take sizes with a unit (``"64MiB"``).
+        Settings by name (the fields of :class:`Settings`: ``block_bytes``, ``io_threads``,
+        ...); byte settings also take sizes with a unit (``"64MiB"``).
 
     Returns
     -------
-    A context manager that restores the previous overrides on exit (ignore it to keep them).
+    A context manager that restores the previous overrides on exit.
 
     Raises
     ------
-    TypeError
-        An unknown setting name.
-    ValueError
-        A value out of range, naming the setting and its environment variable.
+    TypeError, ValueError
+        An unknown setting; a value out of range (naming the setting and its variable).
     """
     _check_names(values)
     converted = {k: _convert(k, v) for k, v in values.items()}

@@ -75,35 +75,30 @@ _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 class Checkpointer(WriterThreads, Restoring):
     """Per-step checkpoints under ``root``, written in the background, with retention.
 
-    Each checkpoint holds every tensor as it was when ``save`` was called, whatever changes it
-    afterwards, or that save fails naming the tensor (``docs/TRAINING.md``). I/O tuning
-    (``block_bytes``, ``staging_bytes``, ``io_threads``) comes from the settings in force when
-    a step is written: set them with :func:`gds_persist.settings.set` for the whole process.
+    Each checkpoint holds every tensor as it was when ``save`` was called, or that save fails
+    naming the tensor (``docs/TRAINING.md``). I/O tuning (``block_bytes``, ...) is the settings
+    in force when a step is written: :func:`gds_persist.settings.set`, for the whole process.
 
     Parameters
     ----------
     root : path
-        The directory of the step directories (``step-00000100``) and ``latest``; created at
-        the first ``save``; ``~`` is expanded.
+        Where the step directories and ``latest`` go; created at the first ``save``.
     keep_last : int or None
-        Committed checkpoints to keep (None: all); the newest goes only once a newer one is
-        committed.
+        Committed checkpoints kept (None: all); the newest goes only once a newer one commits.
     mode : {"auto", "fence", "snapshot"}
-        Write the live tensors (``fence``), or copies of them in a host arena (``snapshot``);
-        ``auto`` decides at the first save (``mode`` / ``mode_reason`` say what and why).
+        Write the live tensors, or copies in a host arena; ``auto`` decides at the first save.
     snapshot_bytes : int, optional
-        The snapshot arena's size (default: twice the first checkpoint, as the host allows).
+        The snapshot arena (default: twice the first checkpoint, as the host allows).
     backend : {"auto", "direct", "buffered", "kvikio"}, optional
         Of every save and load (default: the ``backend`` setting).
     process_group : torch.distributed group, optional
-        Data-parallel saves and loads (use a group of its own: the writer thread runs its
-        collectives); rank 0 publishes ``latest`` and applies retention.
+        Data-parallel saves and loads (a group of its own: the writer runs its collectives).
     timeout_s : float
         Bound on every wait for background work.
     max_pending : int, optional
         Saves in flight before ``save`` waits for the oldest (default 2 in fence mode).
     writer : {"thread", "process"}
-        Who writes: a thread, or (snapshot mode) a helper process.
+        A writer thread, or (snapshot mode) a helper process.
     allow_pickle : bool
         As :func:`gds_persist.save` (not with a ``process_group``).
     warmup : bool
@@ -113,8 +108,7 @@ class Checkpointer(WriterThreads, Restoring):
     compression : {"none", "lossless", "auto"}, optional
         As :class:`gds_persist.SaveOptions` (default: the setting).
     memory : MemoryTier, optional
-        A memory tier beside the drive (``docs/RECOVERY.md``): ``load()`` restores from the
-        nearest verified copies.
+        A memory tier beside the drive; ``load()`` restores from the nearest verified copies.
     drive_every : int
         With ``memory``: write every ``drive_every``-th step to ``root`` too.
     rank_local : key path or list of key paths, optional
@@ -122,10 +116,8 @@ class Checkpointer(WriterThreads, Restoring):
 
     Raises
     ------
-    ValueError, TypeError
-        An invalid argument, or a keyword of 0.1 (naming its new spelling).
-    NotACheckpointDirectoryError
-        ``root`` is a file.
+    ValueError, TypeError, NotACheckpointDirectoryError
+        An invalid argument, a 0.1 keyword (naming its new spelling), ``root`` is a file.
     """
 
     @removed_keywords({**as_settings("block_bytes", "staging_bytes", "io_threads"), **_MEMORY})
