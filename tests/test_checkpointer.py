@@ -183,7 +183,7 @@ def test_close_waits_is_idempotent_and_refuses_saves(tmp_path):
     with pytest.raises(CheckpointError, match="is closed; create a new one"):
         ckpt.save(2, small(2))
     assert ckpt.load()["step"] == 1
-    assert not any(t.is_alive() for t in ckpt._threads.values())
+    assert not any(t.is_alive() for t in ckpt._workers.threads.values())
 
 
 def test_close_with_a_hung_write_is_bounded(tmp_path):
@@ -195,8 +195,8 @@ def test_close_with_a_hung_write_is_bounded(tmp_path):
         ckpt.close()
     assert time.monotonic() - t0 < 5
     gate.set()  # the write completes after all; the thread then stops
-    ckpt._threads["write"].join(10)
-    assert ckpt.latest_step() == 1 and not ckpt._threads["write"].is_alive()
+    ckpt._workers.threads["write"].join(10)
+    assert ckpt.latest_step() == 1 and not ckpt._workers.threads["write"].is_alive()
 
 
 def test_context_manager_does_not_mask_the_body_exception(tmp_path):

@@ -34,10 +34,6 @@ class WriterThreads:
     _warmup: BackgroundWarmup | None
     _tiers: Tiers
 
-    @property
-    def _threads(self) -> dict[str, threading.Thread]:
-        return self._workers.threads
-
     # ---------------------------------------------------------------- waiting and errors
 
     def _check_workers(self) -> None:
