@@ -271,7 +271,8 @@ def trained_state(args: argparse.Namespace, targets: dict[str, str],
     check_dir = next(iter(targets.values()))
     for kind, state in kinds.items():  # the ratio, once, and a bit-exact load
         path = os.path.join(check_dir, f"ratio-{kind}")
-        info = gds_persist.save(state, path, compression="lossless")
+        info = gds_persist.save(state, path,
+                                options=gds_persist.SaveOptions(compression="lossless"))
         m = gds_persist.read_manifest(path)
         encoded = [e for e in m.extents if e.encoded]
         exact = fingerprints(gds_persist.load(path)) == fingerprints(state)
@@ -296,7 +297,8 @@ def trained_state(args: argparse.Namespace, targets: dict[str, str],
                     path = os.path.join(directory, f"{kind}-{mode}")
                     os.sync()
                     t0 = time.perf_counter()
-                    info = gds_persist.save(state, path, compression=mode)
+                    info = gds_persist.save(state, path,
+                                            options=gds_persist.SaveOptions(compression=mode))
                     seconds = time.perf_counter() - t0
                     rows[kind][mode].append(info.payload_bytes / seconds / drive["bytes_per_s"])
                     if mode == "auto":

@@ -73,9 +73,11 @@ def one_run(state: dict[str, Any], dirs: list[str]) -> dict[str, float]:
            "blake3 AUTO threads": _timed(lambda: _blake3(state, blake3.blake3.AUTO))}
     for d in dirs:
         os.makedirs(d, exist_ok=True)
-        for label, kw in (("save", {}), ("save content_hash", {"content_hash": True})):
+        for label, hashes in (("save", None), ("save content_hash", True)):
             path = os.path.join(d, label.replace(" ", "-"))
-            got[f"{d}: {label}"] = _timed(lambda p=path, k=kw: gds_persist.save(state, p, **k))
+            options = gds_persist.SaveOptions(content_hash=hashes)
+            got[f"{d}: {label}"] = _timed(lambda p=path, o=options: gds_persist.save(state, p,
+                                                                                     options=o))
             shutil.rmtree(path)
     return got
 

@@ -166,7 +166,8 @@ def worker(rank: int, world: int, init: str, args: dict[str, Any], out: Any) -> 
                 if rank < n:
                     before = _rchar()
                     t0 = time.perf_counter()
-                    gds_persist.load(path, process_group=groups[n], strategy=strategy)
+                    gds_persist.load(path, process_group=groups[n],
+                                     options=gds_persist.LoadOptions(strategy=strategy))
                     wall = time.perf_counter() - t0
                     out.put((f"load {strategy}", run, n, rank,
                              {"wall_s": wall, "read_bytes": _rchar() - before}))

@@ -244,8 +244,8 @@ _LOAD_INFO: list[Any] = []  # the LoadInfo of this process's gds_persist restore
 
 def _load_gds_into(model: GPT, opt: torch.optim.Optimizer, workdir: str,
                    device: torch.device) -> None:
-    restored, info = gds_persist.load(os.path.join(workdir, "gds"), into=live_state(model, opt),
-                                      return_info=True)
+    restored, info = gds_persist.load_with_info(os.path.join(workdir, "gds"), into=live_state(model,
+                                                                                              opt))
     _LOAD_INFO[:] = [info]
     opt.load_state_dict(restored["optim"])  # its tensors are the optimizer's: the lr etc.
 
@@ -254,8 +254,8 @@ def _gds_into_file(name: str) -> Callable[..., None]:
     """load(into=) of a torch.save file (``torch.pt``: stock torch.save; ``gds.pt``: ours)."""
     def restore(model: GPT, opt: torch.optim.Optimizer, workdir: str,
                 device: torch.device) -> None:
-        restored, info = gds_persist.load(os.path.join(workdir, name),
-                                          into=live_state(model, opt), return_info=True)
+        restored, info = gds_persist.load_with_info(os.path.join(workdir, name),
+                                                    into=live_state(model, opt))
         _LOAD_INFO[:] = [info]
         opt.load_state_dict(restored["optim"])
     return restore

@@ -12,7 +12,7 @@ each method, interleaved over ``--rounds``:
   gds_snapshot_process  the same, written by a helper process (writer="process"): no GIL taken
   gds_auto      Checkpointer() (mode="auto", the default) + guard: the mode it chose, and why, in
                 the notes and the JSON (fence for CPU state; snapshot for GPU state that fits)
-  gds_memory    Checkpointer(mode="snapshot", memory_root=<tmpfs>, memory_every=1,
+  gds_memory    Checkpointer(mode="snapshot", memory=MemoryTier(<tmpfs>, every=1),
                 drive_every=--drive-every) + guard: the memory tier every iteration, the drive
                 every 100 steps (docs/RECOVERY.md); the notes count the drive writes timed
 
@@ -180,9 +180,9 @@ def run_segment(mode: str, model: GPT, opt: torch.optim.Optimizer, args: argpars
         kind = ("snapshot" if mode.startswith("gds_snapshot") or mode == "gds_memory" else
                 "auto" if mode == "gds_auto" else "fence")
         writer = "process" if mode_name.endswith("_process") else "thread"
-        tiers = ({"memory_root": os.path.join(args.memory_dir, os.path.basename(root)),
-                  "memory_every": 1, "drive_every": args.drive_every}
-                 if mode == "gds_memory" else {})
+        memory_root = os.path.join(args.memory_dir, os.path.basename(root))
+        tiers = ({"memory": gds_persist.MemoryTier(memory_root, every=1),
+                  "drive_every": args.drive_every} if mode == "gds_memory" else {})
         saver = gds_persist.Checkpointer(os.path.join(root, mode), keep_last=2, mode=kind,
                                          backend=args.backend, writer=writer, **tiers)
         hook = saver.guard(opt)
@@ -224,7 +224,7 @@ def run_segment(mode: str, model: GPT, opt: torch.optim.Optimizer, args: argpars
         if saver is not None:
             saver.close()  # the last write completes outside the timed iterations
         if mode == "gds_memory":
-            shutil.rmtree(tiers["memory_root"], ignore_errors=True)
+            shutil.rmtree(memory_root, ignore_errors=True)
     if isinstance(saver, TorchSave):
         acc.setdefault("writes_s", []).extend(saver.write_s)
     elif mode == "gds_memory":  # one memory-tier commit (one process: no replicas)

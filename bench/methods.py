@@ -237,7 +237,7 @@ class GdsPersist(Method):
         import gds_persist
 
         with self._scope():
-            state, info = gds_persist.load(path, backend=self.backend, return_info=True)
+            state, info = gds_persist.load_with_info(path, backend=self.backend)
         self.info.update(load_backend=info.backend, load_reason=info.reason)
         return state
 

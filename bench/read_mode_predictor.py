@@ -43,7 +43,7 @@ def timed_load(path: str, backend: str) -> tuple[float, Any]:
         read_mode.forget()
     machine.drop_page_cache([path])
     t0 = time.perf_counter()
-    state, info = gds_persist.load(path, backend=backend, return_info=True)
+    state, info = gds_persist.load_with_info(path, backend=backend)
     seconds = time.perf_counter() - t0
     del state
     gc.collect()

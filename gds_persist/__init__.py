@@ -44,12 +44,15 @@ from .errors import (
     UnhashedBaseWarning,
     WorkerDied,
 )
-from .loading.load import load, read_manifest
+from .loading.load import load, load_with_info, read_manifest
+from .loading.options import LoadOptions
 from .loading.verify import verify
 from .results import LoadInfo, SaveInfo, WarmupReport
+from .saving.options import SaveOptions
 from .saving.save import save
 from .training.checkpointer import Checkpointer, SaveHandle
 from .training.optimizer_state import init_optimizer_state
+from .training.options import MemoryTier
 from .transfer.warmup import warmup
 
 # imported on first use (gds_persist.dcp...): they pull in torch.distributed.checkpoint, trainers
@@ -69,7 +72,9 @@ __all__ = [
     "DiskFullError",
     "DistributedError",
     "LoadInfo",
+    "LoadOptions",
     "ManifestError",
+    "MemoryTier",
     "NotACheckpointDirectoryError",
     "NotCommittedError",
     "PickleRefusedError",
@@ -79,6 +84,7 @@ __all__ = [
     "SafetensorsError",
     "SaveHandle",
     "SaveInfo",
+    "SaveOptions",
     "SnapshotTooLarge",
     "StateMismatchError",
     "TornCheckpointError",
@@ -91,6 +97,7 @@ __all__ = [
     "import_checkpoint",
     "init_optimizer_state",
     "load",
+    "load_with_info",
     "materialize",
     "read_manifest",
     "save",

@@ -1,17 +1,21 @@
-"""Tunable settings: an explicit argument beats ``settings.set(...)`` beats the environment beats
-the default.
+"""Tunable settings: ``settings.set(...)`` beats the environment (``GDS_PERSIST_<NAME>``) beats
+the default (``docs/USAGE.md``, "Settings").
 
 ``settings.set(...)`` works both as a plain setter and as a context manager that restores the
 previous values, like ``kvikio.defaults.set``::
 
-    with gds_persist.settings.set(staging_bytes=64 << 20, io_threads=2):
+    with gds_persist.settings.set(staging_bytes="64MiB", io_threads=2):
         gds_persist.save(sd, path)
+
+Byte settings (``*_bytes``) take an int or a size with a unit: ``"128MB"`` (10^6),
+``"64MiB"`` (2^20), KB/KiB, GB/GiB likewise.
 """
 
 from __future__ import annotations
 
 import math
 import os
+import re
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -66,6 +70,29 @@ class Settings:
 ENV_VARS = {f.name: f"GDS_PERSIST_{f.name.upper()}" for f in fields(Settings)}
 _lock = threading.Lock()
 _overrides: dict[str, Any] = {}
+_thread = threading.local()  # .overrides: in_this_thread's
+
+
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+_SIZE = re.compile(r"\s*(\d+(?:\.\d*)?)\s*([a-z]*)\s*", re.IGNORECASE)
+
+
+def _bad(name: str, value: Any, why: str) -> ValueError:
+    """A settings error, naming the setting and its environment variable."""
+    return ValueError(f"setting {name}={value!r} (environment variable {ENV_VARS[name]}) {why}")
+
+
+def _size(value: str) -> int:
+    """``"128MB"`` -> 128_000_000, ``"64MiB"`` -> 67_108_864, ``"4096"`` -> 4096."""
+    m = _SIZE.fullmatch(value)
+    unit = _UNITS.get(m.group(2).lower()) if m else None
+    if m is None or unit is None:
+        raise ValueError(value)
+    nbytes = int(m.group(1)) * unit if "." not in m.group(1) else float(m.group(1)) * unit
+    if nbytes != int(nbytes):
+        raise ValueError(value)
+    return int(nbytes)
 
 
 def _convert(name: str, value: Any) -> Any:
@@ -76,41 +103,40 @@ def _convert(name: str, value: Any) -> Any:
     try:
         if lossy:
             raise ValueError(value)
+        if name.endswith("_bytes") and isinstance(value, str):
+            return _size(value)
         return kind(value)
     except (TypeError, ValueError) as e:
-        raise ValueError(f"setting {name}={value!r} must be a {kind.__name__}") from e
+        raise _bad(name, value, "must be a size in bytes: an int or a number with a unit "
+                   "(4096, 128MB, 64MiB, 1GiB)" if name.endswith("_bytes")
+                   else f"must be {'an' if kind is int else 'a'} {kind.__name__}") from e
 
 
 def _validate(s: Settings) -> Settings:
     if s.backend not in BACKEND_NAMES:
-        raise BackendError(
-            f"unknown backend {s.backend!r}; valid backends: {', '.join(BACKEND_NAMES)}")
+        raise BackendError(f"unknown backend {s.backend!r}; valid backends: "
+                           f"{', '.join(BACKEND_NAMES)} (argument backend=, setting backend, "
+                           f"environment variable {ENV_VARS['backend']})")
     if s.block_bytes <= 0 or s.block_bytes % 4096:
-        raise ValueError(f"setting block_bytes={s.block_bytes} must be a positive multiple of 4096")
+        raise _bad("block_bytes", s.block_bytes, "must be a positive multiple of 4096 (e.g. 16MiB)")
     if s.staging_bytes < 2 * s.block_bytes:
-        raise ValueError(
-            f"setting staging_bytes={s.staging_bytes} must hold at least two blocks of "
-            f"block_bytes={s.block_bytes} (double buffering); raise it or lower block_bytes"
-        )
+        raise _bad("staging_bytes", s.staging_bytes,
+                   f"must hold at least two blocks of block_bytes={s.block_bytes} (double "
+                   "buffering); raise it or lower block_bytes")
     for name in ("io_threads", "memory_io_threads"):
         if getattr(s, name) < 1:
-            raise ValueError(f"setting {name}={getattr(s, name)} must be at least 1")
+            raise _bad(name, getattr(s, name), "must be at least 1")
     if s.file_streams < 0:
-        raise ValueError(f"setting file_streams={s.file_streams} must be 0 (automatic) or a "
-                         "number of data files")
+        raise _bad("file_streams", s.file_streams,
+                   "must be 0 (automatic) or a number of data files")
     for name in ("io_timeout_s", "collective_timeout_s"):
         value = getattr(s, name)
         if not (math.isfinite(value) and value > 0):  # inf overflows queue/future waits
-            raise ValueError(f"setting {name}={value} must be positive and finite (seconds)")
-    if s.auto_kvikio not in AUTO_KVIKIO:
-        raise ValueError(f"setting auto_kvikio={s.auto_kvikio!r} must be one of "
-                         f"{', '.join(AUTO_KVIKIO)}")
-    if s.compression not in COMPRESSIONS:
-        raise ValueError(f"setting compression={s.compression!r} must be one of "
-                         f"{', '.join(COMPRESSIONS)}")
-    if s.load_strategy not in LOAD_STRATEGIES:
-        raise ValueError(f"setting load_strategy={s.load_strategy!r} must be one of "
-                         f"{', '.join(LOAD_STRATEGIES)}")
+            raise _bad(name, value, "must be positive and finite (seconds)")
+    for name, valid in (("auto_kvikio", AUTO_KVIKIO), ("compression", COMPRESSIONS),
+                        ("load_strategy", LOAD_STRATEGIES)):
+        if getattr(s, name) not in valid:
+            raise _bad(name, getattr(s, name), f"must be one of {', '.join(valid)}")
     return s
 
 
@@ -131,6 +157,7 @@ def current(**arguments: Any) -> Settings:
     values = _from_environment()
     with _lock:
         values.update(_overrides)
+    values.update(getattr(_thread, "overrides", {}))
     values.update({k: _convert(k, v) for k, v in arguments.items() if v is not None})
     return _validate(replace(Settings(), **values))
 
@@ -149,7 +176,23 @@ class _Scope:
 
 
 def set(**values: Any) -> _Scope:  # noqa: A001 - mirrors kvikio.defaults.set
-    """Override settings process-wide; use as a context manager to restore them afterwards."""
+    """Override settings for the whole process; as a context manager, until the ``with`` ends.
+
+    Parameters
+    ----------
+    **values
+        Settings by name (the fields of :class:`Settings`: ``block_bytes``, ``io_threads``,
+        ...); byte settings also take sizes with a unit (``"64MiB"``).
+
+    Returns
+    -------
+    A context manager that restores the previous overrides on exit.
+
+    Raises
+    ------
+    TypeError, ValueError
+        An unknown setting; a value out of range (naming the setting and its variable).
+    """
     _check_names(values)
     converted = {k: _convert(k, v) for k, v in values.items()}
     with _lock:
@@ -162,14 +205,13 @@ def set(**values: Any) -> _Scope:  # noqa: A001 - mirrors kvikio.defaults.set
 
 
 @contextmanager
-def _cleared() -> Iterator[None]:
-    """Test helper: run with no programmatic overrides."""
-    with _lock:
-        saved = dict(_overrides)
-        _overrides.clear()
+def in_this_thread(**values: Any) -> Iterator[None]:
+    """Override settings for the calling thread only, inside the ``with`` (a background writer's
+    saves, which must not change what other threads' saves use)."""
+    _check_names(values)
+    previous = getattr(_thread, "overrides", {})
+    _thread.overrides = {**previous, **{k: _convert(k, v) for k, v in values.items()}}
     try:
         yield
     finally:
-        with _lock:
-            _overrides.clear()
-            _overrides.update(saved)
+        _thread.overrides = previous

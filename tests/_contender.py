@@ -84,8 +84,8 @@ def run(cmd: dict[str, Any]) -> dict[str, Any]:
     op = cmd["op"]
     commit.USE_RENAME_EXCHANGE = not cmd.get("no_exchange", False)
     if op == "save":
-        kw = {"data_dirs": cmd["data_dirs"]} if cmd.get("data_dirs") else {}
-        gds_persist.save(state(cmd["tag"], cmd.get("numel", 4096)), cmd["path"], **kw)
+        options = gds_persist.SaveOptions(data_dirs=cmd.get("data_dirs") or None)
+        gds_persist.save(state(cmd["tag"], cmd.get("numel", 4096)), cmd["path"], options=options)
     elif op == "ckpt_save":
         with gds_persist.Checkpointer(cmd["root"], keep_last=cmd.get("keep_last", 1)) as ck:
             ck.save(cmd["step"], state(cmd["tag"], cmd.get("numel", 4096)), blocking=True)

@@ -107,8 +107,9 @@ def load_check(ctx: Any, m: int, path: str, strategy: str, local: str | None = N
     if group is None:
         return None
     before = _rchar()
-    out = gds_persist.load(path, process_group=group, strategy=strategy,
-                           rank_local="all" if local == "all" else None)
+    options = gds_persist.LoadOptions(strategy=strategy,
+                                      rank_local="all" if local == "all" else None)
+    out = gds_persist.load(path, process_group=group, options=options)
     read = _rchar() - before
     if local == "own":
         expected_local: Any = make_local(ctx.rank)
@@ -127,7 +128,8 @@ def load_into_check(ctx: Any, m: int, path: str, strategy: str) -> Any:
         return None
     live = make_state(seed=7)
     before = {id(t): t.data_ptr() for _, t in tensor_leaves(live)}
-    out = gds_persist.load(path, process_group=group, strategy=strategy, into=live)
+    out = gds_persist.load(path, process_group=group, into=live,
+                           options=gds_persist.LoadOptions(strategy=strategy))
     problems = check_loaded(out)
     got = [t for _, t in tensor_leaves(out)]
     if [id(t) for t in got] != [id(t) for _, t in tensor_leaves(live)]:
@@ -259,7 +261,8 @@ def modified_state(local_rank: int | None = None) -> dict[str, Any]:
 
 
 def save_incremental(ctx: Any, n: int, path: str, base: str | None, modified: bool,
-                     with_local: bool = False, **kw: Any) -> dict[str, Any] | None:
+                     with_local: bool = False, compression: str | None = None,
+                     **kw: Any) -> dict[str, Any] | None:
     group = ctx.group(n)
     if group is None:
         return None
@@ -271,7 +274,9 @@ def save_incremental(ctx: Any, n: int, path: str, base: str | None, modified: bo
             state["zero"] = make_local(ctx.rank)
     if with_local:
         kw["rank_local"] = "zero"
-    info = gds_persist.save(state, path, process_group=group, base=base, content_hash=True, **kw)
+    info = gds_persist.save(state, path, process_group=group, base=base, **kw,
+                            options=gds_persist.SaveOptions(content_hash=True,
+                                                            compression=compression))
     return {"referenced": info.referenced_bytes, "bytes": info.bytes_written,
             "compression": info.compression, "payload": info.payload_bytes}
 
@@ -280,5 +285,6 @@ def load_modified(ctx: Any, m: int, path: str, strategy: str) -> Any:
     group = ctx.group(m)
     if group is None:
         return None
-    out = gds_persist.load(path, process_group=group, strategy=strategy)
+    out = gds_persist.load(path, process_group=group,
+                           options=gds_persist.LoadOptions(strategy=strategy))
     return mismatches(out, modified_state(ctx.rank if "zero" in out else None))

@@ -38,7 +38,9 @@ def edited_after_save(ctx: Any, root: str) -> dict[str, Any]:
     stays the latest."""
     import threading
 
-    from gds_persist import Checkpointer, CheckpointError
+    from helpers import HookedCheckpointer
+
+    from gds_persist import CheckpointError
 
     group = ctx.group(ctx.world)
     torch.manual_seed(0)
@@ -48,11 +50,11 @@ def edited_after_save(ctx: Any, root: str) -> dict[str, Any]:
     opt.step()  # the momentum buffer exists: per-rank state below
     mine = opt.state[w]["momentum_buffer"]
     mine.add_(ctx.rank)  # the ranks' rank-local parts differ
-    ckpt = Checkpointer(root, keep_last=None, mode="fence", process_group=group,
-                        rank_local="local")
+    ckpt = HookedCheckpointer(root, keep_last=None, mode="fence", process_group=group,
+                              rank_local="local")
     ckpt.guard(opt)
     gate = threading.Event()
-    ckpt._before_write = lambda step: gate.wait(30)
+    ckpt.before_write = lambda step: gate.wait(30)
     gate.set()
     ckpt.save(1, {"w": w, "local": {"m": mine}}).wait()
     gate.clear()

@@ -68,8 +68,15 @@ def _pristine_settings(monkeypatch: pytest.MonkeyPatch,
     # no test reads or writes the user's read-mode history, nor another test's
     monkeypatch.setenv(read_history.CACHE_ENV, str(tmp_path_factory.mktemp("cache")))
     read_mode.forget()
-    with settings._cleared():
+    with settings._lock:  # run with no programmatic overrides, restored afterwards
+        saved = dict(settings._overrides)
+        settings._overrides.clear()
+    try:
         yield
+    finally:
+        with settings._lock:
+            settings._overrides.clear()
+            settings._overrides.update(saved)
     release_cached()
     read_mode.forget()
 

@@ -84,9 +84,9 @@ def saver(index: int, args: dict[str, Any], results: Any, start: Any) -> None:
                 if ckpt is not None:
                     ckpt.save(k + 1, make_state(tag, numel), blocking=True)
                 else:
-                    kwargs = ({"data_dirs": _data_dirs(args["work"])}
-                              if args["mode"] == "data-dirs" else {})
-                    gds_persist.save(make_state(tag, numel), args["path"], **kwargs)
+                    options = gds_persist.SaveOptions(data_dirs=_data_dirs(args["work"])
+                                                      if args["mode"] == "data-dirs" else None)
+                    gds_persist.save(make_state(tag, numel), args["path"], options=options)
                 committed.append(tag)
                 time.sleep(args["gap_s"])  # lets loaders overlap more saves on few cores
             except Exception as e:  # noqa: BLE001 - counted and reported
@@ -209,8 +209,9 @@ def run_once(mode: str, savers: int, saves: int, loaders: int, mib: int,
         with gds_persist.Checkpointer(path, keep_last=1) as ckpt:
             ckpt.save(0, make_state(-1, numel), blocking=True)
     else:
-        kwargs = {"data_dirs": _data_dirs(work)} if mode == "data-dirs" else {}
-        gds_persist.save(make_state(-1, numel), path, **kwargs)
+        options = gds_persist.SaveOptions(data_dirs=_data_dirs(work) if mode == "data-dirs"
+                                          else None)
+        gds_persist.save(make_state(-1, numel), path, options=options)
     if mode == "checkpointer":
         savers = 1  # one trainer; two on one root would prune each other's steps by design
     ctx = mp.get_context("spawn")

@@ -157,7 +157,7 @@ def _tools(save_dir: str, tag: str, master: dict[str, torch.Tensor] | None) -> d
     for name in sorted(os.listdir(tag_dir)):
         path = os.path.join(tag_dir, name)
         stock = torch.load(path, weights_only=False)
-        ours = gds_persist.load(path, weights_only=False)
+        ours = gds_persist.load(path, options=gds_persist.LoadOptions(weights_only=False))
         report = gds_persist.verify(path)
         out["files"][name] = {"torch.load": _same(_tensors(stock), _tensors(ours)),
                               "keys": sorted(stock) == sorted(ours), "verified": report.ok,

@@ -120,7 +120,8 @@ if "DOC_PEER" not in os.environ:  # rank 0 starts rank 1 on "another node": this
                                  "GDS_PERSIST_NODE": "doc-node-b"})
     os.environ.update(RANK="0", GDS_PERSIST_NODE="doc-node-a")
 dist.init_process_group("gloo")
-MEMORY_TIER = dict(memory_root="/dev/shm/ckpt", memory_every=1, drive_every=100, replicas=1)
+MEMORY_TIER = dict(memory=gds_persist.MemoryTier("/dev/shm/ckpt", every=1, replicas=1),
+                   drive_every=100)
 """
 TWO_NODES_DONE = """
 if "DOC_PEER" not in os.environ:
@@ -180,8 +181,7 @@ assert state["model"]["0.weight"] is live["model"]["0.weight"]  # filled in plac
     ("README.md", "state = ckpt.load()             # latest committed step; verified"): Prelude(
         setup=TINY_TRAINING + "start, total = 0, 3\n",
         check=trained_last(2) + "assert ckpt.steps() == [0, 1, 2]\n"),
-    ("docs/USAGE.md", 'gds_persist.save(state, "ckpt/step-2", base="ckpt/step-1", '
-                  'compression="lossless")'): Prelude(
+    ("docs/USAGE.md", 'gds_persist.save(state, "ckpt/step-2", base="ckpt/step-1",'): Prelude(
         setup=SMALL_STATE,
         check="""
 back = gds_persist.load("ckpt/step-2")
@@ -190,6 +190,12 @@ assert gds_persist.read_manifest("ckpt/step-2").bases, "step-2 refers to nothing
 ckpt.close()
 assert ckpt.incremental and ckpt.warmup_report is not None  # the default warm-up ran
 """),
+    ("docs/USAGE.md", 'gds_persist.settings.set(block_bytes="32MiB")    # from now on, for the '
+                      'whole process'): Prelude(
+        setup=SMALL_STATE,
+        check='assert torch.equal(gds_persist.load("ckpt/step-1")["w"], state["w"])\n'
+              "cfg = gds_persist.settings.current()\n"
+              "assert (cfg.block_bytes, cfg.io_threads) == (32 << 20, 4)\n"),
     ("docs/USAGE.md", 'print(ckpt.restored_from)       # "memory", "replica" or "drive"'): Prelude(
         setup=TWO_NODES + MEMORY_STEP_ONE,
         check='assert ckpt.restored_from == "memory" and state["step"] == 1\n'

@@ -13,8 +13,21 @@ from typing import Any
 
 import torch
 
+from gds_persist import Checkpointer
 from gds_persist.backends import supports_o_direct
 from gds_persist.format import MANIFEST_NAME, canonical, crc32c
+
+
+class HookedCheckpointer(Checkpointer):
+    """A Checkpointer whose writer thread calls ``before_write(step)`` before each write: a
+    gate, a drive slower than training, a crash of the writer thread."""
+
+    before_write: Callable[[int], Any] | None = None
+
+    def _write(self, job: Any) -> None:
+        if self.before_write is not None:
+            self.before_write(job.handle.step)
+        super()._write(job)
 
 
 def raw_bytes(t: torch.Tensor) -> bytes:

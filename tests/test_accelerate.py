@@ -135,7 +135,8 @@ def test_data_parallel_processes_restore_each_their_own_state(tmp_path: Path) ->
     m = gds_persist.read_manifest(ck)
     assert m.writer["world_size"] == 2 and [s.rank for s in m.sections] == [0, 1]
     assert gds_persist.verify(ck).ok
-    everything = gds_persist.load(ck, rank_local="all")  # rank-local parts by rank
+    # rank-local parts by rank
+    everything = gds_persist.load(ck, options=gds_persist.LoadOptions(rank_local="all"))
     rng = everything["rng"]
     assert sorted(rng) == [0, 1] and rng[0]["random_state"] != rng[1]["random_state"]
     assert everything["custom"][0][0]["n"] == everything["custom"][1][0]["n"] == 3

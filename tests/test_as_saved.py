@@ -17,7 +17,7 @@ from torch import nn
 
 import gds_persist
 from gds_persist.training.capture import COPY_BYTES
-from tests.helpers import assert_tree_equal
+from tests.helpers import HookedCheckpointer, assert_tree_equal
 
 STEPS = 6
 
@@ -98,7 +98,7 @@ class Run:
 
 
 def _checkpointer(tmp_path: Path, **kwargs: Any) -> gds_persist.Checkpointer:
-    return gds_persist.Checkpointer(tmp_path / "ckpt", keep_last=None, **kwargs)
+    return HookedCheckpointer(tmp_path / "ckpt", keep_last=None, **kwargs)
 
 
 @pytest.mark.parametrize("mode", ["auto", "fence", "snapshot"])
@@ -132,7 +132,8 @@ def test_helper_process_writer_memory_tier_and_incremental_saves(
     kwargs: dict[str, Any] = {
         "helper-process": {"mode": "snapshot", "writer": "process"},
         "incremental": {"incremental": True},
-        "memory-tier": {"mode": "snapshot", "memory_root": tmp_path / "shm", "drive_every": 3},
+        "memory-tier": {"mode": "snapshot", "memory": gds_persist.MemoryTier(tmp_path / "shm"),
+                        "drive_every": 3},
     }[case]
     run = Run()
     with _checkpointer(tmp_path, **kwargs) as ckpt:
@@ -178,7 +179,7 @@ def _gated(ckpt: Any) -> threading.Event:
         assert gate.wait(30)
         gate.clear()
 
-    ckpt._before_write = before_write
+    ckpt.before_write = before_write
     return gate
 
 

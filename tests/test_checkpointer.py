@@ -27,6 +27,7 @@ from tests.ckpt_train import (
     train,
     train_step,
 )
+from tests.helpers import HookedCheckpointer
 
 S = 6
 
@@ -40,10 +41,10 @@ def small(step: int) -> dict:
     return {"w": torch.full((256,), float(step)), "step": step}
 
 
-def hold_writer(ckpt: Checkpointer) -> threading.Event:
+def hold_writer(ckpt: HookedCheckpointer) -> threading.Event:
     """Make the writer wait (before each write) until the returned event is set."""
     gate = threading.Event()
-    ckpt._before_write = lambda step: gate.wait(30)
+    ckpt.before_write = lambda step: gate.wait(30)
     return gate
 
 
@@ -94,7 +95,7 @@ def test_step_must_not_go_back_unless_resumed(tmp_path):
             ckpt.save(3, small(3))
         with pytest.raises(ValueError, match="must be >= 0"):
             ckpt.save(-1, small(0))
-    with Checkpointer(tmp_path, keep_last=None) as ckpt:  # a restart resuming from step 2
+    with HookedCheckpointer(tmp_path, keep_last=None) as ckpt:  # a restart resuming from step 2
         assert ckpt.load(step=2)["step"] == 2
         gate = hold_writer(ckpt)
         h = ckpt.save(3, small(3))
@@ -123,7 +124,7 @@ def test_blocking_save(tmp_path):
 
 @pytest.mark.parametrize("mode", ["fence", "snapshot"])
 def test_handle_done_released_and_wait_timeout(tmp_path, mode):
-    with Checkpointer(tmp_path, mode=mode) as ckpt:
+    with HookedCheckpointer(tmp_path, mode=mode) as ckpt:
         gate = hold_writer(ckpt)
         h = ckpt.save(1, small(1))
         if mode == "snapshot":
@@ -146,8 +147,8 @@ def test_guard_makes_the_update_wait_for_the_write(tmp_path):
     model, opt = make()
     handles: list = []
     seen: list = []
-    with Checkpointer(tmp_path) as ckpt:
-        ckpt._before_write = lambda step: time.sleep(0.3)
+    with HookedCheckpointer(tmp_path) as ckpt:
+        ckpt.before_write = lambda step: time.sleep(0.3)
         hook = ckpt.guard(opt)
         # registered after the guard, so it runs after it, just before the update itself
         def committed() -> bool | None:
@@ -173,8 +174,8 @@ def test_guard_makes_the_update_wait_for_the_write(tmp_path):
 
 
 def test_close_waits_is_idempotent_and_refuses_saves(tmp_path):
-    ckpt = Checkpointer(tmp_path)
-    ckpt._before_write = lambda step: time.sleep(0.2)
+    ckpt = HookedCheckpointer(tmp_path)
+    ckpt.before_write = lambda step: time.sleep(0.2)
     h = ckpt.save(1, small(1))
     ckpt.close()
     assert h.done() and ckpt.latest_step() == 1
@@ -182,11 +183,11 @@ def test_close_waits_is_idempotent_and_refuses_saves(tmp_path):
     with pytest.raises(CheckpointError, match="is closed; create a new one"):
         ckpt.save(2, small(2))
     assert ckpt.load()["step"] == 1
-    assert not any(t.is_alive() for t in ckpt._threads.values())
+    assert not any(t.is_alive() for t in ckpt._workers.threads.values())
 
 
 def test_close_with_a_hung_write_is_bounded(tmp_path):
-    ckpt = Checkpointer(tmp_path, timeout_s=0.5)
+    ckpt = HookedCheckpointer(tmp_path, timeout_s=0.5)
     gate = hold_writer(ckpt)
     ckpt.save(1, small(1))
     t0 = time.monotonic()
@@ -194,8 +195,8 @@ def test_close_with_a_hung_write_is_bounded(tmp_path):
         ckpt.close()
     assert time.monotonic() - t0 < 5
     gate.set()  # the write completes after all; the thread then stops
-    ckpt._threads["write"].join(10)
-    assert ckpt.latest_step() == 1 and not ckpt._threads["write"].is_alive()
+    ckpt._workers.threads["write"].join(10)
+    assert ckpt.latest_step() == 1 and not ckpt._workers.threads["write"].is_alive()
 
 
 def test_context_manager_does_not_mask_the_body_exception(tmp_path):
@@ -266,12 +267,12 @@ def test_background_error_surfaces_on_wait_and_handle(tmp_path):
 
 
 def test_dead_writer_thread_is_detected_and_replaced(tmp_path):
-    with Checkpointer(tmp_path, timeout_s=20) as ckpt:
+    with HookedCheckpointer(tmp_path, timeout_s=20) as ckpt:
         def die_on_step_2(step: int) -> None:
             if step == 2:
                 raise SystemExit("simulated crash of the writer thread")
 
-        ckpt._before_write = die_on_step_2
+        ckpt.before_write = die_on_step_2
         ckpt.save(1, small(1)).wait()
         h = ckpt.save(2, small(2))
         t0 = time.monotonic()
@@ -333,9 +334,9 @@ def test_snapshot_memory_is_bounded_and_blocking_is_reported(tmp_path, ref):
         train(model, opt, 0, 1)  # optimizer state exists from here on
         need = snapshot_nbytes(flatten(state(model, opt, 1)))
         budget = 2 * need + need // 2  # room for two snapshots, not three
-        with Checkpointer(tmp_path, keep_last=None, mode="snapshot",
+        with HookedCheckpointer(tmp_path, keep_last=None, mode="snapshot",
                           snapshot_bytes=budget) as ckpt:
-            ckpt._before_write = lambda step: time.sleep(0.15)  # a drive slower than training
+            ckpt.before_write = lambda step: time.sleep(0.15)  # a drive slower than training
             ckpt.guard(opt)
             ckpt.save(1, state(model, opt, 1))
             train(model, opt, 1, S, ckpt)
@@ -421,16 +422,18 @@ def test_process_writer_error_comes_back_with_its_type(tmp_path):
 def test_dead_helper_process_is_detected_and_replaced(tmp_path):
     with Checkpointer(tmp_path, mode="snapshot", writer="process", timeout_s=60) as ckpt:
         ckpt.save(1, small(1)).wait()
-        ckpt._tiers.helper_job_extra = {"test_sleep_s": 30}
+        os.kill(ckpt._helper.pid, signal.SIGSTOP)  # our own child: it cannot finish a job
         h = ckpt.save(2, small(2))
         h.wait_released(timeout=30)
-        time.sleep(0.5)  # the job has reached the helper, which sleeps in it
-        os.kill(ckpt._helper.pid, signal.SIGKILL)  # our own child
+        deadline = time.monotonic() + 30  # until the writer thread is sending step 2's job
+        while ckpt._helper._seq < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert ckpt._helper._seq == 2, "the writer never sent step 2 to the helper"
+        os.kill(ckpt._helper.pid, signal.SIGKILL)
         t0 = time.monotonic()
         with pytest.raises(WorkerDied, match=r"helper process died \(exit code -9\) while "
                                              r"writing step 2"):
             h.wait()
         assert time.monotonic() - t0 < 10
-        ckpt._tiers.helper_job_extra = {}
         ckpt.save(3, small(3)).wait()  # a new helper
         assert ckpt.steps() == [1, 3] and ckpt.latest_step() == 3

@@ -210,9 +210,12 @@ def test_sigkill_at_random_instants(tmp_path, zygote, mode, share, test_seed):
 
 EXIT_WITHOUT_CLOSE = """
 import sys, time, torch, gds_persist
+class Slow(gds_persist.Checkpointer):
+    def _write(self, job):
+        time.sleep(0.3)  # still writing when the script ends
+        super()._write(job)
 for mode, writer in (("fence", "thread"), ("snapshot", "thread"), ("snapshot", "process")):
-    ckpt = gds_persist.Checkpointer(f"{sys.argv[1]}/{mode}-{writer}", mode=mode, writer=writer)
-    ckpt._before_write = lambda step: time.sleep(0.3)  # still writing when the script ends
+    ckpt = Slow(f"{sys.argv[1]}/{mode}-{writer}", mode=mode, writer=writer)
     ckpt.save(1, {"w": torch.arange(1000.0), "step": 1})
 """
 

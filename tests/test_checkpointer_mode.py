@@ -118,7 +118,7 @@ def test_default_mode_is_auto_and_fences_cpu_state(tmp_path: Path,
         assert ckpt.mode_reason is not None and ckpt.mode_reason.startswith("auto: CPU-only")
         assert (h.mode, h.mode_reason) == ("fence", ckpt.mode_reason)
         assert (ckpt.stats.mode, ckpt.stats.mode_reason) == ("fence", ckpt.mode_reason)
-        assert "snapshot" not in ckpt._threads  # no snapshot thread for a fenced Checkpointer
+        assert "snapshot" not in ckpt._workers.threads  # no snapshot thread when fenced
         ckpt.save(2, {"w": torch.ones(1000)}).wait()
     logged = [r.getMessage() for r in caplog.records if "mode fence (auto: CPU-only" in
               r.getMessage()]
@@ -131,7 +131,7 @@ def test_explicit_modes_unchanged(tmp_path: Path, caplog: pytest.LogCaptureFixtu
         with gds_persist.Checkpointer(tmp_path / mode, mode=mode) as ckpt:
             assert (ckpt.mode, ckpt.mode_reason) == (mode, "requested explicitly")
             assert ckpt.max_pending == (2 if mode == "fence" else 1 << 30)
-            assert ("snapshot" in ckpt._threads) == (mode == "snapshot")
+            assert ("snapshot" in ckpt._workers.threads) == (mode == "snapshot")
             h = ckpt.save(1, {"w": torch.ones(10)})
             h.wait()
             assert (h.mode, h.mode_reason) == (mode, "requested explicitly")

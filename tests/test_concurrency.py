@@ -187,13 +187,14 @@ def test_load_and_verify_retry_a_checkpoint_replaced_while_opening(other: Conten
     path = tmp_path / "ck"
     gds_persist.save(state(1), path)
     replace = ActingMapping(lambda: other("save", path=str(path), tag=2))
-    assert tag_of(gds_persist.load(path, data_dirs=replace)) == 2  # opened again: the new one
+    # opened again: the new one
+    assert tag_of(gds_persist.load(path, options=gds_persist.LoadOptions(data_dirs=replace))) == 2
     replace = ActingMapping(lambda: other("save", path=str(path), tag=3, numel=10))
     report = gds_persist.verify(path, data_dirs=replace)
     assert report.ok and report.bytes_checked == 40 + 56
     remove = ActingMapping(lambda: other("rmtree", path=str(path)))
     with pytest.raises(CheckpointReplacedError, match=r"removed by another process"):
-        gds_persist.load(path, data_dirs=remove)
+        gds_persist.load(path, options=gds_persist.LoadOptions(data_dirs=remove))
     gds_persist.save(state(4), path)
     remove = ActingMapping(lambda: other("rmtree", path=str(path)))
     with pytest.raises(CheckpointReplacedError, match=r"removed by another process"):
@@ -376,10 +377,11 @@ def test_stale_stripe_removal_respects_live_owners(other: Contender, tmp_path: P
     path, roots = tmp_path / "ck", [tmp_path / "nvme0", tmp_path / "nvme1"]
     for r in roots:
         r.mkdir()
-    gds_persist.save(state(1, 100_000), path, data_dirs=roots)
+    gds_persist.save(state(1, 100_000), path, options=gds_persist.SaveOptions(data_dirs=roots))
     live = roots[0] / f"{stripe_prefix(str(path))}.gds-0123456789ab"
     held = other("hold_stripe", dir=str(live))  # a rank of another save, writing
-    gds_persist.save(state(2, 100_000), path, data_dirs=roots)  # commits, cleans up
+    gds_persist.save(state(2, 100_000), path,
+                     options=gds_persist.SaveOptions(data_dirs=roots))  # commits, cleans up
     used = {os.path.join(d.root, d.name) for d in gds_persist.read_manifest(path).dirs}
     on_disk = {str(r / e) for r in roots for e in os.listdir(r)}
     assert on_disk == used | {str(live)}  # the replaced one went, the live one stayed

@@ -104,9 +104,9 @@ def test_overwrite_false_is_checked_again_at_commit(tmp_path: Path) -> None:
 
 def test_thread_count_is_io_threads(tmp_path: Path) -> None:
     assert GdsPersistWriter(tmp_path / "a", thread_count=3).io_threads == 3
-    assert GdsPersistWriter(tmp_path / "a", thread_count=3, io_threads=3).io_threads == 3
-    with pytest.raises(CheckpointError, match="name the same thing"):
-        GdsPersistWriter(tmp_path / "a", thread_count=2, io_threads=4)
+    with pytest.raises(TypeError, match=r"io_threads is a setting since 0.2: use `with "
+                                        r"gds_persist.settings.set\(io_threads=...\)`"):
+        GdsPersistWriter(tmp_path / "a", thread_count=3, io_threads=3)
     sd = {"w": torch.randn(300, 70), "b": torch.randn(9)}
     save(sd, tmp_path / "t", thread_count=2)
     back = load({"w": torch.zeros(300, 70), "b": torch.zeros(9)}, tmp_path / "t")

@@ -193,6 +193,9 @@ def test_bad_arguments_are_refused_with_the_fix() -> None:
         attach(torch.nn.Linear(2, 2))
     with pytest.raises(TypeError, match=r"unknown option\(s\) \['compression'\].*backend"):
         GdsPersistCheckpointEngine(compression="lossless")
+    with pytest.raises(TypeError, match=r"GdsPersistCheckpointEngine\(block_bytes=...\): "
+                                        "block_bytes is a setting since 0.2"):
+        GdsPersistCheckpointEngine(block_bytes=1 << 20)
 
 
 # --- the edges of a run: exit, load right after save, flush, the default mode -----------------

@@ -37,14 +37,14 @@ def test_save_load_verify(tmp_path: Path) -> None:
                                     {"compression": "auto"}], ids=lambda o: repr(o))
 def test_save_with_one_option(tmp_path: Path, option: dict[str, Any]) -> None:
     state = _state()
-    gds_persist.save(state, tmp_path / "ck", **option)
+    gds_persist.save(state, tmp_path / "ck", options=gds_persist.SaveOptions(**option))
     assert_tree_equal(gds_persist.load(tmp_path / "ck"), state)
 
 
 def test_save_with_base(tmp_path: Path) -> None:
     first, second = _state(0), _state(0)
     second["optim"]["step"] = torch.tensor(4.0)
-    gds_persist.save(first, tmp_path / "a1", content_hash=True)
+    gds_persist.save(first, tmp_path / "a1", options=gds_persist.SaveOptions(content_hash=True))
     info = gds_persist.save(second, tmp_path / "a2", base=tmp_path / "a1")
     assert info.referenced_bytes > 0
     assert_tree_equal(gds_persist.load(tmp_path / "a2"), second)

@@ -19,6 +19,7 @@ import torch
 from _gang import Gang
 
 import gds_persist
+from gds_persist import LoadOptions, SaveOptions
 
 pytestmark = pytest.mark.slow
 WORLD = 4
@@ -105,7 +106,8 @@ def test_rank_local_parts_return_to_their_rank(gang: Gang, tmp_path: Path) -> No
     # one process, no group: every rank's parts, by rank; or one chosen rank's
     everything = gds_persist.load(path)
     assert tasks.check_loaded(everything, {r: tasks.make_local(r) for r in range(WORLD)}) == []
-    assert tasks.check_loaded(gds_persist.load(path, rank_local=2), tasks.make_local(2)) == []
+    assert tasks.check_loaded(gds_persist.load(path, options=gds_persist.LoadOptions(rank_local=2)),
+                              tasks.make_local(2)) == []
     # another world size cannot guess who gets which shard, and says what to do
     errors = [e for e in gang.run(tasks.load_expect_error, 2, str(path)) if e]
     assert all(e["type"] == "ManifestError" and "rank_local='all'" in e["message"] for e in errors)
@@ -123,7 +125,8 @@ def test_rank_failing_mid_save_fails_every_rank_and_keeps_previous(gang: Gang,
         d.mkdir()
     (tmp_path / "nvme2" / "ckpt-dir").write_text("rank 2's drive is not a directory")
     roots = [str(d) for d in dirs[:2]] + [str(tmp_path / "nvme2" / "ckpt-dir"), str(dirs[3])]
-    results = gang.run(tasks.save_expect_error, WORLD, str(path), "none", data_dirs=roots)
+    results = gang.run(tasks.save_expect_error, WORLD, str(path), "none",
+                       options=SaveOptions(data_dirs=roots))
     for rank, r in enumerate(results):
         assert r["type"] == "DistributedError", (rank, r)
         assert "CheckpointError" in r["mro"]
@@ -147,7 +150,8 @@ def test_rank_failing_mid_save_fails_every_rank_and_keeps_previous(gang: Gang,
 def test_differing_replicas_are_reported(gang: Gang, tmp_path: Path, kind: str, check: str,
                                          detail: str) -> None:
     path = tmp_path / "ckpt"
-    results = gang.run(tasks.save_expect_error, WORLD, str(path), kind, check_replicas=check)
+    results = gang.run(tasks.save_expect_error, WORLD, str(path), kind,
+                       options=SaveOptions(check_replicas=check))
     bad = {"shape": 1, "key": 2, "values": 3}[kind]
     for r in results:
         assert r["type"] == "ReplicationError" and "DistributedError" in r["mro"]
@@ -166,8 +170,8 @@ def test_differing_values_pass_a_structure_check(gang: Gang, tmp_path: Path) -> 
 def test_writers_per_node_and_data_dirs(gang: Gang, tmp_path: Path) -> None:
     path = tmp_path / "ckpt"
     roots = [tmp_path / "nvme0", tmp_path / "nvme1"]
-    infos = gang.run(tasks.save_as_nodes, str(path), 2, writers_per_node=1,
-                     data_dirs=[str(r) for r in roots])
+    infos = gang.run(tasks.save_as_nodes, str(path), 2, options=SaveOptions(
+        writers_per_node=1, data_dirs=[str(r) for r in roots]))
     assert infos[0]["writers"] == [0, 2]  # one per node, from hostnames (here GDS_PERSIST_NODE)
     assert [bool(i["rank_files"]) for i in infos] == [True, False, True, False]
     assert "1 per node" in infos[0]["placement"] and "NVML" in infos[0]["placement"]
@@ -178,7 +182,8 @@ def test_writers_per_node_and_data_dirs(gang: Gang, tmp_path: Path) -> None:
     results = gang.run(tasks.load_check, 3, str(path), "allgather")
     assert [r["problems"] for r in results if r] == [[]] * 3
     # every rank writes, over both directories; the replaced checkpoint's stripe is removed
-    gang.run(tasks.save_as_nodes, str(path), 2, data_dirs=[str(r) for r in roots])
+    gang.run(tasks.save_as_nodes, str(path), 2,
+             options=SaveOptions(data_dirs=[str(r) for r in roots]))
     m = gds_persist.read_manifest(path)
     assert [d.root for d in m.dirs] == [str(r) for r in roots]
     assert [len(os.listdir(r)) for r in roots] == [1, 1]
@@ -186,7 +191,8 @@ def test_writers_per_node_and_data_dirs(gang: Gang, tmp_path: Path) -> None:
     os.rename(roots[1], moved)
     with pytest.raises(gds_persist.TruncatedError, match="missing"):
         gds_persist.load(path)
-    out = gds_persist.load(path, data_dirs={str(roots[1]): str(moved)})
+    out = gds_persist.load(path,
+                           options=gds_persist.LoadOptions(data_dirs={str(roots[1]): str(moved)}))
     assert tasks.check_loaded(out) == []
     assert gds_persist.verify(path, data_dirs=[str(roots[0]), str(moved)]).ok
 
@@ -202,13 +208,14 @@ def test_corrupted_shared_extent_fails_every_rank(gang: Gang, tmp_path: Path) ->
         f.seek(big.offset + big.length - 3)
         f.write(bytes([byte[0] ^ 0xFF]))
     for strategy in ("allgather", "broadcast"):
-        errors = [e for e in gang.run(tasks.load_expect_error, 3, str(path), strategy=strategy)
-                  if e]
+        errors = [e for e in gang.run(tasks.load_expect_error, 3, str(path),
+                                      options=LoadOptions(strategy=strategy)) if e]
         assert len(errors) == 3
         for e in errors:
             assert e["type"] == "ChecksumError", e
             assert "['model']['wte']" in e["message"] and f"offset {big.offset}" in e["message"]
-    errors = [e for e in gang.run(tasks.load_expect_error, 3, str(path), strategy="read_all") if e]
+    errors = [e for e in gang.run(tasks.load_expect_error, 3, str(path),
+                                  options=LoadOptions(strategy="read_all")) if e]
     assert all("ChecksumError" in e["message"] and "['model']['wte']" in e["message"]
                for e in errors)
 

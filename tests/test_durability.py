@@ -108,8 +108,9 @@ _SERVER = textwrap.dedent("""
                           "small": [torch.full((n,), step, dtype=torch.int64)
                                     for n in (1, 511, 4097)]}
                     sd["tied"] = sd["big"][7:9]
-                    gds_persist.save(sd, path, block_bytes=256 << 10, staging_bytes=1 << 20,
-                                     io_threads=2)
+                    with gds_persist.settings.set(block_bytes=256 << 10, staging_bytes="1MiB",
+                                                  io_threads=2):
+                        gds_persist.save(sd, path)
                     say(step)
                     step += 1
             finally:
@@ -200,8 +201,8 @@ def test_no_fd_leak_on_success(backend: BackendCase, tmp_path: Path) -> None:
     gds_persist.save(sd, tmp_path / "warm", backend=backend.name)  # lazy imports, first ring
     gds_persist.load(tmp_path / "warm", backend=backend.name)
     for i in range(3):
-        _no_new_fds(gds_persist.save, sd, tmp_path / "ck", backend=backend.name,
-                    block_bytes=8192, staging_bytes=16384)
+        with gds_persist.settings.set(block_bytes=8192, staging_bytes=16384):
+            _no_new_fds(gds_persist.save, sd, tmp_path / "ck", backend=backend.name)
         got = _no_new_fds(gds_persist.load, tmp_path / "ck", backend=backend.name)
         assert_tree_equal(got, sd)
         assert _no_new_fds(gds_persist.verify, tmp_path / "ck", backend=backend.name).ok
@@ -227,7 +228,7 @@ def test_no_fd_leak_on_failure(tmp_path: Path, capsys: pytest.CaptureFixture[str
     with pytest.raises(TruncatedError, match="truncated"):
         _no_new_fds(gds_persist.load, tmp_path / "ck", backend="direct")
     with pytest.raises(ValueError, match="at least two blocks"):
-        _no_new_fds(gds_persist.save, sd, tmp_path / "ck2", staging_bytes=4096, block_bytes=4096)
+        _no_new_fds(gds_persist.settings.set, staging_bytes=4096, block_bytes=4096)
     capsys.readouterr()
 
 
@@ -341,7 +342,8 @@ def test_write_error_mid_save_loses_nothing(tmp_path: Path, monkeypatch: pytest.
     _inject(monkeypatch, "gds_persist.saving.units", faulty)
     before = open_fds()
     with pytest.raises(OSError, match=r"Input/output error \(injected\)"):
-        gds_persist.save(new, path, block_bytes=4096, staging_bytes=3 * 4096, io_threads=2)
+        with gds_persist.settings.set(block_bytes=4096, staging_bytes=3 * 4096, io_threads=2):
+            gds_persist.save(new, path)
     assert open_fds() == before, "descriptors left open after a failed save"
     assert faulty.calls >= fail_at
     assert sorted(os.listdir(tmp_path)) == ["ck"], "the temporary directory must be removed"
@@ -362,8 +364,8 @@ def test_write_error_mid_torch_file_save_loses_nothing(tmp_path: Path,
     _inject(monkeypatch, "gds_persist.saving.units", faulty)
     before = open_fds()
     with pytest.raises(OSError, match=r"Input/output error \(injected\)"):
-        gds_persist.save({"w": torch.randn(40_000), "v": torch.randn(3)}, path, format="torch",
-                         block_bytes=4096, staging_bytes=3 * 4096, io_threads=2)
+        with gds_persist.settings.set(block_bytes=4096, staging_bytes=3 * 4096, io_threads=2):
+            gds_persist.save({"w": torch.randn(40_000), "v": torch.randn(3)}, path, format="torch")
     assert open_fds() == before, "descriptors left open after a failed save"
     assert sorted(os.listdir(tmp_path)) == ["x.pt"], "the temporary directory must be removed"
     _ring_intact()
@@ -392,7 +394,8 @@ def test_read_error_mid_load_is_raised_and_cleaned_up(tmp_path: Path,
         assert_tree_equal(gds_persist.load(path), sd)
     # the failed load's traceback still pins a staging buffer: a save that replaces the ring
     # (other sizes) must still work (it raised BufferError from the ring's cleanup)
-    gds_persist.save(sd, tmp_path / "after", block_bytes=8192, staging_bytes=16384)
+    with gds_persist.settings.set(block_bytes=8192, staging_bytes=16384):
+        gds_persist.save(sd, tmp_path / "after")
     assert_tree_equal(gds_persist.load(tmp_path / "after"), sd)
 
 
@@ -404,7 +407,8 @@ def test_concurrent_saves_and_loads_of_different_paths(tmp_path: Path) -> None:
         sd = {"i": i, "w": torch.full((5000 + i,), float(i))}
         ring = {"block_bytes": 4096 * (1 + i % 2), "staging_bytes": 4096 * (2 + i % 2) * 2}
         for _ in range(3):
-            gds_persist.save(sd, tmp_path / f"ck{i}", **ring)
+            with gds_persist.settings.in_this_thread(**ring):  # each thread its own ring
+                gds_persist.save(sd, tmp_path / f"ck{i}")
             assert_tree_equal(gds_persist.load(tmp_path / f"ck{i}"), sd)
 
     with ThreadPoolExecutor(4) as pool:
@@ -459,4 +463,5 @@ def test_hung_storage_fails_within_the_timeout(tmp_path: Path,
 
 def _save_with_timeout(sd: Any, path: Path) -> None:
     with gds_persist.settings.set(io_timeout_s=1):
-        gds_persist.save(sd, path, block_bytes=4096, staging_bytes=3 * 4096, io_threads=2)
+        with gds_persist.settings.set(block_bytes=4096, staging_bytes=3 * 4096, io_threads=2):
+            gds_persist.save(sd, path)

@@ -190,8 +190,8 @@ def test_flipped_first_or_last_byte_of_a_tied_storage(tmp_path: Path, where: str
 
 def test_every_corrupted_extent_is_reported_by_verify(tmp_path: Path) -> None:
     path = tmp_path / "ck"
-    gds_persist.save({f"t{i}": torch.full((1000,), float(i)) for i in range(4)}, path,
-                     block_bytes=8192, staging_bytes=16384)
+    with gds_persist.settings.set(block_bytes=8192, staging_bytes=16384):
+        gds_persist.save({f"t{i}": torch.full((1000,), float(i)) for i in range(4)}, path)
     for storage in (0, 3):
         flip_byte(path / "data-00000.bin", _extent_of(path, storage)["offset"] + 17)
     report = gds_persist.verify(path)
@@ -642,7 +642,8 @@ def test_settings_reach_save(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) ->
     with settings.set(backend="direct", staging_bytes=16384, io_timeout_s=5):
         assert gds_persist.save(sd, tmp_path / "b").backend == "direct"
         assert ring_used() == (2, 8192, 5.0)
-        info = gds_persist.save(sd, tmp_path / "c", backend="buffered", block_bytes=4096)
+        with gds_persist.settings.set(block_bytes=4096):
+            info = gds_persist.save(sd, tmp_path / "c", backend="buffered")
         assert info.backend == "buffered" and info.reason == "requested explicitly"
         assert ring_used() == (4, 4096, 5.0)
     assert gds_persist.save(sd, tmp_path / "d").backend == "buffered"
@@ -663,14 +664,17 @@ def test_io_threads_bounds_the_io_pool(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setattr(posix.PosixBackend, "pwrite", spy)
     sd = {"w": torch.ones(64 << 10)}  # 256 KiB = 32 blocks of 8 KiB
     monkeypatch.setenv("GDS_PERSIST_IO_THREADS", "1")
-    gds_persist.save(sd, tmp_path / "a", block_bytes=8192, staging_bytes=8 * 8192)
+    with gds_persist.settings.set(block_bytes=8192, staging_bytes=8 * 8192):
+        gds_persist.save(sd, tmp_path / "a")
     assert len(seen) == 1
     seen.clear()
     with settings.set(io_threads=2):
-        gds_persist.save(sd, tmp_path / "b", block_bytes=8192, staging_bytes=8 * 8192)
+        with gds_persist.settings.set(block_bytes=8192, staging_bytes=8 * 8192):
+            gds_persist.save(sd, tmp_path / "b")
     assert 1 <= len(seen) <= 2
     seen.clear()
-    gds_persist.save(sd, tmp_path / "c", block_bytes=8192, staging_bytes=8 * 8192, io_threads=3)
+    with gds_persist.settings.set(block_bytes=8192, staging_bytes=8 * 8192, io_threads=3):
+        gds_persist.save(sd, tmp_path / "c")
     assert 1 <= len(seen) <= 3
     assert all(n.startswith("gds_persist-io") for n in seen)
 
@@ -686,29 +690,32 @@ def test_unknown_setting_lists_valid_ones() -> None:
 
 
 @pytest.mark.parametrize("values, match", [
-    ({"block_bytes": 1000}, r"block_bytes=1000 must be a positive multiple of 4096"),
-    ({"block_bytes": 0}, r"block_bytes=0 must be a positive multiple of 4096"),
-    ({"block_bytes": -4096}, r"block_bytes=-4096 must be a positive multiple"),
-    ({"block_bytes": "lots"}, r"block_bytes='lots' must be a int"),
-    ({"block_bytes": 8192.5}, r"block_bytes=8192.5 must be a int"),
-    ({"block_bytes": True}, r"block_bytes=True must be a int"),
-    ({"staging_bytes": 16 << 20}, r"staging_bytes=16777216 must hold at least two blocks"),
+    ({"block_bytes": 1000}, r"block_bytes=1000 .* must be a positive multiple of 4096"),
+    ({"block_bytes": 0}, r"block_bytes=0 .* must be a positive multiple of 4096"),
+    ({"block_bytes": -4096}, r"block_bytes=-4096 .* must be a positive multiple"),
+    ({"block_bytes": "lots"}, r"block_bytes='lots' \(environment variable "
+                              r"GDS_PERSIST_BLOCK_BYTES\) must be a size in bytes: an int or a "
+                              r"number with a unit"),
+    ({"block_bytes": 8192.5}, r"block_bytes=8192.5 .* must be a size in bytes"),
+    ({"block_bytes": True}, r"block_bytes=True .* must be a size in bytes"),
+    ({"staging_bytes": 16 << 20}, r"staging_bytes=16777216 .* must hold at least two blocks"),
     ({"block_bytes": 1 << 20, "staging_bytes": (1 << 20) + 4096}, r"at least two blocks"),
-    ({"io_threads": 0}, r"io_threads=0 must be at least 1"),
-    ({"io_threads": 2.5}, r"io_threads=2.5 must be a int"),
-    ({"memory_io_threads": 0}, r"memory_io_threads=0 must be at least 1"),
-    ({"io_timeout_s": 0}, r"io_timeout_s=0.0 must be positive"),
-    ({"io_timeout_s": -1}, r"io_timeout_s=-1.0 must be positive"),
-    ({"io_timeout_s": float("nan")}, r"io_timeout_s=nan must be positive"),
-    ({"io_timeout_s": float("inf")}, r"io_timeout_s=inf must be positive and finite"),
-    ({"collective_timeout_s": float("nan")}, r"collective_timeout_s=nan must be positive"),
-    ({"io_timeout_s": "soon"}, r"io_timeout_s='soon' must be a float"),
-    ({"auto_kvikio": "sometimes"}, r"auto_kvikio='sometimes' must be one of gds, always, never"),
-    ({"file_streams": -1}, r"file_streams=-1 must be 0 \(automatic\) or a number of data files"),
-    pytest.param({"collective_timeout_s": 0}, r"collective_timeout_s=0.0 must be positive",
+    ({"io_threads": 0}, r"io_threads=0 .* must be at least 1"),
+    ({"io_threads": 2.5}, r"io_threads=2.5 \(environment variable GDS_PERSIST_IO_THREADS\) "
+                          r"must be an int"),
+    ({"memory_io_threads": 0}, r"memory_io_threads=0 .* must be at least 1"),
+    ({"io_timeout_s": 0}, r"io_timeout_s=0.0 .* must be positive"),
+    ({"io_timeout_s": -1}, r"io_timeout_s=-1.0 .* must be positive"),
+    ({"io_timeout_s": float("nan")}, r"io_timeout_s=nan .* must be positive"),
+    ({"io_timeout_s": float("inf")}, r"io_timeout_s=inf .* must be positive and finite"),
+    ({"collective_timeout_s": float("nan")}, r"collective_timeout_s=nan .* must be positive"),
+    ({"io_timeout_s": "soon"}, r"io_timeout_s='soon' .* must be a float"),
+    ({"auto_kvikio": "sometimes"}, r"auto_kvikio='sometimes' .* must be one of gds, always, never"),
+    ({"file_streams": -1}, r"file_streams=-1 .* must be 0 \(automatic\) or a number of data files"),
+    pytest.param({"collective_timeout_s": 0}, r"collective_timeout_s=0.0 .* must be positive",
                  marks=pytest.mark.skipif("collective_timeout_s" not in settings.ENV_VARS,
                                           reason="no data-parallel settings in this tree")),
-    pytest.param({"load_strategy": "gossip"}, r"load_strategy='gossip' must be one of",
+    pytest.param({"load_strategy": "gossip"}, r"load_strategy='gossip' .* must be one of",
                  marks=pytest.mark.skipif("load_strategy" not in settings.ENV_VARS,
                                           reason="no data-parallel settings in this tree")),
 ])
@@ -721,10 +728,11 @@ def test_invalid_setting_values_rejected(values: dict[str, Any], match: str) -> 
 
 
 @pytest.mark.parametrize("name, value, match", [
-    ("block_bytes", "1000", r"block_bytes=1000 must be a positive multiple"),
-    ("block_bytes", "8k", r"block_bytes='8k' must be a int"),
-    ("io_threads", "0", r"io_threads=0 must be at least 1"),
-    ("io_timeout_s", "never", r"io_timeout_s='never' must be a float"),
+    ("block_bytes", "1000", r"block_bytes=1000 .* must be a positive multiple"),
+    ("block_bytes", "8k", r"block_bytes='8k' \(environment variable GDS_PERSIST_BLOCK_BYTES\) "
+                          r"must be a size"),
+    ("io_threads", "0", r"io_threads=0 .* must be at least 1"),
+    ("io_timeout_s", "never", r"io_timeout_s='never' .* must be a float"),
 ])
 def test_invalid_environment_values_rejected(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                              name: str, value: str, match: str) -> None:

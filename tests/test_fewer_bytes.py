@@ -99,7 +99,8 @@ def test_lossless_is_exact_for_every_dtype_and_special_values(tmp_path):
     state["bf16"] = (torch.randn(200_000) * 0.02).to(torch.bfloat16)
     state["odd"] = torch.arange(70_001, dtype=torch.uint8)  # length not a type-size multiple
     state["view"] = state["bf16"][3:99_000:2]
-    info = gds_persist.save(state, tmp_path / "c", compression="lossless")
+    info = gds_persist.save(state, tmp_path / "c",
+                            options=gds_persist.SaveOptions(compression="lossless"))
     assert info.compression == "lossless" and "lossless" in info.compression_reason
     m = gds_persist.read_manifest(tmp_path / "c")
     assert m.version == 4
@@ -119,7 +120,8 @@ def align(n: int) -> int:
 
 
 def test_compressed_file_layout_is_aligned_and_trimmed(tmp_path):
-    gds_persist.save({"z": torch.zeros(1 << 20)}, tmp_path / "c", compression="lossless")
+    gds_persist.save({"z": torch.zeros(1 << 20)}, tmp_path / "c",
+                     options=gds_persist.SaveOptions(compression="lossless"))
     m = gds_persist.read_manifest(tmp_path / "c")
     (e,) = m.extents
     assert e.encoded and e.stored < e.length // 50
@@ -129,7 +131,7 @@ def test_compressed_file_layout_is_aligned_and_trimmed(tmp_path):
 
 def test_corrupted_encoded_extent_names_the_tensor(tmp_path):
     state = _state()
-    gds_persist.save(state, tmp_path / "c", compression="lossless")
+    gds_persist.save(state, tmp_path / "c", options=gds_persist.SaveOptions(compression="lossless"))
     m = gds_persist.read_manifest(tmp_path / "c")
     e = next(e for e in m.extents if e.length == state["frozen"].numel() * 2)
     assert e.encoded
@@ -147,7 +149,8 @@ def test_auto_never_compresses_on_tmpfs(tmp_path):
     d = Path(SHM) / f"gdsp-test-{os.getpid()}"
     d.mkdir()
     try:
-        info = gds_persist.save(_state(), d / "c", compression="auto")
+        info = gds_persist.save(_state(), d / "c",
+                                options=gds_persist.SaveOptions(compression="auto"))
     finally:
         shutil.rmtree(d)
     assert info.compression == "none", info.compression_reason
@@ -156,7 +159,8 @@ def test_auto_never_compresses_on_tmpfs(tmp_path):
 
 
 def test_auto_says_why_either_way(tmp_path):
-    info = gds_persist.save(_state(), tmp_path / "c", compression="auto")
+    info = gds_persist.save(_state(), tmp_path / "c",
+                            options=gds_persist.SaveOptions(compression="auto"))
     assert info.compression_reason.startswith("compression='auto': ")
     assert "GB/s" in info.compression_reason  # the measured figures behind the choice
     got = gds_persist.load(tmp_path / "c")
@@ -173,7 +177,8 @@ def test_auto_rule():
 
 def test_compression_setting_and_validation(tmp_path):
     with pytest.raises(ValueError, match="compression"):
-        gds_persist.save(_state(), tmp_path / "c", compression="zstd")
+        gds_persist.save(_state(), tmp_path / "c",
+                         options=gds_persist.SaveOptions(compression="zstd"))
     with gds_persist.settings.set(compression="lossless"):
         info = gds_persist.save(_state(), tmp_path / "c")
     assert info.compression == "lossless"
@@ -183,7 +188,7 @@ def test_compression_setting_and_validation(tmp_path):
 
 def test_incremental_refers_to_unchanged_bytes_and_loads_exactly(tmp_path):
     a = _state()
-    gds_persist.save(a, tmp_path / "s1", content_hash=True)
+    gds_persist.save(a, tmp_path / "s1", options=gds_persist.SaveOptions(content_hash=True))
     b = dict(a, trained=a["trained"] + 1, count=4)
     info = gds_persist.save(b, tmp_path / "s2", base=tmp_path / "s1")
     frozen_bytes = a["frozen"].numel() * 2 + a["exp_avg_sq"].numel() * 4 + 4
@@ -200,7 +205,7 @@ def test_incremental_refers_to_unchanged_bytes_and_loads_exactly(tmp_path):
 def test_a_changed_single_byte_is_never_deduplicated(tmp_path, monkeypatch, where):
     monkeypatch.setattr(codec, "UNIT_BYTES", 64 << 10)  # several units per tensor, fast
     a = {"w": random_tensor(torch.float32, 100_000), "x": random_tensor(torch.uint8, 5000, 1)}
-    gds_persist.save(a, tmp_path / "s1", content_hash=True)
+    gds_persist.save(a, tmp_path / "s1", options=gds_persist.SaveOptions(content_hash=True))
     b = {k: v.clone() for k, v in a.items()}
     n = b["w"].numel() * 4
     pos = {"first": 0, "middle": n // 2 + 1, "last": n - 1}[where]
@@ -226,7 +231,7 @@ def test_hashing_ahead_gives_every_unit_its_own_hash_and_stops(tmp_path, monkeyp
     monkeypatch.setattr(codec, "UNIT_BYTES", 64 << 10)
     monkeypatch.setattr(unit_writer, "HASH_AHEAD_THREADS", threads)
     a = {f"w{i}": random_tensor(torch.float32, 50_000, i) for i in range(8)}
-    gds_persist.save(a, tmp_path / "s1", content_hash=True)
+    gds_persist.save(a, tmp_path / "s1", options=gds_persist.SaveOptions(content_hash=True))
     b = {k: v.clone() for k, v in a.items()}
     for k in ("w0", "w7"):
         b[k].view(torch.uint8)[12345] ^= 0x40  # one unit of the first and of the last tensor
@@ -258,7 +263,7 @@ def test_hashing_ahead_gives_every_unit_its_own_hash_and_stops(tmp_path, monkeyp
 
 def test_chains_are_flattened_and_base_identity_is_checked(tmp_path):
     a = _state()
-    gds_persist.save(a, tmp_path / "s1", content_hash=True)
+    gds_persist.save(a, tmp_path / "s1", options=gds_persist.SaveOptions(content_hash=True))
     b = dict(a, trained=a["trained"] * 2)
     gds_persist.save(b, tmp_path / "s2", base=tmp_path / "s1")
     c = dict(b, exp_avg_sq=b["exp_avg_sq"] + 1)
@@ -275,7 +280,7 @@ def test_chains_are_flattened_and_base_identity_is_checked(tmp_path):
 
 def test_missing_or_moved_base_is_a_clear_error(tmp_path):
     a = _state()
-    gds_persist.save(a, tmp_path / "s1", content_hash=True)
+    gds_persist.save(a, tmp_path / "s1", options=gds_persist.SaveOptions(content_hash=True))
     gds_persist.save(dict(a, count=9), tmp_path / "s2", base=tmp_path / "s1")
     moved = tmp_path / "elsewhere"
     moved.mkdir()
@@ -292,7 +297,7 @@ def test_missing_or_moved_base_is_a_clear_error(tmp_path):
 
 
 def test_base_must_be_a_sibling_and_not_the_path(tmp_path):
-    gds_persist.save(_state(), tmp_path / "s1", content_hash=True)
+    gds_persist.save(_state(), tmp_path / "s1", options=gds_persist.SaveOptions(content_hash=True))
     (tmp_path / "sub").mkdir()
     with pytest.raises(ValueError, match="sibling"):
         gds_persist.save(_state(), tmp_path / "sub" / "s2", base=tmp_path / "s1")
@@ -303,7 +308,7 @@ def test_base_must_be_a_sibling_and_not_the_path(tmp_path):
 @pytest.mark.parametrize("name", ["../s1", "/abs", ".hidden", "a/b", "..", ".s1.tmp-abc"])
 def test_validator_refuses_references_outside_the_root(tmp_path, name):
     a = _state()
-    gds_persist.save(a, tmp_path / "s1", content_hash=True)
+    gds_persist.save(a, tmp_path / "s1", options=gds_persist.SaveOptions(content_hash=True))
     gds_persist.save(dict(a, count=1), tmp_path / "s2", base=tmp_path / "s1")
 
     def edit(body):
@@ -319,7 +324,7 @@ def test_a_symlinked_base_leaving_the_root_is_refused(tmp_path):
     root, outside = tmp_path / "root", tmp_path / "outside"
     root.mkdir()
     outside.mkdir()
-    gds_persist.save(a, root / "s1", content_hash=True)
+    gds_persist.save(a, root / "s1", options=gds_persist.SaveOptions(content_hash=True))
     gds_persist.save(dict(a, count=1), root / "s2", base=root / "s1")
     shutil.move(root / "s1", outside / "s1")  # the base now lives elsewhere, behind a link
     os.symlink(outside / "s1", root / "s1")
@@ -330,7 +335,8 @@ def test_a_symlinked_base_leaving_the_root_is_refused(tmp_path):
 
 
 def test_older_readers_are_told_to_upgrade(tmp_path):
-    gds_persist.save(_state(), tmp_path / "c", compression="lossless")
+    gds_persist.save(_state(), tmp_path / "c",
+                     options=gds_persist.SaveOptions(compression="lossless"))
     rewrite_manifest(tmp_path / "c", lambda doc: doc.update(version=5), whole=True)
     with pytest.raises(gds_persist.ManifestError, match="upgrade gds_persist"):
         gds_persist.read_manifest(tmp_path / "c")
@@ -346,9 +352,9 @@ def test_older_readers_are_told_to_upgrade(tmp_path):
 ])
 def test_validator_checks_the_version_4_fields(tmp_path, edit, match):
     a = _state()
-    gds_persist.save(a, tmp_path / "s1", content_hash=True)
+    gds_persist.save(a, tmp_path / "s1", options=gds_persist.SaveOptions(content_hash=True))
     gds_persist.save(dict(a, trained=a["trained"] + 1), tmp_path / "s2", base=tmp_path / "s1",
-                     compression="lossless")
+                     options=gds_persist.SaveOptions(compression="lossless"))
     rewrite_manifest(tmp_path / "s2", edit)
     with pytest.raises(gds_persist.ManifestError, match=match):
         gds_persist.read_manifest(tmp_path / "s2")
@@ -356,7 +362,7 @@ def test_validator_checks_the_version_4_fields(tmp_path, edit, match):
 
 def test_corrupted_referenced_extent_names_the_tensor(tmp_path):
     a = _state()
-    gds_persist.save(a, tmp_path / "s1", content_hash=True)
+    gds_persist.save(a, tmp_path / "s1", options=gds_persist.SaveOptions(content_hash=True))
     gds_persist.save(dict(a, trained=a["trained"] + 1), tmp_path / "s2", base=tmp_path / "s1")
     m1 = gds_persist.read_manifest(tmp_path / "s1")
     frozen = next(e for e in m1.extents if e.length == a["frozen"].numel() * 2)
@@ -371,9 +377,10 @@ def test_materialize_and_export_make_standalone_copies(tmp_path, capsys):
     from gds_persist.cli import main
 
     a = _state()
-    gds_persist.save(a, tmp_path / "s1", content_hash=True)
+    gds_persist.save(a, tmp_path / "s1", options=gds_persist.SaveOptions(content_hash=True))
     b = dict(a, trained=a["trained"] + 1)
-    gds_persist.save(b, tmp_path / "s2", base=tmp_path / "s1", compression="lossless")
+    gds_persist.save(b, tmp_path / "s2", base=tmp_path / "s1",
+                     options=gds_persist.SaveOptions(compression="lossless"))
     assert main(["inspect", str(tmp_path / "s2")]) == 0
     out = capsys.readouterr().out
     assert "referenced in base checkpoints" in out and "[referenced: s1]" in out
@@ -454,7 +461,8 @@ def test_checkpointer_helper_process_writes_incrementally(tmp_path):
 
 
 def test_manifest_json_records_the_choice(tmp_path):
-    gds_persist.save(_state(), tmp_path / "c", compression="lossless")
+    gds_persist.save(_state(), tmp_path / "c",
+                     options=gds_persist.SaveOptions(compression="lossless"))
     body = json.loads((tmp_path / "c" / "manifest.json").read_text())["body"]
     assert body["writer"]["compression"]["applied"] is True
     assert body["bases"] == []
@@ -464,7 +472,7 @@ def test_manifest_json_records_the_choice(tmp_path):
 def test_encoded_extents_larger_than_the_readers_staging_buffers(tmp_path):
     """A reader with small staging buffers reads an encoded 16 MiB unit through its own one."""
     state = {"w": (torch.randn(3 << 20) * 0.02).to(torch.bfloat16)}  # 6 MiB, one unit
-    gds_persist.save(state, tmp_path / "c", compression="lossless")
+    gds_persist.save(state, tmp_path / "c", options=gds_persist.SaveOptions(compression="lossless"))
     (e,) = gds_persist.read_manifest(tmp_path / "c").extents
     assert e.encoded and e.stored > 64 << 10
     with gds_persist.settings.set(block_bytes=64 << 10, staging_bytes=128 << 10):

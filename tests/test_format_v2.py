@@ -49,11 +49,11 @@ def test_rank_local_without_process_group(tmp_path: Path) -> None:
     assert m.version == 2 and [s.rank for s in m.sections] == [0]
     out = gds_persist.load(tmp_path / "c")
     assert list(out["optim"]) == [0] and out["optim"][0]["lr"] == 0.5
-    out = gds_persist.load(tmp_path / "c", rank_local=0)
+    out = gds_persist.load(tmp_path / "c", options=gds_persist.LoadOptions(rank_local=0))
     assert torch.equal(out["optim"]["shard"], torch.arange(10)) and out["step"] == 7
     assert out["model"]["emb"].data_ptr() == out["model"]["head"].data_ptr()
     with pytest.raises(ManifestError, match="no rank-local state for rank 3"):
-        gds_persist.load(tmp_path / "c", rank_local=3)
+        gds_persist.load(tmp_path / "c", options=gds_persist.LoadOptions(rank_local=3))
     assert gds_persist.verify(tmp_path / "c").ok
 
 
@@ -68,13 +68,14 @@ def test_bad_rank_local_paths(tmp_path: Path, paths: list[Any]) -> None:
 def test_placeholders_follow_tree_order(tmp_path: Path) -> None:
     state = {"a": {"x": torch.ones(2)}, "b": torch.zeros(3), "c": [torch.ones(1), 5]}
     gds_persist.save(state, tmp_path / "c", rank_local=[("c", 1), "a"])
-    out = gds_persist.load(tmp_path / "c", rank_local=0)
+    out = gds_persist.load(tmp_path / "c", options=gds_persist.LoadOptions(rank_local=0))
     assert out["c"][1] == 5 and torch.equal(out["a"]["x"], torch.ones(2))
 
 
 def test_data_dirs_in_one_process(tmp_path: Path) -> None:
     roots = [tmp_path / "nvme0", tmp_path / "nvme1"]
-    info = gds_persist.save(_state(), tmp_path / "c", data_dirs=roots)
+    info = gds_persist.save(_state(), tmp_path / "c",
+                            options=gds_persist.SaveOptions(data_dirs=roots))
     m = gds_persist.read_manifest(tmp_path / "c")
     assert [d.root for d in m.dirs] == [str(roots[0])] and m.files[0].dir == 1
     assert info.rank_files == ["data-r00000-00000.bin"]
@@ -97,14 +98,16 @@ def test_data_dirs_in_one_process(tmp_path: Path) -> None:
     (lambda d: d.update(version=5), "version 5 is not supported"),
 ])
 def test_hostile_version_2_manifests_are_rejected(tmp_path: Path, edit: Any, message: str) -> None:
-    gds_persist.save(_state(), tmp_path / "c", rank_local="optim", data_dirs=[tmp_path / "d"])
+    gds_persist.save(_state(), tmp_path / "c", rank_local="optim",
+                     options=gds_persist.SaveOptions(data_dirs=[tmp_path / "d"]))
     _rewrite(tmp_path / "c", edit)
     with pytest.raises(ManifestError, match=message):
         gds_persist.load(tmp_path / "c")
 
 
 def test_symlinked_data_file_cannot_escape(tmp_path: Path) -> None:
-    gds_persist.save(_state(), tmp_path / "c", data_dirs=[tmp_path / "d"])
+    gds_persist.save(_state(), tmp_path / "c",
+                     options=gds_persist.SaveOptions(data_dirs=[tmp_path / "d"]))
     stripe = next((tmp_path / "d").iterdir())
     secret = tmp_path / "secret.bin"
     (stripe / "data-r00000-00000.bin").rename(secret)
@@ -129,7 +132,8 @@ def test_cli_inspect_and_verify_version_2(tmp_path: Path,
                                           capsys: pytest.CaptureFixture[str]) -> None:
     from gds_persist.cli import main
 
-    gds_persist.save(_state(), tmp_path / "c", rank_local="optim", data_dirs=[tmp_path / "d"])
+    gds_persist.save(_state(), tmp_path / "c", rank_local="optim",
+                     options=gds_persist.SaveOptions(data_dirs=[tmp_path / "d"]))
     assert main(["inspect", str(tmp_path / "c")]) == 0
     out = capsys.readouterr().out
     assert "rank-local state of ranks [0]" in out and f"in {tmp_path / 'd'}/" in out
@@ -146,7 +150,8 @@ def test_export_of_a_version_2_checkpoint(tmp_path: Path) -> None:
     """Export (gds_persist.convert) reads files from data directories and rank-local sections."""
     from safetensors.torch import load_file
 
-    gds_persist.save(_state(), tmp_path / "c", rank_local="optim", data_dirs=[tmp_path / "d"])
+    gds_persist.save(_state(), tmp_path / "c", rank_local="optim",
+                     options=gds_persist.SaveOptions(data_dirs=[tmp_path / "d"]))
     gds_persist.export_checkpoint(tmp_path / "c", tmp_path / "c.safetensors")
     out = load_file(str(tmp_path / "c.safetensors"))
     assert torch.equal(out["model.emb"], _state()["model"]["emb"])

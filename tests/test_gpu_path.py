@@ -90,8 +90,8 @@ def test_kvikio_settings_follow_gds_persist_settings(tmp_path):
 
     before = {"num_threads": kd.get("num_threads"), "task_size": kd.get("task_size")}
     with kd.set(before):
-        gds_persist.save(_state_dict(), tmp_path / "ck", backend="kvikio", io_threads=2,
-                         block_bytes=1 << 20, staging_bytes=4 << 20)
+        with gds_persist.settings.set(block_bytes=1 << 20, staging_bytes=4 << 20, io_threads=2):
+            gds_persist.save(_state_dict(), tmp_path / "ck", backend="kvikio")
         assert (kd.get("num_threads"), kd.get("task_size")) == (2, 1 << 20)
     assert kb  # imported
 

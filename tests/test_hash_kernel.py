@@ -151,10 +151,12 @@ def test_gpu_incremental_save_hashes_on_the_device(tmp_path):
 
     frozen = torch.randn(3_000_000, device="cuda")
     trained = torch.randn(1_000_000, device="cuda")
-    gds_persist.save({"frozen": frozen, "trained": trained}, tmp_path / "s1", content_hash=True)
+    gds_persist.save({"frozen": frozen, "trained": trained}, tmp_path / "s1",
+                     options=gds_persist.SaveOptions(content_hash=True))
     trained += 1
     info = gds_persist.save({"frozen": frozen, "trained": trained}, tmp_path / "s2",
-                            base=tmp_path / "s1", compression="lossless")
+                            base=tmp_path / "s1",
+                            options=gds_persist.SaveOptions(compression="lossless"))
     assert info.referenced_bytes == frozen.numel() * 4
     got = gds_persist.load(tmp_path / "s2")
     assert torch.equal(got["frozen"], frozen) and torch.equal(got["trained"], trained)

@@ -26,7 +26,8 @@ MAX_LINES = 600
 
 # The root holds only the vocabulary every layer speaks; each of these modules is the unit
 # "vocabulary" (layer 0). A new root module is refused: give it a folder.
-VOCABULARY = ("_version", "_lazy", "errors", "settings", "progress", "results", "stages")
+VOCABULARY = ("_version", "_lazy", "errors", "settings", "progress", "results", "stages",
+              "keywords")
 
 # The one table: folder (unit) -> layer, bottom up. Folders of one layer may not import each
 # other at all (the folder graph must stay acyclic either way).

@@ -339,7 +339,7 @@ def test_version_3_only_when_an_extra_leaf_is_used(tmp_path: Path) -> None:
     gds_persist.save({"w": torch.ones(1), "opt": {"rng": np.arange(2)}}, tmp_path / "local",
                      rank_local="opt")
     assert _raw(tmp_path / "local")["version"] == 3
-    got = gds_persist.load(tmp_path / "local", rank_local=0)
+    got = gds_persist.load(tmp_path / "local", options=gds_persist.LoadOptions(rank_local=0))
     assert np.array_equal(got["opt"]["rng"], np.arange(2))
 
 

@@ -193,7 +193,7 @@ def test_a_trainer_holding_the_plugin_deep_copies_and_pickles(tmp_path: Path) ->
     progress bar holds the trainer, so the plugin, whose locks cannot be copied; and
     torch.save(trainer) pickles it. A copy is a fresh plugin with the same options."""
     io = GdsPersistCheckpointIO(background=True, verify=False, timeout_s=60.0,
-                                snapshot_bytes=1 << 20, io_threads=2)
+                                snapshot_bytes=1 << 20, backend="buffered")
     trainer = L.Trainer(max_steps=1, plugins=[io], logger=False, accelerator="cpu",
                         enable_model_summary=False, enable_checkpointing=False,
                         default_root_dir=tmp_path)
@@ -204,7 +204,7 @@ def test_a_trainer_holding_the_plugin_deep_copies_and_pickles(tmp_path: Path) ->
     for twin in (bar.trainer.strategy.checkpoint_io, unpickled.strategy.checkpoint_io):
         assert isinstance(twin, GdsPersistCheckpointIO) and twin is not io
         assert (twin.background, twin.verify, twin.timeout_s, twin.save_kwargs,
-                twin._writer.capacity) == (True, False, 60.0, {"io_threads": 2}, 1 << 20)
+                twin._writer.capacity) == (True, False, 60.0, {"backend": "buffered"}, 1 << 20)
         assert twin._saving is not io._saving and twin._writer is not io._writer
         assert twin.last_info is None
         path = tmp_path / f"{id(twin)}.ckpt"
@@ -340,7 +340,8 @@ class Marker:
 def test_model_hyperparameters_travel_through_fit(tmp_path: Path) -> None:
     model, _ = fit(BATCHES, GdsPersistCheckpointIO(), tmp_path,
                    model={"data_dir": pathlib.Path("/runs/a")})
-    hp = gds_persist.load(tmp_path / "last.ckpt", weights_only=False)["hyper_parameters"]
+    hp = gds_persist.load(tmp_path / "last.ckpt",
+                          options=gds_persist.LoadOptions(weights_only=False))["hyper_parameters"]
     assert hp == {"width": 16, "data_dir": pathlib.Path("/runs/a")}
     assert model.hparams.data_dir == pathlib.Path("/runs/a")
 

@@ -162,7 +162,12 @@ def test_storage_options_accepted_and_refused(tmp_path: Path) -> None:
     t.fit(Net())
     t.save_checkpoint(tmp_path / "a.ckpt", storage_options={"backend": "buffered"})
     assert gds_persist.read_manifest(tmp_path / "a.ckpt").writer["backend"] == "buffered"
-    assert {"backend", "io_threads", "staging_bytes", "compression"} <= STORAGE_OPTIONS
+    assert {"backend", "base", "progress", "options"} == STORAGE_OPTIONS
+    with pytest.raises(TypeError, match=r"io_threads is a setting since 0.2: use `with "
+                                        r"gds_persist.settings.set\(io_threads=...\)`"):
+        t.save_checkpoint(tmp_path / "b.ckpt", storage_options={"io_threads": 2})
+    with pytest.raises(TypeError, match=r"use options=gds_persist.SaveOptions\(compression"):
+        GdsPersistCheckpointIO(compression="lossless")
     with pytest.raises(TypeError, match=r"storage_options must be None or a dict of "
                                         r"gds_persist.save keywords \(.*backend.*\), not str"):
         t.save_checkpoint(tmp_path / "b.ckpt", storage_options="s3://bucket")

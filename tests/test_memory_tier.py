@@ -25,8 +25,9 @@ import pytest
 import torch
 
 import gds_persist
+from gds_persist import MemoryTier
 from gds_persist.training.tier import recovery, replicate, shares
-from gds_persist.training.tier.memory import MemoryTier, job_name, lacks_room
+from gds_persist.training.tier.memory import MemoryStore, job_name, lacks_room
 from tests.forkserver import ForkServer
 from tests.tier_worker import Job, reference, reference_tensors
 
@@ -132,7 +133,7 @@ def test_candidates_need_a_copy_of_every_share():
     assert recovery.candidates(invs, drive=[4]) == [6, 4]  # rank 1's share of 6 on node a only
     assert recovery.holder_of(invs, 1, 6) == 0 and recovery.holder_of(invs, 1, 5) is None
     assert recovery.candidates(invs, drive=[]) == [6]
-    tier = MemoryTier("/m", 0)
+    tier = MemoryStore("/m", 0)
     plan = recovery.plan_step(invs, 6, set(), tier)
     assert plan is not None
     assert [(s.node, s.kind) for s in plan.reads[0].values()] == [("a", "memory"), ("a", "replica")]
@@ -147,7 +148,7 @@ def test_plan_reads_what_each_node_holds_and_sends_only_what_it_lacks():
     for r, hs in enumerate(holders):
         for h in hs:
             invs[h]["replicas"][str(r)] = [3]
-    tier = MemoryTier("/m", 0)
+    tier = MemoryStore("/m", 0)
     plan = recovery.plan_step(invs, 3, set(), tier)
     assert plan is not None and plan.sends == []  # 2 nodes, 1 replica: each holds every share
     assert all(sorted(reads) == [0, 1, 2, 3] for reads in plan.reads)
@@ -169,7 +170,7 @@ def _state(step: int) -> dict:
 
 def test_tiers_by_interval_and_restore_from_memory(tmp_path):
     root, mem = tmp_path / "drive", tmp_path / "mem"
-    with gds_persist.Checkpointer(root, memory_root=mem, memory_every=2, drive_every=3,
+    with gds_persist.Checkpointer(root, memory=MemoryTier(mem, every=2), drive_every=3,
                                   warmup=False) as ckpt:
         handles = [ckpt.save(s, _state(s)) for s in range(1, 8)]
         ckpt.wait()
@@ -177,9 +178,9 @@ def test_tiers_by_interval_and_restore_from_memory(tmp_path):
     assert [h.info.backend for h in handles][0] == "none"  # step 1: in neither tier
     assert "neither tier" in handles[0].info.reason and handles[0].done()
     assert ckpt.steps() == [3, 6]
-    tier = MemoryTier(os.path.join(mem, job_name(str(root))), 0)
+    tier = MemoryStore(os.path.join(mem, job_name(str(root))), 0)
     assert tier.inventory() == {"own": [6], "replicas": {}}  # only the latest step is kept
-    with gds_persist.Checkpointer(root, memory_root=mem, warmup=False) as again:
+    with gds_persist.Checkpointer(root, memory=MemoryTier(mem), warmup=False) as again:
         got = again.load()
         assert again.restored_from == "memory" and again.stats.restore_step == 6
         assert torch.equal(got["w"], _state(6)["w"])
@@ -191,14 +192,14 @@ def test_tiers_by_interval_and_restore_from_memory(tmp_path):
 
 def test_corrupt_memory_copy_falls_through_to_the_drive(tmp_path):
     root, mem = tmp_path / "drive", tmp_path / "mem"
-    with gds_persist.Checkpointer(root, memory_root=mem, warmup=False) as ckpt:
+    with gds_persist.Checkpointer(root, memory=MemoryTier(mem), warmup=False) as ckpt:
         ckpt.save(1, _state(1))
         ckpt.save(2, _state(2))
     data = glob.glob(os.path.join(mem, "*", "rank-00000", "step-00000002", "data-*"))[0]
     with open(data, "r+b") as f:
         f.seek(100)
         f.write(b"\xff\x00\xff")
-    with gds_persist.Checkpointer(root, memory_root=mem, warmup=False) as again:
+    with gds_persist.Checkpointer(root, memory=MemoryTier(mem), warmup=False) as again:
         got = again.load()
     assert again.restored_from == "drive" and torch.equal(got["w"], _state(2)["w"])
     assert "ChecksumError" in again.stats.restore_skipped[0]
@@ -206,7 +207,7 @@ def test_corrupt_memory_copy_falls_through_to_the_drive(tmp_path):
 
 @pytest.mark.parametrize("memory", [False, True])
 def test_load_into_fills_the_callers_tensors_on_either_tier(tmp_path, memory):
-    tier = {"memory_root": tmp_path / "mem"} if memory else {}
+    tier = {"memory": MemoryTier(tmp_path / "mem")} if memory else {}
     with gds_persist.Checkpointer(tmp_path / "drive", warmup=False, **tier) as ckpt:
         ckpt.save(3, _state(3))
     live = {"w": torch.zeros(5000), "step": 0}
@@ -222,7 +223,8 @@ def test_load_into_fills_the_callers_tensors_on_either_tier(tmp_path, memory):
 def test_no_room_falls_back_to_the_drive_with_the_reason(tmp_path, monkeypatch):
     monkeypatch.setattr(shares, "MANIFEST_SLACK", 1 << 62)  # more than any tmpfs holds
     root, mem = tmp_path / "drive", tmp_path / "mem"
-    with gds_persist.Checkpointer(root, memory_root=mem, drive_every=5, warmup=False) as ckpt:
+    with gds_persist.Checkpointer(root, memory=MemoryTier(mem), drive_every=5,
+                                  warmup=False) as ckpt:
         h = ckpt.save(1, _state(1), blocking=True)
     stats = ckpt.stats
     assert stats.memory_fallbacks == 1 and "free but its ranks' shares" in (
@@ -247,30 +249,35 @@ def test_memory_tier_writes_on_its_own_thread_count(tmp_path, monkeypatch):
     monkeypatch.setattr(posix.PosixBackend, "pwrite", spy)
     state = {"w": torch.arange(64 << 11, dtype=torch.float32)}  # 512 KiB: 64 blocks of 8 KiB
     io = {"block_bytes": 8192, "staging_bytes": 8 * 8192, "io_threads": 4}
-    with gds_persist.Checkpointer(root, memory_root=mem, drive_every=2, warmup=False,
-                                  **io) as ckpt:
+    with gds_persist.settings.set(**io), gds_persist.Checkpointer(
+            root, memory=MemoryTier(mem), drive_every=2, warmup=False) as ckpt:
         ckpt.save(1, state, blocking=True)
         ckpt.save(2, state, blocking=True)
     assert len(seen["memory"]) == 1 and 1 <= len(seen["drive"]) <= 4, seen
     seen["memory"].clear()
-    with gds_persist.settings.set(memory_io_threads=3), gds_persist.Checkpointer(
-            root, memory_root=mem, warmup=False, **io) as ckpt:
+    with gds_persist.settings.set(memory_io_threads=3, **io), gds_persist.Checkpointer(
+            root, memory=MemoryTier(mem), warmup=False) as ckpt:
         ckpt.save(3, state, blocking=True)
     assert 1 <= len(seen["memory"]) <= 3, seen
     assert all(name.startswith("gds_persist-io") for names in seen.values() for name in names)
 
 
 def test_tier_arguments_are_checked(tmp_path):
-    with pytest.raises(ValueError, match="memory_every=0 must be at least 1"):
-        gds_persist.Checkpointer(tmp_path, memory_root=tmp_path / "m", memory_every=0)
-    with pytest.raises(ValueError, match="pass memory_root=DIR"):
+    with pytest.raises(ValueError, match=r"MemoryTier\(every=0\) must be at least 1"):
+        MemoryTier(tmp_path / "m", every=0)
+    with pytest.raises(ValueError, match=r"MemoryTier\(replicas=-1\) must be 0 or more"):
+        MemoryTier(tmp_path / "m", replicas=-1)
+    with pytest.raises(TypeError, match=r"memory= takes gds_persist.MemoryTier\(root=...\), "
+                                        "not a str"):
+        gds_persist.Checkpointer(tmp_path, memory=str(tmp_path / "m"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"pass memory=gds_persist.MemoryTier\(root=DIR\)"):
         gds_persist.Checkpointer(tmp_path, drive_every=10)
     with pytest.raises(ValueError, match="needs writer='thread'"):
-        gds_persist.Checkpointer(tmp_path, memory_root=tmp_path / "m", mode="snapshot",
+        gds_persist.Checkpointer(tmp_path, memory=MemoryTier(tmp_path / "m"), mode="snapshot",
                                  writer="process")
     with pytest.raises(ValueError, match="rank_local= marks state .* needs the ranks' "
                                          "process_group="):
-        gds_persist.Checkpointer(tmp_path, memory_root=tmp_path / "m", rank_local="shard")
+        gds_persist.Checkpointer(tmp_path, memory=MemoryTier(tmp_path / "m"), rank_local="shard")
     with pytest.raises(ValueError, match="overlap"):
         gds_persist.Checkpointer(tmp_path, rank_local=["optim", ("optim", "state")])
 

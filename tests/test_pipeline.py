@@ -150,8 +150,8 @@ def test_direct_requests_write_and_read_tensor_memory_and_match_staged_files(
     with profiling() as saved:
         gds_persist.save(sd, shm_dir / "ck", backend="direct")
     assert saved.stages["write (from the tensor)"].nbytes >= 2 * DIRECT_MIN
-    gds_persist.save(sd, tmp_path / "staged", backend="buffered", block_bytes=8192,
-                     staging_bytes=16384, io_threads=3)
+    with gds_persist.settings.set(block_bytes=8192, staging_bytes=16384, io_threads=3):
+        gds_persist.save(sd, tmp_path / "staged", backend="buffered")
     assert _data(shm_dir / "ck") == _data(tmp_path / "staged")  # byte-identical files
     with profiling() as loaded:
         got = gds_persist.load(shm_dir / "ck", backend="direct")
@@ -183,8 +183,8 @@ def test_an_extent_cut_into_many_requests_joins_its_checksum(tmp_path: Path) -> 
     from gds_persist.format import crc32c
 
     t = random_tensor(torch.uint8, 40 * ALIGNMENT + 99, seed=9)
-    gds_persist.save({"t": t}, tmp_path / "ck", block_bytes=ALIGNMENT,
-                     staging_bytes=3 * ALIGNMENT, io_threads=4)
+    with gds_persist.settings.set(block_bytes=ALIGNMENT, staging_bytes=3 * ALIGNMENT, io_threads=4):
+        gds_persist.save({"t": t}, tmp_path / "ck")
     (e,) = gds_persist.read_manifest(tmp_path / "ck").extents
     assert e.crc32c == crc32c(t.numpy())
 
@@ -263,7 +263,8 @@ def test_one_writer_spreads_a_save_over_file_streams(tmp_path: Path, streams: in
           "b": random_tensor(torch.uint8, 77_777, seed=2),
           "c": random_tensor(torch.bfloat16, 5, seed=3)}
     with gds_persist.settings.set(file_streams=streams):
-        info = gds_persist.save(sd, tmp_path / "ck", block_bytes=8192, staging_bytes=32768)
+        with gds_persist.settings.set(block_bytes=8192, staging_bytes=32768):
+            info = gds_persist.save(sd, tmp_path / "ck")
     assert len(info.files) == streams
     sizes = [os.path.getsize(tmp_path / "ck" / name) for name in info.files]
     assert max(sizes) - min(sizes) <= 2 * 4096
@@ -287,14 +288,14 @@ def test_auto_load_reads_the_way_that_measured_faster_and_says_so(tmp_path: Path
     gds_persist.save(sd, tmp_path / "ck")
     dev = os.stat(tmp_path / "ck").st_dev
     with gds_persist.settings.set(block_bytes=1 << 20, staging_bytes=8 << 20):
-        state, info = gds_persist.load(tmp_path / "ck", return_info=True)
+        state, info = gds_persist.load_with_info(tmp_path / "ck")
         assert_tree_equal(state, sd)
         assert info.backend in ("direct", "buffered")
         assert "this load's first" in info.reason and "GB/s" in info.reason
         assert info.payload_bytes == sd["big"].numel() and info.bytes_read >= info.payload_bytes
         assert len(read_mode.recent(dev)) == 1
-        _, again = gds_persist.load(tmp_path / "ck", return_info=True)
+        _, again = gds_persist.load_with_info(tmp_path / "ck")
         assert len(read_mode.recent(dev)) == 2  # later loads keep measuring
         assert "median of the last 2 measured load(s)" in again.reason
-    _, explicit = gds_persist.load(tmp_path / "ck", backend="direct", return_info=True)
+    _, explicit = gds_persist.load_with_info(tmp_path / "ck", backend="direct")
     assert (explicit.backend, explicit.reason) == ("direct", "requested explicitly")

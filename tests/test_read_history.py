@@ -43,7 +43,7 @@ def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 def _load(path: Path) -> gds_persist.LoadInfo:
     with gds_persist.settings.set(block_bytes=MiB, staging_bytes=8 * MiB):
-        _, info = gds_persist.load(path, return_info=True)
+        _, info = gds_persist.load_with_info(path)
     return info
 
 
@@ -60,13 +60,13 @@ def test_a_new_process_starts_from_the_history_of_earlier_ones(tmp_path: Path) -
         "import json, gds_persist\n"
         "from gds_persist.backends import read_mode\n"
         f"with gds_persist.settings.set(block_bytes={MiB}, staging_bytes={8 * MiB}):\n"
-        f"    s, info = gds_persist.load({str(path)!r}, return_info=True)\n"
+        f"    s, info = gds_persist.load_with_info({str(path)!r})\n"
         f"print(json.dumps([info.reason, read_mode.recent({dev})]))\n")
     reason, after = json.loads(out)
     assert "median of the last 3 measured load(s)" in reason, reason
     assert after[:2] == kept and len(after) == 3
     assert read_history.load(dev) == after
-    state, _ = gds_persist.load(path, return_info=True)
+    state, _ = gds_persist.load_with_info(path)
     assert_tree_equal(state, sd)
 
 

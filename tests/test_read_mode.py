@@ -194,7 +194,7 @@ def test_auto_load_measures_on_its_own_requests(tmp_path: Path, history: list[fl
         read_mode.record(dev, value)
     with gds_persist.settings.set(block_bytes=MiB, staging_bytes=8 * MiB):
         before = _rchar()
-        state, info = gds_persist.load(tmp_path / "ck", backend="auto", return_info=True)
+        state, info = gds_persist.load_with_info(tmp_path / "ck", backend="auto")
         read = _rchar() - before
     assert_tree_equal(state, sd)
     assert info.payload_bytes <= read <= info.bytes_read + MiB  # nothing read twice
@@ -233,7 +233,7 @@ def test_measuring_requests_are_cut_to_the_probe_size(tmp_path: Path,
     monkeypatch.setattr(extents_module, "_read_backend", keep)
     with gds_persist.settings.set(block_bytes=4 * MiB, staging_bytes=16 * MiB):
         before = _rchar()
-        state, info = gds_persist.load(tmp_path / "ck", backend="auto", return_info=True)
+        state, info = gds_persist.load_with_info(tmp_path / "ck", backend="auto")
         read = _rchar() - before
     assert_tree_equal(state, sd)
     assert info.payload_bytes <= read <= info.bytes_read + MiB  # nothing read twice
@@ -248,15 +248,15 @@ def test_small_load_reads_as_recent_loads_say(tmp_path: Path) -> None:
     _on_o_direct_disk(tmp_path)
     sd = {"w": random_tensor(torch.uint8, 3 * MiB, seed=1)}
     gds_persist.save(sd, tmp_path / "ck")
-    state, info = gds_persist.load(tmp_path / "ck", return_info=True)  # 16 MiB requests
+    state, info = gds_persist.load_with_info(tmp_path / "ck")  # 16 MiB requests
     assert_tree_equal(state, sd)
     assert info.backend == "direct" and "too small to measure" in info.reason
     assert "nothing measured on this filesystem yet" in info.reason
     read_mode.record(os.stat(tmp_path / "ck").st_dev, 2.0)
-    state, info = gds_persist.load(tmp_path / "ck", return_info=True)
+    state, info = gds_persist.load_with_info(tmp_path / "ck")
     assert_tree_equal(state, sd)
     assert info.backend == "buffered" and "read rate 2.00x" in info.reason
-    _, explicit = gds_persist.load(tmp_path / "ck", backend="direct", return_info=True)
+    _, explicit = gds_persist.load_with_info(tmp_path / "ck", backend="direct")
     assert (explicit.backend, explicit.reason) == ("direct", "requested explicitly")
 
 
@@ -275,7 +275,7 @@ def test_tmpfs_loads_are_measured_too(tmp_path: Path) -> None:
         dev = os.stat(shm).st_dev
         before = len(read_mode.recent(dev))
         with gds_persist.settings.set(block_bytes=MiB, staging_bytes=8 * MiB):
-            state, info = gds_persist.load(shm, backend="auto", return_info=True)
+            state, info = gds_persist.load_with_info(shm, backend="auto")
         assert_tree_equal(state, sd)
         assert info.backend in ("direct", "buffered")
         assert "buffered / O_DIRECT read rate" in info.reason, info.reason

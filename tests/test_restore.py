@@ -90,7 +90,7 @@ def test_init_optimizer_state_lets_a_fresh_optimizer_be_filled_in_place(saved: A
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), params, strict=True))
     assert opt.param_groups[0]["lr"] == 1e-2 and all(p.grad is None for p in model.parameters())
     live = {"model": model.state_dict(), "optim": opt.state_dict()}
-    state, info = gds_persist.load(path, into=live, return_info=True)
+    state, info = gds_persist.load_with_info(path, into=live)
     assert info.in_place_bytes == info.payload_bytes and not info.unexpected_keys
     moments = opt.state[next(model.parameters())]
     want = want_opt.state[next(want_model.parameters())]
@@ -136,7 +136,7 @@ def test_not_strict_fills_what_matches_and_reports_the_rest(
     opt = torch.optim.AdamW(model.parameters())  # no state yet: the moments load fresh
     live = {"model": model.state_dict(), "optim": opt.state_dict(), "extra": torch.ones(2)}
     with caplog.at_level(logging.WARNING, logger="gds_persist"):
-        state, info = gds_persist.load(path, into=live, strict=False, return_info=True)
+        state, info = gds_persist.load_with_info(path, into=live, strict=False)
     assert info.missing_keys == ["['extra']"]
     assert "['optim']['state'][0]['exp_avg']" in info.unexpected_keys
     assert "1 missing key(s)" in caplog.text
@@ -242,11 +242,12 @@ def test_verify_false_still_fills_in_place(saved: Any) -> None:
 def test_incremental_and_compressed_checkpoints_decode_into_place(
         tmp_path: Path, compression: str) -> None:
     model, opt = _trained(0)
-    gds_persist.save(_state(model, opt), tmp_path / "s1", content_hash=True)
+    gds_persist.save(_state(model, opt), tmp_path / "s1",
+                     options=gds_persist.SaveOptions(content_hash=True))
     with torch.no_grad():
         model[3].weight.add_(1.0)
     gds_persist.save(_state(model, opt), tmp_path / "s2", base=tmp_path / "s1",
-                     compression=compression)
+                     options=gds_persist.SaveOptions(compression=compression))
     assert gds_persist.read_manifest(tmp_path / "s2").referenced_bytes > 0
     live_model, live_opt = _trained(4)
     live = {"model": live_model.state_dict(), "optim": live_opt.state_dict()}

@@ -46,11 +46,11 @@ REQUIRED_DTYPES = [
 ]
 
 
-def roundtrip(sd: Any, path: Path, backend: BackendCase, **save_kw: Any) -> Any:
-    info = gds_persist.save(sd, path, backend=backend.name, **save_kw)
-    assert info.backend == backend.name
-    ring = {k: v for k, v in save_kw.items() if k in ("block_bytes", "staging_bytes")}
+def roundtrip(sd: Any, path: Path, backend: BackendCase, **ring: Any) -> Any:
+    """Save and load ``sd`` with the staging ring ``ring`` (block_bytes, staging_bytes)."""
     with gds_persist.settings.set(**ring):
+        info = gds_persist.save(sd, path, backend=backend.name)
+        assert info.backend == backend.name
         return gds_persist.load(path, backend=backend.name)
 
 
@@ -224,7 +224,8 @@ def test_data_files_byte_identical_across_backends(tmp_path: Path) -> None:
         }
         sd["tied"] = sd["a"][10:20]
         path = tmp_path / b.name
-        gds_persist.save(sd, path, backend=b.name, **SMALL_RING)
+        with gds_persist.settings.set(**SMALL_RING):
+            gds_persist.save(sd, path, backend=b.name)
         body = manifest_doc(path)["body"]
         body.pop("writer")
         if b.device != "cpu":  # the device a storage came from is recorded; nothing else differs

@@ -165,7 +165,7 @@ def test_what_a_torch_file_cannot_hold_is_refused_with_the_fix(tmp_path: Path) -
     with pytest.raises(ValueError, match=r"format='torch' writes one plain torch.save file.*"
                                          r"compression="):
         gds_persist.save({"w": torch.ones(1)}, tmp_path / "a.pt", format="torch",
-                         compression="lossless")
+                         options=gds_persist.SaveOptions(compression="lossless"))
     with pytest.raises(ValueError, match=r"format=.*valid formats are directory, torch"):
         gds_persist.save({"w": torch.ones(1)}, tmp_path / "a.pt", format="zip")
     gds_persist.save({"w": torch.ones(1)}, tmp_path / "ck")  # a checkpoint directory
@@ -183,21 +183,20 @@ def test_python_objects_ride_in_the_pickle_with_allow_pickle(tmp_path: Path) -> 
     assert torch.load(tmp_path / "a.pt", weights_only=False)["args"].lr == 0.1
     with pytest.raises(gds_persist.PickleRefusedError, match=r"weights_only=False.*Nothing was"):
         gds_persist.load(tmp_path / "a.pt")
-    got = gds_persist.load(tmp_path / "a.pt", weights_only=False)
+    got = gds_persist.load(tmp_path / "a.pt", options=gds_persist.LoadOptions(weights_only=False))
     assert got["args"] == state["args"] and torch.equal(got["w"], state["w"])
 
 
 def test_stock_torch_save_files_load_and_restore_in_place(tmp_path: Path) -> None:
     state = _state()
     torch.save(state, tmp_path / "stock.pt")
-    got, info = gds_persist.load(tmp_path / "stock.pt", return_info=True)
+    got, info = gds_persist.load_with_info(tmp_path / "stock.pt")
     assert_tree_equal(got, state)
     assert "not verified: the file records no checksums" in info.reason
     live = {"model": OrderedDict((k, torch.zeros_like(v)) for k, v in state["model"].items()),
             "large": torch.zeros_like(state["large"])}
     addresses = {k: v.data_ptr() for k, v in live["model"].items()}
-    got, info = gds_persist.load(tmp_path / "stock.pt", into=live, strict=False,
-                                 return_info=True)
+    got, info = gds_persist.load_with_info(tmp_path / "stock.pt", into=live, strict=False)
     assert got["large"] is live["large"] and torch.equal(live["large"], state["large"])
     assert info.in_place_bytes >= state["large"].numel() * 4  # straight into the tensor
     for k, v in live["model"].items():
@@ -239,7 +238,7 @@ def test_safetensors_files_load_flat_and_in_place(tmp_path: Path) -> None:
     tensors = {"a.weight": torch.randn(300, 7), "b": torch.arange(10, dtype=torch.int16),
                "e": torch.empty(0, 3), "h": torch.randn(5).to(torch.bfloat16)}
     save_file(tensors, str(tmp_path / "m.safetensors"))
-    got, info = gds_persist.load(tmp_path / "m.safetensors", return_info=True)
+    got, info = gds_persist.load_with_info(tmp_path / "m.safetensors")
     assert_tree_equal(got, load_file(str(tmp_path / "m.safetensors")))  # same keys, same order
     assert "not verified" in info.reason
     live = {k: torch.zeros_like(v) for k, v in tensors.items()}
@@ -332,7 +331,7 @@ def test_ranks_write_byte_ranges_of_one_file(gang: Gang, tmp_path: Path) -> None
     assert gds_persist.verify(path).ok
     loaded = [r for r in gang.run(tasks.load_one_file, 3, str(path)) if r is not None]
     assert all(r["ok"] for r in loaded)
-    _, alone = gds_persist.load(path, return_info=True)
+    _, alone = gds_persist.load_with_info(path)
     assert sum(r["read"] for r in loaded) <= alone.bytes_read + 3 * 2 * 4096  # once in total
 
 

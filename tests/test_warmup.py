@@ -20,7 +20,8 @@ STEPS = ["cuda", "staging", "backend", "crc_kernel", "hash_kernel"]
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU outcome; this has CUDA")
 def test_warmup_on_cpu(tmp_path: Path) -> None:
-    report = gds_persist.warmup(tmp_path / "ck", block_bytes=1 << 20, staging_bytes=4 << 20)
+    with gds_persist.settings.set(block_bytes=1 << 20, staging_bytes=4 << 20):
+        report = gds_persist.warmup(tmp_path / "ck")
     assert list(report.steps) == STEPS and not report.failed
     outcome = {k: v for k, (v, _) in report.steps.items()}
     assert outcome["cuda"] == f"skipped: {NO_CUDA}" == outcome["crc_kernel"]
@@ -30,7 +31,7 @@ def test_warmup_on_cpu(tmp_path: Path) -> None:
     name = "direct" if supports_o_direct(str(tmp_path))[0] else "buffered"
     assert outcome["backend"].startswith(f"done: {name} (auto: ")
     assert "kvikio not used (no CUDA tensors)" in outcome["backend"]
-    assert (tmp_path / "ck").is_dir()  # created, as the Checkpointer's root would be
+    assert not (tmp_path / "ck").exists()  # probed in its parent: a warm-up creates nothing
     assert report.seconds >= sum(s for _, s in report.steps.values())
     assert str(report).startswith(f"warm-up {report.seconds:.3f} s (cuda 0.000 s: skipped")
     assert default_device() == (None, NO_CUDA)
@@ -38,11 +39,12 @@ def test_warmup_on_cpu(tmp_path: Path) -> None:
 
 def test_the_first_save_uses_the_warm_ring(tmp_path: Path) -> None:
     staging.release_cached()
-    gds_persist.warmup(block_bytes=1 << 20, staging_bytes=4 << 20)
+    with gds_persist.settings.set(block_bytes=1 << 20, staging_bytes=4 << 20):
+        gds_persist.warmup()
     (ring,) = staging._idle_rings
     assert (ring.count, ring.block_bytes) == (4, 1 << 20)
-    gds_persist.save({"w": torch.ones(1 << 18)}, tmp_path / "ck", block_bytes=1 << 20,
-                     staging_bytes=4 << 20)
+    with gds_persist.settings.set(block_bytes=1 << 20, staging_bytes=4 << 20):
+        gds_persist.save({"w": torch.ones(1 << 18)}, tmp_path / "ck")
     assert staging._idle_rings == [ring]  # borrowed and given back, not a new one
 
 
@@ -57,8 +59,9 @@ def test_failures_are_reported_not_raised(tmp_path: Path) -> None:
 
 
 def test_bad_arguments_raise(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="block_bytes=1000 must be a positive multiple of 4096"):
-        gds_persist.warmup(tmp_path, block_bytes=1000)
+    with pytest.raises(ValueError, match="block_bytes=1000 .* must be a positive multiple of "
+                                         "4096"), gds_persist.settings.set(block_bytes=1000):
+        gds_persist.warmup(tmp_path)
     with pytest.raises(TypeError, match=r"warmup\(device='cpu'\) must be a CUDA device"):
         gds_persist.warmup(tmp_path, device="cpu")
 
@@ -66,8 +69,8 @@ def test_bad_arguments_raise(tmp_path: Path) -> None:
 def test_checkpointer_warms_up_in_the_background(tmp_path: Path,
                                                  caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="gds_persist")
-    with gds_persist.Checkpointer(tmp_path / "ck", block_bytes=1 << 20,
-                                  staging_bytes=4 << 20) as ckpt:
+    with gds_persist.settings.set(block_bytes="1MiB", staging_bytes="4MiB"), \
+            gds_persist.Checkpointer(tmp_path / "ck") as ckpt:
         ckpt.save(1, {"w": torch.ones(100)}).wait()
         report = ckpt.warmup_report  # the writer waited for it before the first write
         assert report is not None and not report.failed

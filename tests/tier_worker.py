@@ -142,10 +142,11 @@ def main(cfg: dict[str, Any]) -> None:
         sd = state(model, opt, step)
         return {**sd, "shard": shard_of(rank, step)} if local else sd
 
-    with gds_persist.Checkpointer(cfg["drive"], process_group=group, memory_root=cfg["memory"],
-                                  memory_every=1, drive_every=cfg["drive_every"], replicas=1,
-                                  keep_last=2, mode="fence", warmup=False, timeout_s=120,
-                                  peer_timeout_s=cfg.get("peer_timeout_s", 60.0),
+    memory = gds_persist.MemoryTier(cfg["memory"], every=1, replicas=1,
+                                    peer_timeout_s=cfg.get("peer_timeout_s", 60.0))
+    with gds_persist.Checkpointer(cfg["drive"], process_group=group, memory=memory,
+                                  drive_every=cfg["drive_every"], keep_last=2, mode="fence",
+                                  warmup=False, timeout_s=120,
                                   rank_local="shard" if local else None) as ckpt:
         ckpt.guard(opt)
         start = 0

@@ -32,7 +32,7 @@ def load_one_file(ctx: Any, n: int, path: str) -> Any:
     group = ctx.group(n)
     if group is None:
         return None
-    state, info = gds_persist.load(path, process_group=group, return_info=True)
+    state, info = gds_persist.load_with_info(path, process_group=group)
     want = make_state()
     ok = (torch.equal(state["model"]["wte"], want["model"]["wte"])
           and state["model"]["lm_head"].untyped_storage().data_ptr()

@@ -44,6 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    for name, value in vars(args).items():  # "~/ckpt" quoted or after "--out=": as a shell would
+        if isinstance(value, str | list):
+            setattr(args, name, _expand(value))
     try:
         status = int(args.run(args) or 0)
         sys.stdout.flush()  # here, where a closed pipe can still be told apart from a failure
@@ -58,6 +61,12 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as e:
         print(f"gds-persist {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+
+
+def _expand(value: str | list[object]) -> str | list[object]:
+    if isinstance(value, list):
+        return [os.path.expanduser(v) if isinstance(v, str) else v for v in value]
+    return os.path.expanduser(value)
 
 
 if __name__ == "__main__":

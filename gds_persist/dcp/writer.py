@@ -50,6 +50,7 @@ from ..format import (
 )
 from ..format import tree as _tree
 from ..format.layout import layout_file
+from ..keywords import as_settings, removed_keywords
 from ..parallel import balancing as _balance
 from ..progress import ByteCounter, ProgressCallback
 from ..saving.manifest_builder import Part
@@ -131,9 +132,10 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
 
     ``FileSystemWriter``'s arguments (docs/INTEGRATIONS.md, "FileSystemWriter's arguments"):
     ``overwrite=False`` refuses to replace a checkpoint at ``path`` (checked when the save starts
-    and again under the commit lock); ``thread_count`` is ``io_threads``; ``sync_files=True`` and
-    ``single_file_per_rank=True`` are what this writer always does, and ``False`` is refused (an
-    atomic commit needs fsynced files; one aligned file per rank is the layout);
+    and again under the commit lock); ``thread_count`` is the ``io_threads`` setting;
+    ``sync_files=True`` and ``single_file_per_rank=True`` are what this writer always does, and
+    ``False`` is refused (an atomic commit needs fsynced files; one aligned file per rank is the
+    layout);
     ``cache_staged_state_dict=True`` keeps the ``dcp.async_save`` staging copy between saves
     (pinned where CUDA is available). As ``FileSystemWriter``, the writer is the ``AsyncStager``
     that ``dcp.async_save`` uses when no ``async_stager`` is given.
@@ -142,6 +144,7 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
     (both need rank-local decisions about the shared temporary directory); a clear error says so.
     """
 
+    @removed_keywords(as_settings("block_bytes", "staging_bytes", "io_threads"))
     def __init__(
         self,
         path: str | os.PathLike[str] = "",
@@ -149,9 +152,6 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
         backend: str | None = None,
         balance: bool = True,
         split_min_bytes: int = 1 << 20,
-        block_bytes: int | None = None,
-        staging_bytes: int | None = None,
-        io_threads: int | None = None,
         progress: ProgressCallback | None = None,
         overwrite: bool = True,
         thread_count: int | None = None,
@@ -162,19 +162,12 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
         StorageWriter.__init__(self)
         BlockingAsyncStager.__init__(self, cache_staged_state_dict=cache_staged_state_dict)
         _refuse_unsupported(sync_files, single_file_per_rank)
-        if thread_count is not None and io_threads not in (None, thread_count):
-            raise CheckpointError(
-                f"GdsPersistWriter(thread_count={thread_count}, io_threads={io_threads}): they "
-                "name the same thing (the I/O threads of each rank); pass one of them"
-            )
         self.overwrite = overwrite
         self._set_path(path)
         self.backend = backend
         self.balance = balance
         self.split_min_bytes = split_min_bytes
-        self.block_bytes = block_bytes
-        self.staging_bytes = staging_bytes
-        self.io_threads = io_threads if io_threads is not None else thread_count
+        self.io_threads = thread_count  # FileSystemWriter's name for it; None: the setting
         self.progress = progress
         self.is_coordinator = False
         self.rank_bytes: list[int] = []
@@ -304,12 +297,7 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
                 "published or removed already (DCP plan caching, enable_plan_caching=True, is "
                 "not supported), or ranks do not share the filesystem of the checkpoint path"
             )
-        cfg = settings.current(
-            backend=self.backend,
-            block_bytes=self.block_bytes,
-            staging_bytes=self.staging_bytes,
-            io_threads=self.io_threads,
-        )
+        cfg = settings.current(backend=self.backend, io_threads=self.io_threads)
         sources: list[torch.Tensor] = []
         meta: list[tuple[WriteItem, str, str, tuple[int, ...], int, int, int]] = []
         for item in plan.items:

@@ -77,7 +77,9 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import (
 
 from .. import settings
 from ..format.torch_pickle import replica_digest
+from ..keywords import as_settings, refuse_moved
 from ..loading.load import load as gds_load
+from ..loading.options import LoadOptions
 from ..parallel.distributed import background_group, make_comm
 from ..results import DistributedSaveInfo, SaveInfo
 from ..saving.save import save as gds_save
@@ -91,7 +93,7 @@ from ..transfer.commit import fsync_path
 log = logging.getLogger("gds_persist")
 __all__ = ["SAVE_OPTIONS", "GdsPersistCheckpointEngine", "attach", "flush"]
 
-SAVE_OPTIONS = frozenset({"backend", "block_bytes", "staging_bytes", "io_threads"})
+SAVE_OPTIONS = frozenset({"backend"})
 # the file every data-parallel rank of ZeRO 0-2 holds alike (DeepSpeed's _get_ckpt_name)
 SHARED_FILE = re.compile(r"mp_rank_\d+_model_states\.pt")
 # ZeRO 1-2 optimizers' flat buffers, which the optimizer step alone changes
@@ -286,6 +288,8 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
                  timeout_s: float = 1800.0, **save_options: Any):
         super().__init__(config_params)
         self.name = "GdsPersistCheckpointEngine"
+        refuse_moved("GdsPersistCheckpointEngine", save_options,
+                     as_settings("block_bytes", "staging_bytes", "io_threads"))
         unknown = sorted(set(save_options) - SAVE_OPTIONS)
         if unknown:
             raise TypeError(f"GdsPersistCheckpointEngine: unknown option(s) {unknown}; it takes "
@@ -376,7 +380,8 @@ class GdsPersistCheckpointEngine(CheckpointEngine):  # type: ignore[misc]
         self.wait()  # a file being written is read once it is complete
         if os.path.isfile(path) and not zipfile.is_zipfile(path):
             return torch.load(path, map_location=map_location, weights_only=False)
-        return gds_load(path, map_location=map_location, weights_only=False)
+        return gds_load(path, map_location=map_location,
+                        options=LoadOptions(weights_only=False))
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
         """Make ``info.tag`` durable on every rank, then (rank 0, ``info.save_latest``) write

@@ -59,9 +59,11 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, CheckpointTimeout
+from ..keywords import refuse_moved
 from ..loading.load import load
+from ..loading.options import LoadOptions
 from ..results import SaveInfo
-from ..saving.options import FORMATS
+from ..saving.options import FORMATS, MOVED
 from ..saving.save import save
 from ..saving.torch_file import PickledState
 from ..state.flatten import Flattened, flatten
@@ -101,6 +103,7 @@ def _save_options(options: Any, where: str) -> dict[str, Any]:
             f"({', '.join(sorted(STORAGE_OPTIONS))}), not {type(options).__name__} "
             f"{str(options)[:60]!r}"
         )
+    refuse_moved(where, options, MOVED)
     unknown = sorted(str(k) for k in options if k not in STORAGE_OPTIONS)
     if unknown:
         raise TypeError(
@@ -248,7 +251,8 @@ class _GdsPersistCheckpointIO:
                 else contextlib.nullcontext())
         with safe:
             state = load(path, map_location="cpu" if map_location is None else map_location,
-                         verify=self.verify, weights_only=weights_only is not False)
+                         verify=self.verify,
+                         options=LoadOptions(weights_only=weights_only is not False))
         if not isinstance(state, dict):
             raise CheckpointError(f"{path} does not hold a Lightning checkpoint dict")
         return state

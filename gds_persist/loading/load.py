@@ -39,6 +39,7 @@ from ..errors import CheckpointReplacedError, ManifestError, NotCommittedError
 from ..format import Extent, Manifest, align_up, sections_tree, storage_descriptions
 from ..format.records import Wire
 from ..format.tree import decode, tensor_indices
+from ..keywords import in_options, removed_keywords, same_keywords
 from ..parallel.distributed import Comm, make_comm
 from ..parallel.exchange import exchange
 from ..parallel.shared_reads import check_joined, shared_pieces
@@ -66,6 +67,7 @@ from .destinations import (
     target_device,
 )
 from .extents import read_extents
+from .options import LoadOptions, check_into
 
 log = logging.getLogger("gds_persist")
 def read_manifest(path: str | os.PathLike[str]) -> Manifest:
@@ -84,7 +86,13 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     return opened(path, lambda ck: ck.manifest)
 
 
-def load(
+_MOVED = {**in_options("LoadOptions", "strategy", "rank_local", "data_dirs", "weights_only"),
+          "return_info": "return_info is gone since 0.2 (load returns the state only): use "
+                         "`state, info = gds_persist.load_with_info(path, ...)`"}
+
+
+@removed_keywords(_MOVED)
+def load_with_info(
     path: str | os.PathLike[str],
     *,
     into: Any = None,
@@ -92,59 +100,19 @@ def load(
     map_location: MapLocation = None,
     verify: bool = True,
     backend: str | None = None,
-    progress: ProgressCallback | None = None,
     process_group: Any = None,
-    strategy: str | None = None,
-    rank_local: Any = None,
-    data_dirs: Any = None,
-    return_info: bool = False,
-    weights_only: bool = True,
-) -> Any:
-    """Load the checkpoint at ``path``; every extent's CRC32C is checked unless ``verify=False``.
-
-    ``map_location`` works as in ``torch.load``: ``None`` restores each tensor to the device it was
-    saved from; a device or string moves everything there; a dict maps saved locations
-    (``"cuda:1"``) to new ones; a callable ``f(storage, location)`` receives each storage loaded on
-    the CPU and returns the storage to use (or None to keep the default placement).
-    ``progress(done_bytes, total_bytes)``, if given, is called as data is read.
-    Raises :class:`ChecksumError` naming the tensor, file and offset of corrupted bytes.
-
-    Any number of processes loads a checkpoint saved by any number (``docs/DISTRIBUTED.md``).
-    With ``process_group``, every rank of the group calls ``load``; replicated data is read once
-    in total and shared over the group (``strategy``: ``"allgather"``, ``"broadcast"`` or
-    ``"read_all"``; default the ``load_strategy`` setting), and CUDA tensors go to each rank's
-    current device unless ``map_location`` says otherwise. ``rank_local`` picks whose rank-local
-    parts fill their places: ``None`` (this rank's with a process group, every rank's - a dict
-    by rank - without), ``"all"``, or a rank number. ``data_dirs`` maps data directories that
-    moved: ``{recorded root: new root}`` or a list in the manifest's order. With a process group
-    ``progress`` counts the bytes this rank reads.
-
-    ``return_info=True`` returns ``(state, LoadInfo)``: the backend used and why (``auto`` reads
-    through the page cache where that measured faster on the filesystem), bytes, seconds.
-
-    ``into``: restore in place. A state shaped as ``save`` takes it (e.g. ``{"model":
-    model.state_dict(), "optim": optimizer.state_dict()}``) whose tensors are filled with the
-    checkpoint's bytes, read straight into them (host or CUDA memory; extra memory bounded by
-    ``staging_bytes``, see :mod:`gds_persist.loading.destinations`). Returns the checkpoint's
-    state with those same tensor objects in place; its other leaves come from the checkpoint,
-    and checkpoint tensors with no destination are loaded fresh. Key paths, shapes and dtypes
-    are checked before any byte is read, :class:`StateMismatchError` listing every mismatch;
-    ``strict`` (default) also refuses missing and unexpected keys, ``strict=False`` fills what
-    matches, logs the rest and reports it in ``LoadInfo.missing_keys`` / ``unexpected_keys``.
-    ``map_location`` applies only to tensors loaded fresh. A restore that fails part-way raises
-    saying which tensors of ``into`` may hold partial data (``partial_keys`` of the error).
-
-    ``path`` may also be one file: a ``torch.save`` archive (written by
-    ``gds_persist.save(..., format="torch")``, or stock ``torch.save``) or a safetensors file,
-    read by the same engine, ``into=`` and process groups included
-    (:mod:`gds_persist.loading.single_file`). A torch.save file's pickle runs through torch's
-    weights-only unpickler (tensors, containers, ``add_safe_globals``); ``weights_only=False``
-    runs any object it holds, for trusted files only (a DeepSpeed checkpoint needs it). A file
-    gds_persist wrote is verified like a directory; a stock one records no checksums and is
-    read unverified (``LoadInfo.reason`` says so).
-    """
+    progress: ProgressCallback | None = None,
+    options: LoadOptions | None = None,
+) -> tuple[Any, LoadInfo]:
+    """:func:`load`, also returning what it did: ``state, info = load_with_info(path, ...)``:
+    the state, and a :class:`~gds_persist.LoadInfo` (the backend used and why, bytes, seconds;
+    with ``strict=False`` the keys that did not match). Parameters: as :func:`load`."""
+    check_into(into)
+    more = options if options is not None else LoadOptions()
+    strategy, rank_local, weights_only = more.strategy, more.rank_local, more.weights_only
+    data_dirs = more.data_dirs
     t0 = time.perf_counter()
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     cfg = settings.current(backend=backend, load_strategy=strategy)
     comm = make_comm(process_group, cfg.collective_timeout_s)
     distributed = process_group is not None
@@ -166,7 +134,53 @@ def load(
         state, info = _load_held(ck, lp, comm, cfg, what, map_location, verify, progress,
                                  distributed, into, strict, weights_only)
     info.seconds = time.perf_counter() - t0
-    return (state, info) if return_info else state
+    return state, info
+
+
+@removed_keywords(_MOVED)
+@same_keywords(load_with_info)
+def load(path: str | os.PathLike[str], **keywords: Any) -> Any:
+    """Load the checkpoint at ``path`` and return its state, every byte checked (CRC32C).
+
+    Reference: ``docs/USAGE.md``, "Reference: load"; the same with what the load did:
+    :func:`load_with_info`.
+
+    Parameters
+    ----------
+    path : str or os.PathLike
+        A checkpoint directory, or one ``torch.save`` or safetensors file; ``~`` is expanded.
+    into : state dict, optional
+        Restore in place: a state shaped as ``save`` took it (``{"model":
+        model.state_dict(), ...}``) whose tensors are filled with the checkpoint's bytes.
+    strict : bool
+        With ``into``: refuse missing and unexpected keys (``False``: fill what matches).
+    map_location : device, str, dict or callable, optional
+        As in ``torch.load`` (default: each tensor to the device it was saved from).
+    verify : bool
+        Check every extent's CRC32C (``False``: trust the bytes).
+    backend : {"auto", "direct", "buffered", "kvikio"}, optional
+        The I/O backend (default: the ``backend`` setting).
+    process_group : torch.distributed group or "default", optional
+        Every rank calls ``load``; replicated data is read once in total and shared.
+    progress : callable, optional
+        ``progress(done_bytes, total_bytes)``, called as data is read.
+    options : LoadOptions, optional
+        The rarer options: strategy, rank-local parts, moved data directories, unpickling.
+
+    Returns
+    -------
+    The checkpoint's state (with ``into``: holding ``into``'s tensor objects).
+
+    Raises
+    ------
+    ChecksumError
+        Corrupted bytes, naming the tensor, file and offset.
+    StateMismatchError
+        With ``into``: key paths, shapes or dtypes that differ, every one listed.
+    TypeError
+        ``into`` is not a state (a module: pass ``into=model.state_dict()``), or a 0.1 keyword.
+    """
+    return load_with_info(path, **keywords)[0]
 
 
 @dataclass

@@ -48,7 +48,7 @@ def verify(
     Raises:
         ManifestError, TruncatedError, NotCommittedError: what stops the check.
     """
-    path = os.fspath(path)
+    path = os.path.expanduser(os.fspath(path))
     cfg = settings.current(backend=backend)
 
     def check(ck: OpenCheckpoint) -> VerifyReport:

@@ -1,6 +1,6 @@
-"""What one :func:`gds_persist.save` was asked for: its keyword arguments as one checked, frozen
-record, built once by ``save`` and passed down to the single-process or the data-parallel save.
-Users never see it: ``save``'s keywords are the interface (documented there)."""
+"""A save's options: :class:`SaveOptions` (public: the rarer knobs of :func:`gds_persist.save`)
+and :class:`SaveRequest` (internal: every argument of one save as one checked, frozen record,
+built once by ``save`` and passed down to the single-process or the data-parallel save)."""
 
 from __future__ import annotations
 
@@ -10,24 +10,55 @@ from typing import Any
 
 from .. import settings
 from ..format.tree import KeyPath
+from ..keywords import as_settings, in_options
 from ..parallel.replicas import CHECK_REPLICAS
 from ..progress import ProgressCallback
 from ..state.rank_local import normalize_paths
 from .incremental import check_base_path
 
 FORMATS = ("directory", "torch")  # a checkpoint directory, or one torch.save file
+# save()'s keywords of 0.1 and their spelling since (gds_persist.keywords)
+MOVED = {**as_settings("block_bytes", "staging_bytes", "io_threads"),
+         **in_options("SaveOptions", "compression", "content_hash", "writers_per_node",
+                      "data_dirs", "check_replicas")}
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """The rarer options of :func:`gds_persist.save`, passed as ``save(..., options=...)``.
+
+    Parameters
+    ----------
+    compression : {"none", "lossless", "auto"}, optional
+        How units are stored: raw, encoded (blosc2 bit-shuffle + LZ4) where that shrinks them,
+        or encoded only where measured to make this save faster. Default: the ``compression``
+        setting (``"none"``). Directory format only.
+    content_hash : bool, optional
+        Record BLAKE3-128 hashes so that this checkpoint can serve as a ``base`` later
+        (default: True with a ``base``). Directory format only.
+    writers_per_node : int, optional
+        Data-parallel: the ranks that write, per node (default: every rank).
+    data_dirs : list of paths, optional
+        Data-parallel: stripe each node's data files over these directories (one per drive).
+    check_replicas : {"structure", "checksums", "off"}
+        Data-parallel: compare the replicated state across ranks by keys, dtypes and shapes,
+        also by bytes, or not at all.
+    """
+
+    compression: str | None = None
+    content_hash: bool | None = None
+    writers_per_node: int | None = None
+    data_dirs: Any = None
+    check_replicas: str = "structure"
 
 
 @dataclass(frozen=True)
 class SaveRequest:
-    """``save``'s keyword arguments (see :func:`gds_persist.save`), checked when built;
-    ``cfg``: the settings in force for this save (arguments over ``settings.set`` over the
-    environment), taken once."""
+    """``save``'s arguments, its ``options`` unpacked (see :func:`gds_persist.save`), checked
+    when built; ``cfg``: the settings in force for this save (``backend`` and ``compression``
+    over ``settings.set`` over the environment), taken once."""
 
     backend: str | None = None
-    block_bytes: int | None = None
-    staging_bytes: int | None = None
-    io_threads: int | None = None
     progress: ProgressCallback | None = None
     process_group: Any = None
     rank_local: Any = None
@@ -50,8 +81,7 @@ class SaveRequest:
             raise ValueError("allow_pickle=True is for single-process saves; it cannot be "
                              "combined with process_group, rank_local or data_dirs")
         object.__setattr__(self, "cfg", settings.current(  # frozen: set once, here
-            backend=self.backend, block_bytes=self.block_bytes, staging_bytes=self.staging_bytes,
-            io_threads=self.io_threads, compression=self.compression))
+            backend=self.backend, compression=self.compression))
         if not self.data_parallel:  # the rest is read by data-parallel saves only
             return
         if self.check_replicas not in CHECK_REPLICAS:
@@ -95,11 +125,13 @@ class SaveRequest:
     def base_of(self, path: str) -> str | None:
         """The base checkpoint of a save of ``path`` as an absolute path (None without one);
         ValueError unless it is a sibling of ``path``, and not ``path`` itself."""
-        return check_base_path(path, os.fspath(self.base)) if self.base is not None else None
+        if self.base is None:
+            return None
+        return check_base_path(path, os.path.expanduser(os.fspath(self.base)))
 
     def rank_local_paths(self) -> list[KeyPath]:
         return normalize_paths(self.rank_local)
 
     def roots(self) -> list[str]:
         """The data directories, absolute."""
-        return [os.path.abspath(os.fspath(d)) for d in (self.data_dirs or [])]
+        return [os.path.abspath(os.path.expanduser(os.fspath(d))) for d in (self.data_dirs or [])]

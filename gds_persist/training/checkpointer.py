@@ -1,4 +1,4 @@
-"""Checkpointing that overlaps training: :class:`Checkpointer`.
+"""Checkpointing that overlaps training: :class:`Checkpointer` (``docs/TRAINING.md``).
 
 ::
 
@@ -15,44 +15,14 @@
             ckpt.save(step, {"model": model.state_dict(), "optim": optimizer.state_dict(),
                              "step": step})
 
-``save`` returns at once; the checkpoint of step i is written while step i+1 runs forward and
-backward, and the guard makes step i+1's update wait until the write no longer reads the tensors.
-
-Modes (how long the caller's tensors are borrowed):
-
-* ``auto`` (default): decided at the first ``save`` from the state and the machine
-  (:mod:`.mode`): ``snapshot`` for state on a GPU when its pinned arena fits the host memory,
-  else ``fence``. The choice and why: :attr:`Checkpointer.mode` / :attr:`~Checkpointer.mode_reason`,
-  ``stats.mode`` / ``stats.mode_reason``, each handle's ``mode`` / ``mode_reason``, and an INFO log
-  line on the ``gds_persist`` logger.
-* ``fence``: the live tensors are written directly; no copy, no extra memory. They are
-  released when the checkpoint is durable.
-* ``snapshot``: a background thread copies them into a bounded host arena (pinned where CUDA
-  exists) and releases them; the write follows from the copy, for updates that come before a
-  write could finish. The arena never grows: a snapshot waits for memory (counted in ``stats``);
-  a state larger than the whole arena is written fence-style.
-
-Start-up: a new Checkpointer starts :func:`gds_persist.warmup` in a background thread (CUDA
-context and side streams, staging ring, backend probe, kvikio/cuFile start-up, device CRC kernel)
-so that the first checkpoint is not the slow one; the first write waits for it (bounded).
-``warmup=False`` skips it; ``ckpt.warmup_report`` says what it did.
-
-What a save holds (:mod:`.capture`): every tensor bit for bit as it was when ``save`` was
-called, whatever changes it afterwards, or the save fails with TornCheckpointError naming it.
-
-Threads: one writer thread (plus a snapshot thread in snapshot mode). Their bulk work releases
-the GIL; core ``save``'s Python around it does not (docs/TRAINING.md). ``writer="process"``
-(snapshot mode) writes from a helper process (:mod:`.helper`). Every wait is bounded
-(``timeout_s``) and watches the threads and the helper: one that dies fails the save it was
-doing (a new one takes the next), never hangs.
-
-Each state dict is flattened once, by ``save`` (a state a checkpoint cannot hold raises there,
-naming the key), and that Flattened (or its snapshot) is what core ``save`` writes. A background
-error is raised by ``handle.wait()``, else by the next ``save``/``wait``/``close``.
-
-This module is the public API and joins the parts: handles, counters and bounded waits
-(:mod:`.handles`), threads (:mod:`.background_writer`), CUDA streams and events
-(:mod:`.streams`), the snapshot arena (:mod:`.snapshot`), where each step goes (:mod:`.tiers`).
+``save`` returns at once; the checkpoint of step i is written while step i+1 runs, and the guard
+makes step i+1's update wait until the write no longer reads the tensors. The modes (``auto``,
+``fence``, ``snapshot``), the warm-up, the threads and what a save holds are described in
+``docs/TRAINING.md``. This module is the public API and joins the parts: handles, counters and
+bounded waits (:mod:`.handles`), the threads' jobs (:mod:`.writer_threads`, on
+:mod:`.background_writer`),
+loading (:mod:`.restoring`), CUDA streams (:mod:`.streams`), the snapshot arena
+(:mod:`.snapshot`), where each step goes (:mod:`.tiers`, :mod:`.options`).
 """
 
 from __future__ import annotations
@@ -60,19 +30,17 @@ from __future__ import annotations
 import logging
 import operator
 import os
+import reprlib
 import threading
-import time
-import traceback
 import weakref
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import torch
 
 from .. import settings
-from ..errors import CheckpointError, CheckpointReplacedError
-from ..loading.load import load as core_load
+from ..errors import CheckpointError
+from ..keywords import as_settings, removed_keywords
 from ..parallel.distributed import make_comm
 from ..results import WarmupReport
 from ..saving.compression import check_mode as check_compression
@@ -84,97 +52,90 @@ from .capture import Capture, GuardHandle, held_by
 from .handles import CheckpointerStats, Job, Pending, SaveHandle
 from .helper import HelperProcess
 from .mode import ModeChoice, choose_mode, host_memory
+from .options import MemoryTier, TierConfig, check_tiers
+from .restoring import Restoring
 from .snapshot import ArenaOwner, snapshot_nbytes
-from .streams import DeviceStreams, record_events, synchronize
-from .tier.memory import MemoryTier, job_name
-from .tier.reading import Request
-from .tier.recovery import Restored, restore
-from .tiers import Tiers, check_rank_local, check_tiers
+from .streams import DeviceStreams, record_events
+from .tier.memory import MemoryStore, job_name
+from .tiers import Tiers, check_rank_local
+from .writer_threads import WriterThreads
 
 log = logging.getLogger("gds_persist")
 
 MODES = ("auto", "fence", "snapshot")
-WARMUP_WAIT_S = 60.0  # longest the first write waits for the warm-up to finish
-_LOAD_ATTEMPTS = 3  # load(): steps removed by another process's retention while being opened
 WRITERS = ("thread", "process")
+_MEMORY = {name: f"{name} is a field of the memory tier since 0.2: use "
+                 f"memory=gds_persist.MemoryTier(root=...{field})"
+           for name, field in (("memory_root", ""), ("memory_every", ", every=..."),
+                               ("replicas", ", replicas=..."),
+                               ("peer_timeout_s", ", peer_timeout_s=..."))}
 
 _live: weakref.WeakSet[Checkpointer] = weakref.WeakSet()
 
 
-class Checkpointer:
-    """Per-step checkpoints under ``root`` written in the background, with retention.
+class Checkpointer(WriterThreads, Restoring):
+    """Per-step checkpoints under ``root``, written in the background, with retention.
 
-    Guaranteed: each checkpoint holds every tensor as it was when ``save`` was called, whatever
-    changes it afterwards (a forward pass, an EMA, user code), or that save fails naming the
-    tensor. Cost: at ``save``, a CRC32C of the tensors the guarded optimizer holds or that did
-    not change, and a copy of the others (small ones, BatchNorm statistics, a changed EMA).
+    Each checkpoint holds every tensor as it was when ``save`` was called, or that save fails
+    naming the tensor (``docs/TRAINING.md``). I/O tuning (``block_bytes``, ...) is the settings
+    in force when a step is written: :func:`gds_persist.settings.set`, for the whole process.
 
-    ``keep_last``: committed checkpoints to keep (None keeps all); the newest is only removed
-    once a newer one is committed. ``mode``: ``"auto"`` (default), ``"fence"`` or ``"snapshot"``
-    (see the module doc). ``snapshot_bytes``: the snapshot arena's size; default twice the first
-    checkpoint (``auto``: twice, else once, whatever fits the host memory).
-    ``backend``, ``block_bytes``, ``staging_bytes``, ``io_threads``: passed to
-    :func:`gds_persist.save` (None: the settings in force). ``process_group``: passed to
-    ``save``/``load`` for data-parallel writes (use a group of its own: the writer thread runs its
-    collectives); rank 0 publishes ``latest`` and applies retention, and a handle is done on every
-    rank only once that is done. ``timeout_s``: bound on every wait for background work.
-    ``max_pending``: saves in flight before ``save`` waits for the oldest to commit (default 2 in
-    fence mode; unbounded in snapshot mode, where the arena bounds memory). ``writer``:
-    ``"thread"`` (default) or ``"process"`` (snapshot mode: a helper process writes).
-    ``allow_pickle``: as :func:`gds_persist.save` (not with a ``process_group``). ``warmup``:
-    start :func:`gds_persist.warmup` for ``root`` in the background now (default True).
+    Parameters
+    ----------
+    root : path
+        Where the step directories and ``latest`` go; created at the first ``save``.
+    keep_last : int or None
+        Committed checkpoints kept (None: all); the newest goes only once a newer one commits.
+    mode : {"auto", "fence", "snapshot"}
+        Write the live tensors, or copies in a host arena; ``auto`` decides at the first save.
+    snapshot_bytes : int, optional
+        The snapshot arena (default: twice the first checkpoint, as the host allows).
+    backend : {"auto", "direct", "buffered", "kvikio"}, optional
+        Of every save and load (default: the ``backend`` setting).
+    process_group : torch.distributed group, optional
+        Data-parallel saves and loads (a group of its own: the writer runs its collectives).
+    timeout_s : float
+        Bound on every wait for background work.
+    max_pending : int, optional
+        Saves in flight before ``save`` waits for the oldest (default 2 in fence mode).
+    writer : {"thread", "process"}
+        A writer thread, or (snapshot mode) a helper process.
+    allow_pickle : bool
+        As :func:`gds_persist.save` (not with a ``process_group``).
+    warmup : bool
+        Start :func:`gds_persist.warmup` for ``root`` in the background now.
+    incremental : bool
+        Each save refers to the previous committed step for the bytes that did not change.
+    compression : {"none", "lossless", "auto"}, optional
+        As :class:`gds_persist.SaveOptions` (default: the setting).
+    memory : MemoryTier, optional
+        A memory tier beside the drive; ``load()`` restores from the nearest verified copies.
+    drive_every : int
+        With ``memory``: write every ``drive_every``-th step to ``root`` too.
+    rank_local : key path or list of key paths, optional
+        Per-rank state (ZeRO shards), as :func:`gds_persist.save`; needs a ``process_group``.
 
-    ``incremental=True``: every checkpoint records BLAKE3-128 content hashes, and each save refers
-    to the previous committed step (``save(..., base=...)``) for every unit whose bytes did not
-    change (frozen weights) instead of writing it again; retention keeps what kept steps need.
-    ``compression``: ``"none"``,
-    ``"lossless"`` or ``"auto"`` as for :func:`gds_persist.save` (default: the setting).
-
-    ``memory_root``: a node-local tmpfs directory (``/dev/shm/...``) for the memory tier
-    (``docs/RECOVERY.md``): every ``memory_every`` steps each rank commits its byte-range share
-    of the replicated state there and copies it to ``replicas`` ranks on other nodes (default 1
-    where the group spans several nodes, else 0; the node is ``$GDS_PERSIST_NODE`` or the host
-    name), a copy bounded by ``peer_timeout_s`` per chunk; every ``drive_every`` steps the
-    state goes to ``root`` too. ``load()`` restores from the nearest verified copies.
-    ``rank_local``: key paths of per-rank state (ZeRO shards), as :func:`gds_persist.save`;
-    needs a ``process_group``; each rank keeps its own in either tier (``docs/RECOVERY.md``).
+    Raises
+    ------
+    ValueError, TypeError, NotACheckpointDirectoryError
+        An invalid argument, a 0.1 keyword (naming its new spelling), ``root`` is a file.
     """
 
+    @removed_keywords({**as_settings("block_bytes", "staging_bytes", "io_threads"), **_MEMORY})
     def __init__(self, root: str | os.PathLike[str], *, keep_last: int | None = 3,
                  mode: str = "auto", snapshot_bytes: int | None = None,
                  backend: str | None = None, process_group: Any = None,
                  timeout_s: float = 1800.0, max_pending: int | None = None,
-                 block_bytes: int | None = None, staging_bytes: int | None = None,
-                 io_threads: int | None = None, writer: str = "thread",
-                 allow_pickle: bool = False, warmup: bool = True,
+                 writer: str = "thread", allow_pickle: bool = False, warmup: bool = True,
                  incremental: bool = False, compression: str | None = None,
-                 memory_root: str | os.PathLike[str] | None = None, memory_every: int = 1,
-                 drive_every: int = 1, replicas: int | None = None,
-                 peer_timeout_s: float = 60.0, rank_local: Any = None):
-        if mode not in MODES:
-            raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
-        if writer not in WRITERS:
-            raise ValueError(f"writer={writer!r}: valid writers are {', '.join(WRITERS)}")
-        if writer == "process" and (mode != "snapshot" or process_group is not None):
-            raise ValueError(
-                "writer='process' writes snapshots from a helper process: it needs "
-                "mode='snapshot' (fence mode writes the live tensors, which only this process "
-                "can read) and no process_group (collectives belong to this process)"
-            )
-        if allow_pickle and process_group is not None:
-            raise ValueError("allow_pickle=True is for single-process saves; it cannot be "
-                             "combined with process_group")
-        if compression is not None:
-            check_compression(compression)
-        if keep_last is not None and keep_last < 1:
-            raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
-        if max_pending is not None and max_pending < 1:
-            raise ValueError(f"max_pending={max_pending} must be at least 1")
-        if timeout_s <= 0:
-            raise ValueError(f"timeout_s={timeout_s} must be positive")
-        check_tiers(memory_root, memory_every, drive_every, replicas, writer)
+                 memory: MemoryTier | None = None, drive_every: int = 1,
+                 rank_local: Any = None):
+        _check_arguments(mode, writer, process_group, allow_pickle, compression, keep_last,
+                         max_pending, timeout_s)
+        check_tiers(memory, drive_every, writer)
         local_paths = check_rank_local(rank_local, process_group)
-        self.root = os.path.abspath(os.fspath(root))
+        self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+        _steps.check_root(self.root)  # a file there: NotACheckpointDirectoryError
         self.requested_mode = mode
         self.mode = mode  # the mode in force: "auto" only until the first save decides
         self.mode_reason: str | None = None
@@ -186,18 +147,10 @@ class Checkpointer:
         self.allow_pickle = allow_pickle
         self.loaded_step: int | None = None
         self.restored_from: str | None = None  # "memory", "replica" or "drive": the last load's
-        save_kwargs: dict[str, Any] = {"backend": backend, "block_bytes": block_bytes,
-                                       "staging_bytes": staging_bytes, "io_threads": io_threads}
-        io_kwargs = dict(save_kwargs)  # memory-tier saves: plain, whole, alone
-        if compression is not None:
-            save_kwargs["compression"] = compression
-        if incremental:
-            save_kwargs["content_hash"] = True
-        self._load_kwargs: dict[str, Any] = {"backend": backend}
+        self._backend = backend
         # Ranks agree on publishing each step and on the step a load reads (SoloComm: no group).
         self._comm = make_comm(process_group, settings.current().collective_timeout_s)
         self._publisher = self._comm.rank == 0  # moves `latest` and removes old steps
-        _steps.make_root(self.root)  # a file there: NotACheckpointDirectoryError
         self._lock = threading.RLock()
         self._stats = CheckpointerStats()
         self._pending = Pending(self.root, self.timeout_s, self._stats, self._lock,
@@ -212,22 +165,16 @@ class Checkpointer:
         self._streams = DeviceStreams()
         self._workers = Workers(self._prepare)
         self._closed = False  # no new saves
-        self._before_write: Callable[[int], None] | None = None  # test seam: runs in the writer
         self._helper = HelperProcess() if writer == "process" else None
         if self._helper is not None:
             self._helper.start()  # it imports torch while training starts
-        memory = (None if memory_root is None else MemoryTier(
-            os.path.join(os.path.abspath(os.fspath(memory_root)), job_name(self.root)),
-            self._comm.rank))
-        self._tiers = Tiers(
-            self.root, self._comm, memory, memory_every=memory_every, drive_every=drive_every,
-            replicas=replicas, keep_last=keep_last, save_kwargs=save_kwargs, io_kwargs=io_kwargs,
-            process_group=process_group, incremental=incremental, helper=self._helper,
-            timeout_s=self.timeout_s, stats=self._stats, lock=self._lock, base_step=latest,
-            peer_timeout_s=peer_timeout_s, rank_local=local_paths)
-        self._warmup = BackgroundWarmup(
-            self.root, backend=backend, block_bytes=block_bytes, staging_bytes=staging_bytes,
-            io_threads=io_threads) if warmup else None
+        store = (None if memory is None else MemoryStore(
+            os.path.join(os.fspath(memory.root), job_name(self.root)), self._comm.rank))
+        config = TierConfig(self.root, memory, drive_every, keep_last, backend, compression,
+                            incremental, process_group, local_paths, self.timeout_s)
+        self._tiers = Tiers(config, self._comm, store, helper=self._helper, stats=self._stats,
+                            lock=self._lock, base_step=latest)
+        self._warmup = BackgroundWarmup(self.root, backend=backend) if warmup else None
         self._workers.add("write", self._in_streams(self._write))
         if mode != "auto":
             self._use_mode(ModeChoice(mode, snapshot_bytes, "requested explicitly"))
@@ -243,12 +190,32 @@ class Checkpointer:
     # ---------------------------------------------------------------- public API
 
     def save(self, step: int, state_dict: Any, *, blocking: bool = False) -> SaveHandle:
-        """Start saving ``state_dict`` as checkpoint ``step``; return its handle.
+        """Start saving ``state_dict`` as checkpoint ``step``; return its handle at once.
 
-        Raises first any error of an earlier background save not yet raised, and TypeError (with
-        the key path) for what a checkpoint cannot hold. With ``blocking=True`` it returns once
-        the checkpoint is committed, raising its error.
+        Parameters
+        ----------
+        step : int
+            The training step, >= 0 and not before the newest checkpoint (or the one loaded).
+        state_dict : dict
+            The state, as :func:`gds_persist.save` takes it; it is held as it is now.
+        blocking : bool
+            Return once the checkpoint is committed, raising its error.
+
+        Returns
+        -------
+        SaveHandle
+            ``wait()``, ``done()``, ``released()``, the step's ``path`` and ``info``.
+
+        Raises
+        ------
+        TypeError
+            A non-int ``step``, or what a checkpoint cannot hold (naming its key path).
+        Any error of an earlier background save not yet raised.
         """
+        if isinstance(step, bool) or not hasattr(step, "__index__"):
+            raise TypeError(f"Checkpointer.save(step={reprlib.repr(step)}, ...): step must be an "
+                            f"int (the training step), not a {type(step).__name__}; the state "
+                            "comes second")
         step = operator.index(step)
         if step < 0:
             raise ValueError(f"step={step} must be >= 0")
@@ -266,6 +233,7 @@ class Checkpointer:
         tiers = self._tiers.of(step)
         if not tiers:
             return self._skip(step)
+        _steps.make_root(self.root)  # created at the first save (a file there raises)
         # TypeError naming the key, here rather than in the thread
         flat = self._tiers.flatten(state_dict, self.allow_pickle)
         # every tensor as it is now: copied, held by a guard, or unchanged (checked at commit)
@@ -306,9 +274,20 @@ class Checkpointer:
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Make ``optimizer.step()`` wait until in-flight saves no longer read the tensors.
 
-        Returns a handle whose ``.remove()`` undoes it (its tensors are then copied at ``save``).
-        The wait is bounded by ``timeout_s`` and raises :class:`CheckpointTimeout` or
-        :class:`WorkerDied`; a failed save's error is raised by the next ``save``/``wait``.
+        Parameters
+        ----------
+        optimizer : torch.optim.Optimizer
+            Its tensors are then read live by the saves instead of copied at ``save``.
+
+        Returns
+        -------
+        A handle whose ``.remove()`` undoes it.
+
+        Raises
+        ------
+        CheckpointTimeout, WorkerDied
+            From ``optimizer.step()``: the wait (bounded by ``timeout_s``) ran out, or a thread
+            died. A failed save's own error is raised by the next ``save`` / ``wait``.
         """
         ref = weakref.ref(self)
 
@@ -321,19 +300,25 @@ class Checkpointer:
                            self._guarded)
 
     def wait_released(self, timeout: float | None = None) -> None:
-        """Block until saves so far and a restore's healing no longer read the tensors (guard)."""
+        """Block until saves so far and a restore's healing no longer read the tensors (what
+        ``guard`` waits for). ``timeout``: seconds (default ``timeout_s``)."""
         self._pending.wait_released(timeout)
         self._tiers.wait_heal_read(timeout)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every save so far is committed; raise the first error not yet raised.
-        ``timeout`` (default ``timeout_s``) bounds the whole wait."""
+        """Block until every save so far is committed.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Bound on the whole wait, seconds (default ``timeout_s``).
+
+        Raises
+        ------
+        The first background error not yet raised; :class:`CheckpointTimeout` past ``timeout``.
+        """
         self._pending.await_all(timeout)
         self._pending.raise_undelivered()
-
-    def latest_step(self) -> int | None:
-        """The newest committed, published step under ``root`` (None if there is none)."""
-        return _steps.latest_step(self.root)
 
     def steps(self) -> list[int]:
         """All committed steps under ``root``, ascending."""
@@ -341,76 +326,36 @@ class Checkpointer:
 
     def load(self, step: int | None = None, *, map_location: Any = None,
              verify: bool = True, into: Any = None, strict: bool = True) -> Any:
-        """Load checkpoint ``step`` (default: the latest committed) after in-flight saves finish.
+        """Load checkpoint ``step`` once in-flight saves are committed; return its state.
 
-        Loading a step older than the latest marks a resume from it: the next ``save`` publishes
-        it as ``latest`` again, and the newer checkpoints are removed once that save commits.
+        Loading a step older than the latest marks a resume from it: the next ``save``
+        publishes it as ``latest`` again, and the newer checkpoints are removed once that save
+        commits. A step that another process's retention removes while it is being opened is
+        replaced by the then latest (default ``step``; a few times at most).
 
-        Another process may save and prune under ``root`` meanwhile (training while this one
-        evaluates): a step removed by retention while being opened is replaced by the then
-        latest (default ``step``; a few times at most), or raises CheckpointReplacedError.
+        Parameters
+        ----------
+        step : int, optional
+            The step (default: the latest committed; with a memory tier, the newest every rank
+            can restore).
+        map_location, verify, into, strict
+            As :func:`gds_persist.load` (``into``: restore in place, from every tier).
 
-        ``into``, ``strict``: restore in place into the given state's tensors, as
-        :func:`gds_persist.load` (every tier). With the memory tier a copy that fails its checks
-        part-way is followed by the next source, which fills the same tensors again.
+        Returns
+        -------
+        The checkpoint's state.
+
+        Raises
+        ------
+        NotCommittedError
+            No committed checkpoint under ``root`` (also a ``FileNotFoundError``); nothing is
+            created.
+        CheckpointReplacedError
+            The step was replaced or removed every time it was opened.
         """
         if self._pending.handles():
             self.wait()
-        kwargs = {**self._load_kwargs, "into": into, "strict": strict}
-        if self.process_group is not None:
-            kwargs["process_group"] = self.process_group
-        if self._tiers.memory is not None:
-            return self._restore(step, map_location, verify, kwargs)
-        for attempt in range(_LOAD_ATTEMPTS):
-            latest = self.latest_step()
-            # with a process group, every rank loads the step rank 0 chose
-            chosen = self._comm.broadcast_json(latest if step is None else step, 0,
-                                               "checkpoint step")
-            if chosen is None:
-                raise _steps.nothing_to_load(self.root)  # also a FileNotFoundError
-            path = _steps.step_path(self.root, chosen)
-            try:  # every rank raises the same CheckpointReplacedError (ranks agree in load)
-                state = core_load(path, map_location=map_location, verify=verify, **kwargs)
-                break
-            except CheckpointReplacedError:
-                if step is not None or attempt == _LOAD_ATTEMPTS - 1:
-                    raise
-        self._loaded(chosen, latest, Restored(None, chosen, "drive", ["drive"] * self._comm.size))
-        return state
-
-    def _restore(self, step: int | None, map_location: Any, verify: bool,
-                 kwargs: dict[str, Any]) -> Any:
-        """load() with a memory tier: ``step`` (default the newest every rank can restore) from
-        the nearest verified copies (:mod:`.tier.recovery`); a copy restored from replicas is
-        rewritten into this node's memory afterwards, in the background."""
-        memory = self._tiers.memory
-        assert memory is not None
-
-        def load_drive(path: str) -> tuple[Any, int]:
-            state, info = core_load(path, map_location=map_location, verify=verify,
-                                    return_info=True, **kwargs)
-            return state, info.payload_bytes
-
-        request = Request(kwargs["into"], kwargs["strict"], map_location,
-                          {"backend": kwargs.get("backend")})
-        latest, peer_s = self.latest_step(), self._tiers.peer_timeout_s
-        got = restore(self._comm, memory, self.root, load_drive, request, step, peer_s,
-                      self._tiers.replica_plan)
-        state = self._tiers.take(got)  # and heals this node's copies from the state
-        self._loaded(got.step, latest, got)
-        return state
-
-    def _loaded(self, step: int, latest: int | None, got: Restored) -> None:
-        with self._lock:
-            self.loaded_step = step
-            self._floor = step
-            self._tiers.base_step = step
-            self._rollback_to = step if latest is not None and step < latest else None
-            self.restored_from = got.source
-            s = self._stats
-            s.restored_from, s.restore_step, s.restore_s = got.source, step, got.seconds
-            s.restore_sources, s.restore_skipped = list(got.sources), list(got.skipped)
-            s.restore_bytes = dict(got.bytes_from)
+        return self._load(step, map_location, verify, into, strict)
 
     @property
     def warmup_report(self) -> WarmupReport | None:
@@ -419,6 +364,7 @@ class Checkpointer:
 
     @property
     def stats(self) -> CheckpointerStats:
+        """Counters and timings so far (saves, bytes, waits, the mode and why, restores)."""
         with self._lock:
             s = replace(self._stats)
         if self._snapshots is not None:
@@ -428,8 +374,18 @@ class Checkpointer:
         return s
 
     def close(self, timeout: float | None = None) -> None:
-        """Finish in-flight saves (bounded), stop the threads, raise any error not yet raised.
-        Idempotent. ``load`` and ``latest_step`` still work afterwards."""
+        """Finish in-flight saves, stop the threads; idempotent (``load`` and ``latest_step``
+        still work afterwards).
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Bound on the wait for in-flight saves, seconds (default ``timeout_s``).
+
+        Raises
+        ------
+        Any background error not yet raised.
+        """
         if self._closed:
             return
         self._closed = True
@@ -472,113 +428,32 @@ class Checkpointer:
             log.info("gds_persist.Checkpointer(%s): mode %s (%s)", self.root, choice.mode,
                      choice.reason)
 
-    # ---------------------------------------------------------------- test seams
 
-    @property
-    def _threads(self) -> dict[str, threading.Thread]:
-        return self._workers.threads
-
-    # ---------------------------------------------------------------- waiting and errors
-
-    def _check_workers(self) -> None:
-        """Fail the save a dead thread was doing (a new thread takes the next ones)."""
-        for job, error in self._workers.check():
-            self._fail(job, error)
-
-    def _fail(self, job: Job, error: BaseException) -> None:
-        job.flat = None
-        if error.__traceback__ is not None:  # drop the frames' references to the tensors
-            traceback.clear_frames(error.__traceback__)
-        self._free(job)
-        h = job.handle
-        add_note(error, f"(gds_persist.Checkpointer: the checkpoint of step {h.step} to {h.path} "
-                        "failed in the background; earlier checkpoints are untouched)")
-        if h._finish(error=error):
-            self._pending.failed(h)
-
-    def _free(self, job: Job) -> None:
-        job.remote = None
-        if job.reservation is not None and self._snapshots is not None:
-            self._snapshots.free(job.reservation)
-        job.reservation = None
-
-    # ---------------------------------------------------------------- threads
-
-    def _prepare(self, stage: str) -> None:
-        """Before a job: the writer's first write waits (bounded) for the warm-up."""
-        if stage == "write" and self._warmup is not None and not self._warmup.done():
-            self._warmup.wait(min(WARMUP_WAIT_S, self.timeout_s))  # then write regardless
-
-    def _in_streams(self, run: Callable[[Job], None]) -> Callable[[Job], None]:
-        """``run(job)`` on the side streams of the job's devices (:mod:`.streams`)."""
-        def staged(job: Job) -> None:
-            with self._streams.around(job.events):
-                run(job)
-        return staged
-
-    def _stop_threads(self, join_s: float) -> None:
-        deadline = time.monotonic() + join_s
-        self._workers.stop(deadline)
-        if self._warmup is not None:  # nothing of ours runs on after close
-            self._warmup.wait(max(0.0, deadline - time.monotonic()))
-        if self._helper is not None and not self._workers.alive("write"):
-            self._helper.stop(max(0.0, deadline - time.monotonic()))
-        if self._snapshots is not None and not self._workers.any_alive():
-            self._snapshots.close()
-
-    # ---------------------------------------------------------------- the two stages
-
-    def _snapshot(self, job: Job) -> None:
-        h = job.handle
-        try:
-            synchronize(job.events)
-            assert job.flat is not None and self._snapshots is not None
-            job.reservation = self._snapshots.reserve(
-                job.flat, f"writing step {h.step} from the live tensors (fence)")
-            if job.reservation is None:  # larger than the whole arena
-                h.mode = "fence"
-                with self._lock:
-                    self._stats.fence_fallbacks += 1
-                self._workers.put("write", job)
-                return
-            h.blocked_s = job.reservation.waited_s
-            if h.blocked_s:
-                with self._lock:
-                    self._stats.snapshot_blocked += 1
-                    self._stats.snapshot_blocked_s += h.blocked_s
-            if self._helper is not None:  # copy only; the helper rebuilds and writes
-                f = job.flat
-                offsets = self._snapshots.copy(f, job.reservation)
-                job.remote = {"tree": f.tree, "tensors": f.tensors, "storages": f.storages,
-                              "offsets": offsets, "arena": self._snapshots.shared,
-                              "crc_at_save": f.crc_at_save}
-                job.flat = None
-            else:
-                job.flat = self._snapshots.take(job.flat, job.reservation)
-            job.events = []
-            h._released.set()
-            self._workers.put("write", job)
-        except Exception as e:  # noqa: BLE001 - reported through the handle
-            self._fail(job, e)
-
-    def _write(self, job: Job) -> None:
-        h = job.handle
-        try:
-            synchronize(job.events)
-            if self._before_write is not None:
-                self._before_write(h.step)
-            info = self._tiers.write(job, h._released.set)
-            job.flat = None
-            self._free(job)
-            h._released.set()
-            if "drive" in job.tiers:
-                self._tiers.publish(h)
-        except Exception as e:  # noqa: BLE001 - reported through the handle
-            self._fail(job, e)
-            return
-        if "drive" in job.tiers:
-            self._tiers.committed(h.step, info)
-        h._finish(info=info)
+def _check_arguments(mode: str, writer: str, process_group: Any, allow_pickle: bool,
+                     compression: str | None, keep_last: int | None, max_pending: int | None,
+                     timeout_s: float) -> None:
+    """The Checkpointer's own arguments (ValueError naming the fix)."""
+    if mode not in MODES:
+        raise ValueError(f"mode={mode!r}: valid modes are {', '.join(MODES)}")
+    if writer not in WRITERS:
+        raise ValueError(f"writer={writer!r}: valid writers are {', '.join(WRITERS)}")
+    if writer == "process" and (mode != "snapshot" or process_group is not None):
+        raise ValueError(
+            "writer='process' writes snapshots from a helper process: it needs "
+            "mode='snapshot' (fence mode writes the live tensors, which only this process "
+            "can read) and no process_group (collectives belong to this process)"
+        )
+    if allow_pickle and process_group is not None:
+        raise ValueError("allow_pickle=True is for single-process saves; it cannot be "
+                         "combined with process_group")
+    if compression is not None:
+        check_compression(compression)
+    if keep_last is not None and keep_last < 1:
+        raise ValueError(f"keep_last={keep_last} must be at least 1 (or None to keep all)")
+    if max_pending is not None and max_pending < 1:
+        raise ValueError(f"max_pending={max_pending} must be at least 1")
+    if timeout_s <= 0:
+        raise ValueError(f"timeout_s={timeout_s} must be positive")
 
 
 def _close_at_exit() -> None:

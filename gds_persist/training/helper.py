@@ -101,12 +101,21 @@ class HelperProcess:
         except TimeoutError:  # an OSError subclass, but the helper was stopped on purpose
             raise
         except (EOFError, OSError) as e:
-            if isinstance(e, OSError) and self._proc.poll() is None:
+            if isinstance(e, OSError) and not self._exited(5.0):  # a reset: its end is closing
                 raise
             code = self._proc.wait(5)
             self.stop(0.0)
             raise WorkerDied(f"the gds_persist helper process died (exit code {code}) while "
                              f"{what}; that save is lost, a new helper takes the next") from None
+
+    def _exited(self, within_s: float) -> bool:
+        """Whether the helper has exited, waiting up to ``within_s`` for a dying one."""
+        assert self._proc is not None
+        try:
+            self._proc.wait(within_s)
+        except subprocess.TimeoutExpired:
+            return False
+        return True
 
     def stop(self, timeout_s: float = 10.0) -> None:
         proc, conn = self._proc, self._conn
@@ -156,6 +165,7 @@ def main(conn: Connection, parent: int) -> None:
     _die_with(parent)
     import torch
 
+    from .. import settings
     from ..saving.save import save
     from .snapshot import map_shared, over_copies
 
@@ -174,13 +184,13 @@ def main(conn: Connection, parent: int) -> None:
                 for old in maps.values():
                     old.close()
                 maps = {key: map_shared(*key)}
-            time.sleep(job.get("test_sleep_s", 0))  # tests: a write that takes a while
             views = [torch.frombuffer(maps[key], dtype=torch.uint8, count=s.nbytes, offset=off)
                      if s.nbytes else torch.empty(0, dtype=torch.uint8)
                      for s, off in zip(job["storages"], job["offsets"], strict=True)]
             flat = over_copies(job["tree"], job["tensors"], job["storages"], views,
                                job["crc_at_save"])
-            info = save(flat, job["path"], **job["kwargs"])
+            with settings.set(**job["settings"]):  # the training process's, at the write
+                info = save(flat, job["path"], **job["kwargs"])
             del flat, views  # nothing here may touch the arena bytes once the answer is sent
             conn.send(("ok", job["seq"], info))
         except Exception as e:  # noqa: BLE001 - sent back to the Checkpointer

@@ -60,6 +60,15 @@ def make_root(root: str) -> None:
         ) from e
 
 
+def check_root(root: str) -> None:
+    """What :func:`make_root` would refuse, found without creating anything."""
+    existing = root
+    while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
+        existing = os.path.dirname(existing)
+    if not os.path.isdir(existing):
+        make_root(root)  # raises NotACheckpointDirectoryError naming the file in the way
+
+
 def nothing_to_load(root: str) -> NotCommittedError:
     """The error of a load from a root without committed steps: a ``FileNotFoundError`` too,
     as ``torch.load`` raises for a missing file (``except FileNotFoundError: start fresh``)."""

@@ -1,7 +1,7 @@
 """Where a Checkpointer's step goes and how it gets there: :class:`Tiers` (``docs/RECOVERY.md``).
 
-Without a memory tier every step goes to the drive (``root``). With one (``memory_root=``) a
-step goes to each tier whose interval divides it: ``memory_every``, this node's tmpfs with the
+Without a memory tier every step goes to the drive (``root``). With one (``memory=``) a
+step goes to each tier whose interval divides it: ``MemoryTier.every``, this node's tmpfs with the
 rank's copies on its replica holders (:mod:`.tier`), and ``drive_every``, the drive; a step in
 neither is not written. A memory step for which some node's tmpfs lacks room goes to the drive
 instead. On the drive one process writes, or every rank 1/N with a process group;
@@ -12,25 +12,28 @@ instead. On the drive one process writes, or every rank 1/N with a process group
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import asdict
 from typing import Any
 
+from .. import settings
 from ..errors import CheckpointError, CheckpointTimeout, PeerLostError
 from ..format import MANIFEST_NAME
 from ..parallel.distributed import Comm
 from ..parallel.topology import node_name
 from ..results import SaveInfo
+from ..saving.options import SaveOptions
 from ..saving.save import save as core_save
 from ..state.flatten import Flattened, flatten
 from ..state.rank_local import KeyPath, Split, join, normalize_paths, split_rank_local, unjoin
 from . import steps as _steps
 from .handles import CheckpointerStats, Job, SaveHandle
 from .helper import HelperProcess
-from .tier.memory import MemoryTier, lacks_room
+from .options import TierConfig
+from .tier.memory import MemoryStore, lacks_room
 from .tier.reading import Heal
 from .tier.recovery import Restored
 from .tier.replicate import holders, transfer
@@ -44,25 +47,6 @@ from .tier.shares import (
 )
 
 log = logging.getLogger("gds_persist")
-
-
-def check_tiers(memory_root: Any, memory_every: int, drive_every: int, replicas: int | None,
-                writer: str) -> None:
-    """The Checkpointer's tier arguments, checked (ValueError naming the fix)."""
-    for name, value in (("memory_every", memory_every), ("drive_every", drive_every)):
-        if operator.index(value) < 1:
-            raise ValueError(f"{name}={value} must be at least 1 (a step is written to a tier "
-                             "when the tier's interval divides it)")
-    if replicas is not None and replicas < 0:
-        raise ValueError(f"replicas={replicas} must be 0 or more")
-    if memory_root is None:
-        if memory_every != 1 or drive_every != 1 or replicas:
-            raise ValueError("memory_every, drive_every and replicas are the memory tier's: "
-                             "pass memory_root=DIR (a tmpfs such as /dev/shm/ckpt) as well")
-        return
-    if writer == "process":
-        raise ValueError("writer='process' writes only to the drive; the memory tier "
-                         "(memory_root=) needs writer='thread'")
 
 
 def check_rank_local(rank_local: Any, process_group: Any) -> list[KeyPath]:
@@ -79,34 +63,33 @@ class Tiers:
     publishing a drive step. Runs in the writer thread (but for :meth:`of`, :meth:`path` and
     :meth:`skipped`); counts into ``stats`` under ``lock`` (the Checkpointer's).
 
-    ``save_kwargs`` / ``io_kwargs``: the keywords of the drive's saves / of the memory tier's
-    (plain, whole, alone). ``helper``: ``writer="process"``'s helper, which writes the snapshots
+    ``config``: the Checkpointer's arguments; ``memory``: this rank's memory-tier directory
+    (None without one). ``helper``: ``writer="process"``'s helper, which writes the snapshots
     described in ``job.remote``. ``base_step``: the committed step the next incremental save
     refers to (the Checkpointer sets it on a load).
     """
 
-    def __init__(self, root: str, comm: Comm, memory: MemoryTier | None, *, memory_every: int,
-                 drive_every: int, replicas: int | None, keep_last: int | None,
-                 save_kwargs: dict[str, Any], io_kwargs: dict[str, Any], process_group: Any,
-                 incremental: bool, helper: HelperProcess | None, timeout_s: float,
-                 stats: CheckpointerStats, lock: threading.RLock, base_step: int | None,
-                 peer_timeout_s: float = 60.0, rank_local: list[KeyPath] | None = None):
-        self.root = root
+    def __init__(self, config: TierConfig, comm: Comm, memory: MemoryStore | None, *,
+                 helper: HelperProcess | None, stats: CheckpointerStats, lock: threading.RLock,
+                 base_step: int | None):
+        self.config = config
+        self.root = config.root
         self.memory = memory
-        self.memory_every, self.drive_every, self._replicas = memory_every, drive_every, replicas
-        self.keep_last = keep_last
-        self.incremental = incremental
+        tier = config.memory
+        self.memory_every = tier.every if tier is not None else 1
+        self.drive_every = config.drive_every
+        self._replicas = tier.replicas if tier is not None else None
+        self.peer_timeout_s = tier.peer_timeout_s if tier is not None else 60.0
+        self.keep_last = config.keep_last
+        self.incremental = config.incremental
         self.base_step = base_step
-        self.helper_job_extra: dict[str, Any] = {}  # test seam: e.g. {"test_sleep_s": 5}
         self._comm = comm
         self._publisher = comm.rank == 0  # moves `latest` and removes old steps
         self._holders: list[list[int]] | None = None  # by rank: who keeps its replicas
-        self._save_kwargs, self._io_kwargs = save_kwargs, io_kwargs
-        self._process_group = process_group
+        self._process_group = config.process_group
         self._helper = helper
-        self._timeout_s = timeout_s
-        self.peer_timeout_s = peer_timeout_s
-        self.rank_local = rank_local or []  # key paths each rank keeps for itself
+        self._timeout_s = config.timeout_s
+        self.rank_local = config.rank_local  # key paths each rank keeps for itself
         self._healer: threading.Thread | None = None  # rewriting copies a restore lacked
         self._heal_read: threading.Event | None = None  # set once they are written
         self._stats, self._lock = stats, lock
@@ -144,8 +127,8 @@ class Tiers:
         """The SaveInfo of a step in neither tier: nothing written, and why."""
         return SaveInfo(
             path="", backend="none", bytes_written=0, payload_bytes=0, seconds=0.0,
-            tensors=0, storages=0, reason=f"step {step} is in neither tier (memory_every="
-            f"{self.memory_every}, drive_every={self.drive_every}): not written")
+            tensors=0, storages=0, reason=f"step {step} is in neither tier (MemoryTier(every="
+            f"{self.memory_every}), drive_every={self.drive_every}): not written")
 
     # ---------------------------------------------------------------- writing it there
 
@@ -202,7 +185,7 @@ class Tiers:
             job.handle.path = _steps.step_path(self.root, step)
             return None
         t0 = time.perf_counter()
-        info = save_share(comm, tier.own_step(step), flat, plan, self._io_kwargs, step, local)
+        info = save_share(comm, tier.own_step(step), flat, plan, self.config.backend, step, local)
         if "drive" not in job.tiers:  # what follows reads only the tmpfs: training may go on
             release()
         t1 = time.perf_counter()
@@ -292,18 +275,16 @@ class Tiers:
     def _write_drive(self, job: Job) -> SaveInfo:
         """The step to ``root`` (the drive): one writer, or every rank 1/N with a group."""
         h = job.handle
-        kwargs = dict(self._save_kwargs)
-        if self._process_group is not None:
-            kwargs["process_group"] = self._process_group
+        options = SaveOptions(compression=self.config.compression,
+                              content_hash=True if self.incremental else None)
         base = self._base_for(h)
-        if base is not None:
-            kwargs["base"] = base
         if job.remote is not None:
             assert self._helper is not None
-            try:
+            try:  # the helper saves with the settings in force here (settings.set is per process)
                 info = self._helper.write(
-                    {**job.remote, **self.helper_job_extra, "path": h.path,
-                     "kwargs": kwargs}, self._timeout_s, f"writing step {h.step}")
+                    {**job.remote, "path": h.path, "settings": asdict(settings.current()),
+                     "kwargs": {"backend": self.config.backend, "base": base, "options": options}},
+                    self._timeout_s, f"writing step {h.step}")
             except TimeoutError as e:
                 raise CheckpointTimeout(f"{e} (under {self.root}); raise "
                                         "Checkpointer(timeout_s=...) if the drive is slow"
@@ -311,7 +292,8 @@ class Tiers:
         else:
             assert job.flat is not None
             state = unjoin(job.flat) if self.rank_local else job.flat
-            info = core_save(state, h.path, **kwargs)  # flattened once, at save()
+            info = core_save(state, h.path, backend=self.config.backend, base=base,  # flattened
+                             process_group=self._process_group, options=options)  # at save()
         return info
 
     def _base_for(self, h: SaveHandle) -> str | None:

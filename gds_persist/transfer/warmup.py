@@ -1,32 +1,11 @@
-"""``warmup``: pay the one-time start-up cost of the save/load path before the first checkpoint.
-
-On the H200 the first save of a process ran at about half the speed of the next ones (kvikio,
-1 GiB: 0.94 then 1.72 GB/s; a 2 GiB state: 1.18 then 2.37): library initialisation and the NVRTC
-compile of the CRC kernel happened inside it. :func:`warmup` does that work ahead, and
-:class:`gds_persist.Checkpointer` starts it in a background thread when it is created, so it
-overlaps the model's set-up and first steps. Steps, each timed, none ever raising:
-
-1. ``cuda``: the CUDA context of the device and torch's pool of side streams (the staged path
-   copies on a side stream);
-2. ``staging``: the bounded staging ring the settings in force describe, allocated, pinned where
-   CUDA exists, its pages touched, and left in the one-ring cache that the next save or load
-   borrows (``transfer.staging.borrow_ring``: same buffer count and size, so it is reused);
-3. ``backend``: ``choose_backend`` for ``directory`` as a save of CUDA (or host) tensors there
-   would call it: the O_DIRECT probe; with CUDA tensors, importing kvikio and asking cuFile for
-   its mode (the driver open), plus the 4 KiB cuFile probe where kvikio is chosen;
-4. ``crc_kernel``: with CUDA and cupy, the device CRC32C kernel compiled (NVRTC; cupy keeps the
-   binary in its on-disk cache, ``CUPY_CACHE_DIR``, default ``~/.cupy/kernel_cache``, so a later
-   process only loads it), loaded and run once on 4 KiB against the host CRC32C;
-5. ``hash_kernel``: the same for the device BLAKE3-128 kernel (``kernels/blake3.cu``), which
-   incremental saves (``Checkpointer(incremental=True)``, ``save(..., base=...)``) run on CUDA
-   tensors.
-
-The device is the calling thread's current CUDA device where CUDA is initialised, the only GPU
-where there is one, else unknown (several GPUs and no ``torch.cuda.set_device`` yet: warming GPU 0
-from every rank would put a context of each rank on it), and the CUDA steps are skipped with the
-reason. ``bench/bench_warmup.py`` measures the first save of a process against the next, with and
-without it.
-"""
+"""``warmup``: pay the one-time start-up cost of the save/load path before the first checkpoint
+(``docs/TRAINING.md``, "Warm-up"). Steps, each timed, none ever raising: ``cuda`` (the context
+and torch's side streams), ``staging`` (the ring the settings describe, pinned, left for the next
+save or load to borrow: ``transfer.staging.borrow_ring``), ``backend`` (``choose_backend`` as a
+save into ``directory`` would call it, probed in its nearest existing parent: nothing is
+created), ``crc_kernel`` and ``hash_kernel`` (the device kernels compiled, loaded and checked on
+4 KiB). :class:`gds_persist.Checkpointer` starts it in a background thread
+(:class:`BackgroundWarmup`)."""
 
 from __future__ import annotations
 
@@ -42,6 +21,7 @@ import torch
 
 from .. import settings
 from ..backends import choose_backend
+from ..keywords import as_settings, removed_keywords
 from ..results import WarmupReport
 from .device_kernels import DeviceKernels
 from .staging import borrow_ring
@@ -50,28 +30,38 @@ log = logging.getLogger("gds_persist")
 NO_CUDA = "no CUDA device (torch.cuda.is_available() is False)"
 
 
+@removed_keywords(as_settings("block_bytes", "staging_bytes", "io_threads"))
 def warmup(directory: str | os.PathLike[str] | None = None, *, device: Any = None,
-           backend: str | None = None, block_bytes: int | None = None,
-           staging_bytes: int | None = None, io_threads: int | None = None) -> WarmupReport:
+           backend: str | None = None) -> WarmupReport:
     """Do the start-up work of the first save/load now; return what each step did and took.
 
-    ``directory``: where checkpoints will go (the backend probe runs there; skipped when None).
-    ``device``: the CUDA device the tensors live on (default: see the module doc; ignored without
-    CUDA). ``backend``, ``block_bytes``, ``staging_bytes``, ``io_threads``: as for
-    :func:`gds_persist.save` (None: the settings in force). Invalid settings raise as ``save``
-    would; anything the machine lacks is a skipped or failed step in the report, never an error.
+    The staging ring it prepares is the one the settings in force describe
+    (:func:`gds_persist.settings.set`).
+
+    Parameters
+    ----------
+    directory : path, optional
+        Where checkpoints will go: the backend probe runs there (skipped when None).
+    device : torch.device or int, optional
+        The CUDA device the tensors live on (default: see the module doc; ignored without CUDA).
+    backend : {"auto", "direct", "buffered", "kvikio"}, optional
+        As for :func:`gds_persist.save` (default: the ``backend`` setting).
+
+    Returns
+    -------
+    WarmupReport
+        Each step, what it did and took; a step the machine cannot do is skipped or failed in
+        the report, never an error.
+
+    Raises
+    ------
+    ValueError, BackendError
+        Invalid settings, as ``save`` would raise them.
     """
-    cfg = _settings(backend, block_bytes, staging_bytes, io_threads)
+    cfg = settings.current(backend=backend)
     dev, why = default_device() if device is None else (_device(device), NO_CUDA)
-    return _run(None if directory is None else os.fspath(directory), dev, why, cfg)
-
-
-def _settings(backend: str | None, block_bytes: int | None, staging_bytes: int | None,
-              io_threads: int | None) -> settings.Settings:
-    """The settings a warm-up needs: the ones that shape the staging ring and the backend probe.
-    A save's other arguments (content_hash, compression, ...) change nothing it prepares."""
-    return settings.current(backend=backend, block_bytes=block_bytes,
-                            staging_bytes=staging_bytes, io_threads=io_threads)
+    return _run(None if directory is None else os.path.expanduser(os.fspath(directory)), dev,
+                why, cfg)
 
 
 class BackgroundWarmup:
@@ -79,11 +69,8 @@ class BackgroundWarmup:
     None until it is done; :meth:`wait` waits for it (bounded). The settings are
     :func:`warmup`'s."""
 
-    def __init__(self, directory: str | os.PathLike[str] | None, *, backend: str | None = None,
-                 block_bytes: int | None = None, staging_bytes: int | None = None,
-                 io_threads: int | None = None):
-        # invalid settings raise here, in the caller
-        cfg = _settings(backend, block_bytes, staging_bytes, io_threads)
+    def __init__(self, directory: str | os.PathLike[str] | None, *, backend: str | None = None):
+        cfg = settings.current(backend=backend)  # invalid settings raise here, in the caller
         dev, why = default_device()  # the caller's device: a new thread starts on GPU 0
         self.report: WarmupReport | None = None
         self._done = threading.Event()
@@ -188,7 +175,11 @@ def _staging(cfg: settings.Settings) -> str:
 
 
 def _backend(cfg: settings.Settings, directory: str, cuda: bool) -> str:
-    os.makedirs(directory, exist_ok=True)
+    directory = os.path.abspath(directory)
+    while not os.path.lexists(directory) and os.path.dirname(directory) != directory:
+        directory = os.path.dirname(directory)  # not there yet: probe where it will be made
+    if not os.path.isdir(directory):
+        raise NotADirectoryError(f"{directory} is not a directory")
     be, reason = choose_backend(cfg.backend, directory, cuda, cfg.io_threads, cfg.block_bytes)
     return f"done: {be.name} ({reason})"
 

@@ -30,7 +30,7 @@ def load_part(path: str, into: list[Any] | None, req: Any) -> list[Any]:
     if not os.path.isdir(path):
         raise CheckpointError(f"{path} is missing: the share holds no rank-local part")
     parts = core_load(path, map_location=req.map_location, verify=True, into=into,
-                      strict=req.strict, backend=req.io_kwargs.get("backend"))
+                      strict=req.strict, backend=req.backend)
     if not isinstance(parts, list):
         raise CheckpointError(f"{path} does not hold a list of rank-local parts")
     return parts

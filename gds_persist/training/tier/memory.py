@@ -15,7 +15,7 @@ the same atomic commit and CRC32C of every extent as the drive; a node's tier th
 ``(1 + replicas) x state x ranks_on_node / world`` plus a manifest per share
 (:func:`lacks_room`). Every directory keeps its latest complete step; the next one is written
 beside it and the older is removed only once every rank has committed the new step and its
-replicas (:meth:`MemoryTier.retain`), so a failure at any instant leaves one complete step.
+replicas (:meth:`MemoryStore.retain`), so a failure at any instant leaves one complete step.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ def lacks_room(needs: list[int], frees: list[int], nodes: list[str],
 
 
 @dataclass(frozen=True)
-class MemoryTier:
+class MemoryStore:
     """One rank's view of its node's memory directory ``root`` (``memory_root/<job>``)."""
 
     root: str

@@ -108,7 +108,7 @@ class Request:
     into: Any = None
     strict: bool = True
     map_location: Any = None
-    io_kwargs: dict[str, Any] = field(default_factory=dict)
+    backend: str | None = None
 
 
 @dataclass
@@ -137,7 +137,7 @@ class Heal:
                 finally:
                     os.close(fd)
             if self.local is not None:
-                save_local(tmp.dir, self.local, {})
+                save_local(tmp.dir, self.local, None)
             write_manifest(tmp.dir, self.raw)
         except BaseException:
             tmp.finish()
@@ -225,7 +225,7 @@ def _open(comm: Comm, mine: dict[int, Source], opened: dict[int, OpenCheckpoint]
 def _read(comm: Comm, m: Manifest, raw: bytes, plan: Plan, opened: dict[int, OpenCheckpoint],
           req: Request, what: str, keep: dict[int, Source],
           peer_timeout_s: float | None) -> Outcome:
-    cfg = settings.current(**req.io_kwargs)
+    cfg = settings.current(backend=req.backend)
     files = share_files(m)
     extents = {k: [e for e in m.extents if e.file == files[k]] if k in files else []
                for k in range(comm.size)}

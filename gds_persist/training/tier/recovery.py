@@ -2,7 +2,7 @@
 ranks can restore, from the nearest verified copies - the shares in their nodes' memory, else
 replicas of the missing shares on other nodes, else the drive.
 
-The ranks first gather what each holds (:meth:`MemoryTier.inventory` and its node, the
+The ranks first gather what each holds (:meth:`MemoryStore.inventory` and its node, the
 *holdings*: which node holds a copy of which rank's share of which step, and the drive's
 committed steps); :func:`candidates` lists, newest first, the steps every share of which some
 node holds, or that the drive holds. For a step, :func:`plan_step` has every rank read the
@@ -25,7 +25,7 @@ from ...errors import CheckpointError
 from ...parallel.distributed import Comm
 from ...parallel.topology import node_name
 from .. import steps as _steps
-from .memory import MemoryTier
+from .memory import MemoryStore
 from .reading import Heal, Plan, Request, Source, read_step
 
 SOURCES = ("memory", "replica", "drive")
@@ -82,7 +82,7 @@ def candidates(invs: Inventory, drive: list[int]) -> list[int]:
 
 
 def plan_step(invs: Inventory, step: int, bad: set[tuple[int, str, str]],
-              tier: MemoryTier) -> Plan | None:
+              tier: MemoryStore) -> Plan | None:
     """Every rank reads the shares its node holds (the nearest copy that has not failed); the
     shares a node lacks are sent to each of its ranks by a rank of a node that has them, the
     least loaded first. None: some share has no copy left on any node. The same on every
@@ -113,7 +113,7 @@ def plan_step(invs: Inventory, step: int, bad: set[tuple[int, str, str]],
     return Plan(reads, sends)
 
 
-def restore(comm: Comm, tier: MemoryTier, drive_root: str, load_drive: LoadDrive,
+def restore(comm: Comm, tier: MemoryStore, drive_root: str, load_drive: LoadDrive,
             req: Request, step: int | None = None, peer_timeout_s: float | None = None,
             holders: Holders | None = None) -> Restored:
     """Every rank calls it; returns this rank's state of the newest step the ranks restore
@@ -143,7 +143,7 @@ def restore(comm: Comm, tier: MemoryTier, drive_root: str, load_drive: LoadDrive
         f"be restored by every rank; tried: {'; '.join(skipped) or 'nothing committed'}")
 
 
-def _keeps(rank: int, tier: MemoryTier, step: int, nodes: list[str],
+def _keeps(rank: int, tier: MemoryStore, step: int, nodes: list[str],
            holders: Holders | None) -> dict[int, Source]:
     """The copies of ``step`` this rank keeps: its own share, and the replicas it holds."""
     node = nodes[rank]
@@ -154,7 +154,7 @@ def _keeps(rank: int, tier: MemoryTier, step: int, nodes: list[str],
     return out
 
 
-def _from_memory(comm: Comm, tier: MemoryTier, invs: Inventory, step: int, req: Request,
+def _from_memory(comm: Comm, tier: MemoryStore, invs: Inventory, step: int, req: Request,
                  skipped: list[str], peer_timeout_s: float | None,
                  keep: dict[int, Source]) -> Restored | None:
     """Read the step's shares; after a failed copy, plan again without it."""

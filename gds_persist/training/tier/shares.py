@@ -64,9 +64,11 @@ def local_bytes(local: Flattened | None) -> int:
     return 0 if local is None else sum(s.nbytes for s in local.storages) + MANIFEST_SLACK
 
 
-def save_local(share_dir: str, local: Flattened, io_kwargs: dict[str, Any]) -> int:
+def save_local(share_dir: str, local: Flattened, backend: str | None) -> int:
     """Write a rank's rank-local part into its (uncommitted) share directory; bytes written."""
-    return core_save(local, os.path.join(share_dir, LOCAL_DIR), **io_kwargs).bytes_written
+    with settings.in_this_thread(io_threads=settings.current().memory_io_threads):
+        return core_save(local, os.path.join(share_dir, LOCAL_DIR),
+                         backend=backend).bytes_written
 
 
 def structure_digest(flat: Flattened) -> str:
@@ -109,9 +111,9 @@ class ShareLayout(Layout[Any, ShareReport]):
     report_type = ShareReport
     every_rank_commits = True
 
-    def __init__(self, flat: Flattened, plan: DistributedPlan, io_kwargs: dict[str, Any],
+    def __init__(self, flat: Flattened, plan: DistributedPlan, backend: str | None,
                  local: Flattened | None):
-        self.flat, self.layout, self.io_kwargs, self.local = flat, plan, io_kwargs, local
+        self.flat, self.layout, self.backend, self.local = flat, plan, backend, local
 
     def write(self, run: Run) -> ShareReport:
         assert run.tmp is not None
@@ -120,7 +122,7 @@ class ShareLayout(Layout[Any, ShareReport]):
         sealed = (write_plan(be, run.tmp.dir, self.mine, self.flat.storage_objects, run.cfg)
                   if self.mine else [])
         written = (0 if self.local is None else
-                   save_local(run.tmp.dir, self.local, self.io_kwargs))
+                   save_local(run.tmp.dir, self.local, self.backend))
         if not self.mine:
             be_name, reason = "none", "this rank had nothing to write"
         else:
@@ -149,14 +151,13 @@ class ShareLayout(Layout[Any, ShareReport]):
 
 
 def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
-               io_kwargs: dict[str, Any], step: int, local: Flattened | None = None) -> SaveInfo:
+               backend: str | None, step: int, local: Flattened | None = None) -> SaveInfo:
     """Every rank: commit its share of ``flat`` at ``path`` (its own ``rank-R/step-N``), with
     its rank-local part ``local`` beside it. A failure anywhere raises on every rank; what was
     committed stays (the previous step is kept until every rank holds the new one)."""
     # tmpfs writes are copies, off the training thread's path: the tier's own thread count
-    io_kwargs = {**io_kwargs, "io_threads": settings.current().memory_io_threads}
-    return run_save(ShareLayout(flat, plan, io_kwargs, local), path, comm,
-                    cfg=settings.current(**io_kwargs),
+    cfg = settings.current(backend=backend, io_threads=settings.current().memory_io_threads)
+    return run_save(ShareLayout(flat, plan, backend, local), path, comm, cfg=cfg,
                     what=f"memory-tier save of step {step} at {path}")
 
 
