@@ -27,7 +27,7 @@ import torch
 import gds_persist
 from gds_persist import MemoryTier
 from gds_persist.training.tier import recovery, replicate, shares
-from gds_persist.training.tier.memory import MemoryStore, job_name, lacks_room
+from gds_persist.training.tier.memory import MemoryStore, RankInventory, job_name, lacks_room
 from tests.forkserver import ForkServer
 from tests.tier_worker import Job, reference, reference_tensors
 
@@ -128,8 +128,7 @@ def test_shares_split_the_state_once_over_the_ranks():
 
 
 def test_candidates_need_a_copy_of_every_share():
-    invs = [{"node": "a", "own": [5, 6], "replicas": {"1": [6]}},
-            {"node": "b", "own": [], "replicas": {"0": [5]}}]
+    invs = [RankInventory([5, 6], {"1": [6]}, "a"), RankInventory([], {"0": [5]}, "b")]
     assert recovery.candidates(invs, drive=[4]) == [6, 4]  # rank 1's share of 6 on node a only
     assert recovery.holder_of(invs, 1, 6) == 0 and recovery.holder_of(invs, 1, 5) is None
     assert recovery.candidates(invs, drive=[]) == [6]
@@ -144,15 +143,15 @@ def test_candidates_need_a_copy_of_every_share():
 def test_plan_reads_what_each_node_holds_and_sends_only_what_it_lacks():
     nodes = ["a", "a", "b", "b"]
     holders = replicate.holders(nodes, 1)
-    invs = [{"node": n, "own": [3], "replicas": {}} for n in nodes]
+    invs = [RankInventory([3], {}, n) for n in nodes]
     for r, hs in enumerate(holders):
         for h in hs:
-            invs[h]["replicas"][str(r)] = [3]
+            invs[h].replicas[str(r)] = [3]
     tier = MemoryStore("/m", 0)
     plan = recovery.plan_step(invs, 3, set(), tier)
     assert plan is not None and plan.sends == []  # 2 nodes, 1 replica: each holds every share
     assert all(sorted(reads) == [0, 1, 2, 3] for reads in plan.reads)
-    lost = [{**inv, "own": [], "replicas": {}} if inv["node"] == "b" else inv for inv in invs]
+    lost = [RankInventory([], {}, "b") if inv.node == "b" else inv for inv in invs]
     plan = recovery.plan_step(lost, 3, set(), tier)  # node b's memory lost
     assert plan is not None and all(not plan.reads[r] for r in (2, 3))
     assert sorted((k, dst) for k, _, dst in plan.sends) == [(k, d) for k in range(4)
@@ -179,7 +178,7 @@ def test_tiers_by_interval_and_restore_from_memory(tmp_path):
     assert "neither tier" in handles[0].info.reason and handles[0].done()
     assert ckpt.steps() == [3, 6]
     tier = MemoryStore(os.path.join(mem, job_name(str(root))), 0)
-    assert tier.inventory() == {"own": [6], "replicas": {}}  # only the latest step is kept
+    assert tier.inventory() == RankInventory([6], {})  # only the latest step is kept
     with gds_persist.Checkpointer(root, memory=MemoryTier(mem), warmup=False) as again:
         got = again.load()
         assert again.restored_from == "memory" and again.stats.restore_step == 6

@@ -33,7 +33,7 @@ from . import steps as _steps
 from .handles import CheckpointerStats, Job, SaveHandle
 from .helper import HelperProcess
 from .options import TierConfig
-from .tier.memory import MemoryStore, lacks_room
+from .tier.memory import MemoryStore, Room, lacks_room
 from .tier.reading import Heal
 from .tier.recovery import Restored
 from .tier.replicate import holders, transfer
@@ -165,16 +165,16 @@ class Tiers:
         tier, step, comm = self.memory, job.handle.step, self._comm
         flat, local = self._parts(job.flat)
         self.join_heal()  # a restore's healing of this rank's copy ends before the next step
-        facts = comm.all_gather_json({"node": node_name(), "free": tier.free_bytes(),
-                                      "digest": structure_digest(flat),
-                                      "local": local_bytes(local)}, "memory tier room")
-        check_same_structure([f["digest"] for f in facts], step)
-        nodes = [f["node"] for f in facts]
+        room = Room(node_name(), tier.free_bytes(), structure_digest(flat), local_bytes(local))
+        facts = [Room.from_wire(f)
+                 for f in comm.all_gather_json(room.to_wire(), "memory tier room")]
+        check_same_structure([f.digest for f in facts], step)
+        nodes = [f.node for f in facts]
         self.replica_plan(nodes)
         assert self._holders is not None
         plan = plan_shares([st.nbytes for st in flat.storages], nodes)
-        needs = [n + f["local"] for n, f in zip(share_bytes(plan), facts, strict=True)]
-        why = lacks_room(needs, [f["free"] for f in facts], nodes, self._holders)
+        needs = [n + f.local for n, f in zip(share_bytes(plan), facts, strict=True)]
+        why = lacks_room(needs, [f.free for f in facts], nodes, self._holders)
         if why is not None:
             log.warning("gds_persist.Checkpointer(%s): step %d goes to the drive: %s",
                         self.root, step, why)

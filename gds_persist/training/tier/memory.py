@@ -22,9 +22,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
 
+from ...format.records import Wire
 from .. import steps as _steps
 
 JOB_ENV = "GDS_PERSIST_JOB"
@@ -60,6 +60,28 @@ def lacks_room(needs: list[int], frees: list[int], nodes: list[str],
 
 
 @dataclass(frozen=True)
+class RankInventory(Wire):
+    """What a rank tells the others before a restore: the committed steps of its own share and
+    of the replicas it holds (by the rank whose share they are), its node, the drive's steps."""
+
+    own: list[int]
+    replicas: dict[str, list[int]]
+    node: str = ""
+    drive: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Room(Wire):
+    """What a rank tells the others before a memory step: its node, the room left in the
+    node's tmpfs, its state's structure digest, the bytes of its rank-local part."""
+
+    node: str
+    free: int
+    digest: str
+    local: int
+
+
+@dataclass(frozen=True)
 class MemoryStore:
     """One rank's view of its node's memory directory ``root`` (``memory_root/<job>``)."""
 
@@ -87,7 +109,7 @@ class MemoryStore:
         st = os.statvfs(self.own_dir)
         return st.f_bavail * st.f_frsize
 
-    def inventory(self) -> dict[str, Any]:
+    def inventory(self) -> RankInventory:
         """The committed steps here: this rank's own, and the replicas held by rank."""
         replicas: dict[str, list[int]] = {}
         try:
@@ -98,7 +120,7 @@ class MemoryStore:
             if name.startswith("replica-") and name[8:].isdigit():
                 replicas[str(int(name[8:]))] = _steps.committed_steps(os.path.join(self.root,
                                                                                    name))
-        return {"own": _steps.committed_steps(self.own_dir), "replicas": replicas}
+        return RankInventory(_steps.committed_steps(self.own_dir), replicas)
 
     def retain(self, step: int, replicas_of: list[int]) -> None:
         """Every rank committed ``step`` and its replicas: drop the older steps (and anything

@@ -18,19 +18,19 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ...errors import CheckpointError
 from ...parallel.distributed import Comm
 from ...parallel.topology import node_name
 from .. import steps as _steps
-from .memory import MemoryStore
+from .memory import MemoryStore, RankInventory
 from .reading import Heal, Plan, Request, Source, read_step
 
 SOURCES = ("memory", "replica", "drive")
 LoadDrive = Callable[[str], tuple[Any, int]]  # path -> (state, payload bytes), ranks together
-Inventory = list[dict[str, Any]]
+Inventory = list[RankInventory]
 Holders = Callable[[list[str]], list[list[int]]]  # nodes by rank -> each rank's replica holders
 
 
@@ -50,9 +50,9 @@ def copies(invs: Inventory, share: int, step: int, node: str) -> list[str]:
     """The kinds of copy of rank ``share``'s share of ``step`` in node ``node``'s memory, the
     nearest first: its owner's own ("memory", on the owner's node), then a replica."""
     out = []
-    if invs[share]["node"] == node and step in invs[share]["own"]:
+    if invs[share].node == node and step in invs[share].own:
         out.append("memory")
-    if any(inv["node"] == node and step in inv["replicas"].get(str(share), []) for inv in invs):
+    if any(inv.node == node and step in inv.replicas.get(str(share), []) for inv in invs):
         out.append("replica")
     return out
 
@@ -61,13 +61,13 @@ def holder_of(invs: Inventory, rank: int, step: int) -> int | None:
     """The first other rank (cyclically after ``rank``) holding a replica of its ``step``."""
     n = len(invs)
     found = [h for h in ((rank + k) % n for k in range(1, n))
-             if step in invs[h]["replicas"].get(str(rank), [])]
+             if step in invs[h].replicas.get(str(rank), [])]
     return found[0] if found else None
 
 
 def in_memory(invs: Inventory, step: int) -> bool:
     """Some node holds a copy of every rank's share of ``step``."""
-    nodes = {inv["node"] for inv in invs}
+    nodes = {inv.node for inv in invs}
     return all(any(copies(invs, k, step, n) for n in nodes) for k in range(len(invs)))
 
 
@@ -75,8 +75,8 @@ def candidates(invs: Inventory, drive: list[int]) -> list[int]:
     """The steps whose every share some node holds, or that the drive holds; newest first."""
     steps = set(drive)
     for inv in invs:
-        steps.update(inv["own"])
-        for held in inv["replicas"].values():
+        steps.update(inv.own)
+        for held in inv.replicas.values():
             steps.update(held)
     return sorted((s for s in steps if s in drive or in_memory(invs, s)), reverse=True)
 
@@ -90,7 +90,7 @@ def plan_step(invs: Inventory, step: int, bad: set[tuple[int, str, str]],
     world = len(invs)
     reads: list[dict[int, Source]] = []
     for r in range(world):
-        node, mine = invs[r]["node"], {}
+        node, mine = invs[r].node, {}
         for k in range(world):
             kinds = [kind for kind in copies(invs, k, step, node) if (k, node, kind) not in bad]
             if kinds:
@@ -120,14 +120,15 @@ def restore(comm: Comm, tier: MemoryStore, drive_root: str, load_drive: LoadDriv
     (``step``: that step only, from whichever tier holds it). ``holders(nodes)``: by rank, the
     ranks keeping its replicas (the copies this rank rewrites when its node lacked them)."""
     t0 = time.perf_counter()
-    mine = {**tier.inventory(), "node": node_name(),
-            "drive": _steps.committed_steps(drive_root)}
-    invs = comm.all_gather_json(mine, "memory tier inventory")
-    drive = sorted(set.intersection(*(set(inv["drive"]) for inv in invs)))  # seen by every rank
+    mine = replace(tier.inventory(), node=node_name(),
+                   drive=_steps.committed_steps(drive_root))
+    invs = [RankInventory.from_wire(inv)
+            for inv in comm.all_gather_json(mine.to_wire(), "memory tier inventory")]
+    drive = sorted(set.intersection(*(set(inv.drive) for inv in invs)))  # seen by every rank
     skipped: list[str] = []
     tried = [step] if step is not None else candidates(invs, drive)
     for s in tried:
-        keep = _keeps(comm.rank, tier, s, [inv["node"] for inv in invs], holders)
+        keep = _keeps(comm.rank, tier, s, [inv.node for inv in invs], holders)
         got = (_from_memory(comm, tier, invs, s, req, skipped, peer_timeout_s, keep)
                if in_memory(invs, s) else None)
         if got is None and s in drive:
