@@ -23,10 +23,6 @@ from gds_persist.results import DistributedSaveInfo
 # written on other branches of issue 39 (save, load, Checkpointer, warmup, the DCP writer, the
 # integrations) or in modules being rewritten there (read_manifest, SaveHandle): the lead
 # empties this at the merge
-PENDING_ISSUE_39 = {
-    "gds_persist.save", "gds_persist.load", "gds_persist.Checkpointer", "gds_persist.warmup",
-    "gds_persist.dcp.GdsPersistWriter",
-}
 RECORDS = {"SaveInfo", "DistributedSaveInfo", "LoadInfo", "SaveHandle", "WarmupReport"}
 HEADERS = ("Parameters", "Attributes", "Returns", "Raises", "Yields", "Examples", "Notes")
 _HEADER = re.compile(rf"^\s*({'|'.join(HEADERS)})\s*:?\s*$")
@@ -88,15 +84,11 @@ def documented(name: str, obj: Any) -> list[str]:
 CALLABLES = public_callables()
 
 
-@pytest.mark.parametrize("name", sorted(set(CALLABLES) - PENDING_ISSUE_39))
+@pytest.mark.parametrize("name", sorted(CALLABLES))
 def test_public_callable_has_a_parameter_section(name: str) -> None:
     problems = documented(name, CALLABLES[name])
     assert not problems, "\n".join(problems)
 
-
-def test_pending_names_exist() -> None:
-    stale = sorted(PENDING_ISSUE_39 - set(CALLABLES))
-    assert not stale, f"PENDING_ISSUE_39 names what is no longer public: {stale}"
 
 
 def test_the_section_reader_can_fail() -> None:

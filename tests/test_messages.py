@@ -25,7 +25,6 @@ ALLOWED = {
     "gds_persist/kernels", "kernels/*.cu", "kernels/{}",
 }
 # messages that still cite repository files, in modules being rewritten on other branches of
-PENDING_ISSUE_39: dict[str, set[str]] = {}
 DOC_REF = re.compile(r"(docs/[\w.-]+\.md)(?:,? (?:\"([^\"]+)\"|'([^']+)'))?")
 
 
@@ -64,18 +63,11 @@ def _modules() -> dict[str, str]:
 
 def test_messages_cite_docs_not_repository_files() -> None:
     found = {(path, line, ref) for path, text in _modules().items()
-             for line, ref in repo_paths(text)
-             if ref not in PENDING_ISSUE_39.get(path, ())}
+             for line, ref in repo_paths(text)}
     assert not found, ("messages citing files the wheel does not ship (name the doc and its "
                        "section instead, as docs/TRAINING.md, \"Benchmark\"):\n" + "\n".join(
                            f"{p}:{line}: {ref}" for p, line, ref in sorted(found)))
 
-
-def test_pending_entries_still_exist() -> None:
-    modules = _modules()
-    stale = {(path, ref) for path, refs in PENDING_ISSUE_39.items() for ref in refs
-             if ref not in {r for _, r in repo_paths(modules.get(path, ""))}}
-    assert not stale, f"fixed: remove from PENDING_ISSUE_39: {sorted(stale)}"
 
 
 def _headings(doc: str) -> set[str]:

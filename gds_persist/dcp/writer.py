@@ -121,27 +121,38 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
     """Write DCP checkpoints with gds_persist's aligned backends, CRC32C and atomic commit.
 
     ``dcp.save(state_dict, storage_writer=GdsPersistWriter(path))`` and ``dcp.async_save(...)``
-    work unchanged. ``path`` is a directory; an existing gds_persist checkpoint there is replaced
-    atomically once the new one is complete (anything else there is refused).
+    work unchanged; as ``FileSystemWriter``, the writer is the ``AsyncStager`` that
+    ``dcp.async_save`` uses when no ``async_stager`` is given. After a save, :attr:`rank_bytes`
+    (coordinator) holds the bytes each rank was given. Not supported, with a clear error:
+    ``use_collectives=False`` and ``DefaultSavePlanner(enable_plan_caching=True)`` (both need
+    rank-local decisions about the shared temporary directory).
 
-    ``backend``: ``auto`` (default), ``direct``, ``buffered`` or ``kvikio`` (per rank, as in
-    :func:`gds_persist.save`). ``balance=True`` splits replicated items of at least
-    ``split_min_bytes`` across the ranks holding them (see :mod:`gds_persist.parallel.balancing`);
-    ``False`` keeps DCP's whole-item assignment. ``progress(done, total)`` reports this rank's
-    bytes. After a save, :attr:`rank_bytes` (coordinator) holds the bytes each rank was given.
-
-    ``FileSystemWriter``'s arguments (docs/INTEGRATIONS.md, "FileSystemWriter's arguments"):
-    ``overwrite=False`` refuses to replace a checkpoint at ``path`` (checked when the save starts
-    and again under the commit lock); ``thread_count`` is the ``io_threads`` setting;
-    ``sync_files=True`` and ``single_file_per_rank=True`` are what this writer always does, and
-    ``False`` is refused (an atomic commit needs fsynced files; one aligned file per rank is the
-    layout);
-    ``cache_staged_state_dict=True`` keeps the ``dcp.async_save`` staging copy between saves
-    (pinned where CUDA is available). As ``FileSystemWriter``, the writer is the ``AsyncStager``
-    that ``dcp.async_save`` uses when no ``async_stager`` is given.
-
-    Not supported: ``use_collectives=False`` and ``DefaultSavePlanner(enable_plan_caching=True)``
-    (both need rank-local decisions about the shared temporary directory); a clear error says so.
+    Parameters
+    ----------
+    path : str or os.PathLike
+        The checkpoint directory (or ``dcp.save(..., checkpoint_id=path)``); an existing
+        gds_persist checkpoint there is replaced atomically once the new one is complete
+        (anything else there is refused).
+    backend : {"auto", "direct", "buffered", "kvikio"}, optional
+        Per rank, as in :func:`gds_persist.save`.
+    balance : bool
+        Split replicated items of at least ``split_min_bytes`` across the ranks holding them
+        (:mod:`gds_persist.parallel.balancing`); ``False`` keeps DCP's whole-item assignment.
+    split_min_bytes : int
+        The smallest item ``balance`` splits.
+    progress : callable, optional
+        ``progress(done, total)`` with this rank's bytes.
+    overwrite : bool
+        ``False`` refuses to replace a checkpoint at ``path`` (checked when the save starts and
+        again under the commit lock).
+    thread_count : int, optional
+        ``FileSystemWriter``'s name for the ``io_threads`` setting (docs/INTEGRATIONS.md,
+        "FileSystemWriter's arguments").
+    sync_files, single_file_per_rank : bool
+        What this writer always does (an atomic commit needs fsynced files; one aligned file per
+        rank is the layout); ``False`` is refused.
+    cache_staged_state_dict : bool
+        Keep the ``dcp.async_save`` staging copy between saves (pinned where CUDA is available).
     """
 
     @removed_keywords(as_settings("block_bytes", "staging_bytes", "io_threads"))

@@ -104,9 +104,19 @@ def load_with_info(
     progress: ProgressCallback | None = None,
     options: LoadOptions | None = None,
 ) -> tuple[Any, LoadInfo]:
-    """:func:`load`, also returning what it did: ``state, info = load_with_info(path, ...)``:
-    the state, and a :class:`~gds_persist.LoadInfo` (the backend used and why, bytes, seconds;
-    with ``strict=False`` the keys that did not match). Parameters: as :func:`load`."""
+    """:func:`load`, also returning what it did: ``state, info = load_with_info(path, ...)``.
+
+    Parameters
+    ----------
+    path, into, strict, map_location, verify, backend, process_group, progress, options
+        As for :func:`load`.
+
+    Returns
+    -------
+    ``(state, info)``: the state as :func:`load` returns it, and a :class:`~gds_persist.LoadInfo`
+    (the backend used and why, bytes, seconds; with ``strict=False`` the keys that did not
+    match).
+    """
     check_into(into)
     more = options if options is not None else LoadOptions()
     strategy, rank_local, weights_only = more.strategy, more.rank_local, more.weights_only
