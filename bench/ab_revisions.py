@@ -39,12 +39,17 @@ def medians(json_path: str) -> dict[tuple[str, str], float]:
     return {(s["op"], s["key"]): statistics.median(s["gbps"]) for s in record["series"]}
 
 
-def ratios(pairs: list[tuple[str, str]]) -> dict[tuple[str, str], list[float]]:
+def ratios(pairs: list[tuple[str, str]], per_torch: bool = False
+           ) -> dict[tuple[str, str], list[float]]:
+    """(op, method) -> after / before, pair by pair; ``per_torch``: of each method's figure over
+    torch.save's (torch.load's) in the same run, which the machine's drift between runs moves
+    alike."""
     out: dict[tuple[str, str], list[float]] = {}
     for before, after in pairs:
         b, a = medians(before), medians(after)
-        for key in sorted(set(a) & set(b)):
-            out.setdefault(key, []).append(a[key] / b[key])
+        for op, key in sorted(set(a) & set(b)):
+            unit = (a[(op, "torch")] / b[(op, "torch")]) if per_torch else 1.0
+            out.setdefault((op, key), []).append(a[(op, key)] / b[(op, key)] / unit)
     return out
 
 
@@ -72,12 +77,19 @@ def main() -> None:
                 paths[name] = os.path.join(args.out, f"{where}-{name}-{i}.json")
                 run_once(tree, os.path.abspath(directory), args.size, args.runs, paths[name])
             pairs.append((paths["before"], paths["after"]))
-        lines.append(f"{directory} ({machine.mount_of(directory).get('fstype', '?')}):")
+        lines.append(f"{directory} ({machine.mount_of(directory).get('fstype', '?')}): "
+                     "after / before, and the same over torch's figure in its run")
+        relative = ratios(pairs, per_torch=True)
         for (op, key), values in ratios(pairs).items():
             if key.startswith("drive"):
                 continue
             shown = " ".join(f"{v:.2f}" for v in values)
-            lines.append(f"  {op:4} {key:10} median {statistics.median(values):.2f}  ({shown})")
+            line = f"  {op:4} {key:10} median {statistics.median(values):.2f}  ({shown})"
+            if key != "torch":
+                rel = relative[(op, key)]
+                line += (f"   x torch: median {statistics.median(rel):.2f}  "
+                         f"({' '.join(f'{v:.2f}' for v in rel)})")
+            lines.append(line)
     with open(os.path.join(args.out, "summary.txt"), "w") as f:
         f.write("\n".join(lines) + "\n")
     print("\n".join(lines))

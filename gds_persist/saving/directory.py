@@ -21,6 +21,7 @@ the save sequence (:mod:`.sequence`). See ``docs/DISTRIBUTED.md`` for the data-p
 
 from __future__ import annotations
 
+import functools
 import os
 import socket
 import time
@@ -256,11 +257,15 @@ class _Share:
         self.objects = replicated.storage_objects + local.storage_objects
         self.replicated = len(replicated.storages)
         self.local_base = plan.local_storage_base[rank]
-        self.records = list(replicated.tensors) + [
-            replace(t, storage=t.storage + self.replicated) for t in local.tensors]
-        self.keys = storage_keys(replicated.tree, replicated.tensors)
-        self.keys.update({s + self.replicated: k for s, k in storage_keys(
-            local.tree, local.tensors, local_prefix(rank)).items()})
+        self.state = replicated
+
+    @functools.cached_property
+    def keys(self) -> dict[int, str]:
+        """Every storage's key path (units refer to a base's bytes by it)."""
+        keys = storage_keys(self.state.tree, self.state.tensors)
+        keys.update({s + self.replicated: k for s, k in storage_keys(
+            self.local.tree, self.local.tensors, local_prefix(self.rank)).items()})
+        return keys
 
     def compact(self, g: int) -> int:
         """The plan's (global) storage number -> the index into ``objects``."""
@@ -279,7 +284,9 @@ class _Share:
     def units(self, file_indices: Sequence[int]) -> tuple[list[Unit], list[list[int]]]:
         """The units of the planned files ``file_indices`` and, per file, the indices of its
         own."""
-        sizes_of = typesizes(self.records, len(self.objects))
+        records = list(self.state.tensors) + [
+            replace(t, storage=t.storage + self.replicated) for t in self.local.tensors]
+        sizes_of = typesizes(records, len(self.objects))
         units: list[Unit] = []
         per_file: list[list[int]] = []
         for i in file_indices:

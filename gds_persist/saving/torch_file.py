@@ -143,11 +143,8 @@ class TorchFileLayout(Layout[Facts, Report]):
         run.needs = f"this file needs about {self.file.size} bytes; "
         self.size = self.layout.tail_offset  # until rank 0 knows the tail
         self.directory = run.first.tmp
-        if run.tmp is not None:
-            run.agree("start", lambda: self._start(run))  # the file at its full size, a token
-        else:
-            run.agree("start", lambda: None)
-        if run.comm.size > 1:
+        if run.comm.size > 1:  # rank 0 makes the file at its full size and a token beside it
+            run.agree("start", lambda: self._start(run) if run.tmp is not None else None)
             sees = run.agree("find", lambda: _sees(self.directory, run.first.save_id))
             self.writers = [r for r, seen in enumerate(sees) if seen]
 
@@ -171,8 +168,10 @@ class TorchFileLayout(Layout[Facts, Report]):
                                  [e.storage for e in self.pickled.entries])
         self.backend = be  # rank 0 writes the tail with it
         counter = ByteCounter(self.request.progress, hi - lo)
+        # alone, the writer creates the file and writes all of it, gaps included, in large
+        # requests; with others, only its extents' blocks of the file rank 0 made
         sealed = write_plan(be, self.directory, [mine], self.sources, run.cfg, counter.hook,
-                            create=False)
+                            create=run.comm.size == 1)
         counter.finish()
         storages = len(self.pickled.entries)
         return Report([e for e in sealed if e.storage < storages], hi - lo, be.name,
