@@ -167,7 +167,8 @@ class DirectoryLayout(Layout[Facts, Report]):
         used = sorted({f.dir for f in self.layout.files if f.dir >= 0})
         manifest = build_manifest(
             Part(self.replicated.tree, self.replicated.tensors, self.replicated.storages),
-            files, extents, self._writer(run, reports), locals_by_rank=[r.local for r in reports],
+            files, extents, self._writer(run, reports),
+            locals_by_rank=[r.local for r in reports] if self.shared else (),
             dirs=[DataDir(self.files.roots[d], self.stripe) for d in used],
             referred=[ref for r in reports for ref in r.referred])
         refuse_torn(self.replicated, manifest.extents, self.path,
@@ -267,6 +268,11 @@ class _Share:
             self.local.tree, self.local.tensors, local_prefix(self.rank)).items()})
         return keys
 
+    @property
+    def numbered_alike(self) -> bool:
+        """No rank-local storages here: the plan's numbers are the indices into ``objects``."""
+        return not self.local.storages
+
     def compact(self, g: int) -> int:
         """The plan's (global) storage number -> the index into ``objects``."""
         return g if g < self.replicated else self.replicated + g - self.local_base
@@ -325,14 +331,16 @@ class _Writing:
     def _raw(self, directory: str, file_indices: list[int], choice: Choice | None = None) -> None:
         share, cfg = self.share, self.request.cfg
         plans = [share.plan.files[i].plan for i in file_indices]
-        local_files = [replace(f, extents=tuple(replace(e, storage=share.compact(e.storage))
-                                                for e in f.extents)) for f in plans]
+        local_files = plans if share.numbered_alike else [
+            replace(f, extents=tuple(replace(e, storage=share.compact(e.storage))
+                                     for e in f.extents)) for f in plans]
         if choice is None:
             be, reason = backend_for(cfg, directory, share.objects)
         else:
             be, reason = choice.backend, choice.reason
-        for e in write_plan(be, directory, local_files, share.objects, cfg, self.counter.hook):
-            self.extents.append(replace(e, storage=share.globalise(e.storage)))
+        written = write_plan(be, directory, local_files, share.objects, cfg, self.counter.hook)
+        self.extents += written if share.numbered_alike else [
+            replace(e, storage=share.globalise(e.storage)) for e in written]
         self.sizes.update({str(i): f.size for i, f in zip(file_indices, plans, strict=True)})
         self.backend, self.reason = be.name, with_fallback(be, reason)
 
@@ -396,7 +404,9 @@ def _kept_files(plan: DistributedPlan, reports: list[Report]) -> tuple[list[Data
     renumber = {old: new for new, old in enumerate(keep)}
     files = [DataFile(plan.files[i].plan.name, sizes.get(i, plan.files[i].plan.size),
                       dir_index.get(plan.files[i].dir, 0)) for i in keep]
-    extents = [replace(e, file=renumber[e.file]) for r in reports for e in r.extents]
+    extents = [e for r in reports for e in r.extents]
+    if len(keep) < len(plan.files):  # some file was all references: number the rest anew
+        extents = [replace(e, file=renumber[e.file]) for e in extents]
     return files, extents
 
 
