@@ -6,8 +6,9 @@ after / before ratio of every method's median, pair by pair, and the median of t
         --dirs bench/out,/dev/shm --out bench/results/DATE-cpu-ab-REV
 
 Every write figure includes fsync (bench_io.py's). A ratio near 1.00 with its spread across the
-pairs is what "unchanged within noise" means here; the runs alternate so that a drifting machine
-weighs on both revisions alike.
+pairs is what "unchanged within noise" means here; the runs alternate, before first in even pairs
+and after first in odd ones (ABBA), so that neither a drifting machine nor the run order (the
+second run of a pair meets the first one's freed files and dirty cache) favours a revision.
 """
 
 from __future__ import annotations
@@ -67,13 +68,16 @@ def main() -> None:
     trees = {"before": args.before, "after": args.after}
     revs = {k: machine.git_revision(t) for k, t in trees.items()}
     lines = [f"after {revs['after']} / before {revs['before']}: bench_io.py --size {args.size} "
-             f"--runs {args.runs}, {args.pairs} pairs, alternating; ratio of medians (GB/s)"]
+             f"--runs {args.runs}, {args.pairs} pairs in ABBA order; ratio of medians (GB/s)"]
     for directory in args.dirs.split(","):
         where = os.path.basename(directory.rstrip("/")) or directory
         pairs = []
         for i in range(args.pairs):
             paths = {}
-            for name, tree in trees.items():
+            # ABBA: before first in even pairs, after first in odd ones (the second run of a
+            # pair meets the first one's freed files and dirty cache)
+            order = list(trees.items()) if i % 2 == 0 else list(trees.items())[::-1]
+            for name, tree in order:
                 paths[name] = os.path.join(args.out, f"{where}-{name}-{i}.json")
                 run_once(tree, os.path.abspath(directory), args.size, args.runs, paths[name])
             pairs.append((paths["before"], paths["after"]))
