@@ -1,5 +1,7 @@
 """bench/ab_revisions.py as its command line runs it: two trees (here the same one) measured in
-turns, every run's JSON kept, the after / before ratios summarized."""
+turns, every run's JSON kept, the after / before ratios summarized. Among the slowest tests
+(about 11 s): it starts bench_io.py twice as fresh interpreters, each tree's own script, which is
+what the A/B comparison is."""
 
 from __future__ import annotations
 
