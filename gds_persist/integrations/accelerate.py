@@ -35,20 +35,16 @@ needs the same number of processes). ``allow_pickle`` is single-process only. Sh
 
 from __future__ import annotations
 
-import contextlib
-import logging
 import os
 import random
 import re
-import threading
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 
 from ..errors import CheckpointError, NotCommittedError
-from ..loading.load import load
+from ..loading.load import fresh_expected, load
 from ..saving.save import save
 from ._common import is_checkpoint_dir, remove_checkpoint
 
@@ -151,7 +147,10 @@ def load_state(accelerator: Any, input_dir: str | os.PathLike[str] | None = None
     """
     several = _processes(accelerator) > 1
     input_dir = _input_dir(accelerator, input_dir)
-    with _fresh_by_design():  # what the live objects lack is loaded fresh; checked below
+    # into= holds only the live tensors: in every correct resume the checkpoint's RNG states,
+    # registered objects and a not yet stepped optimizer's moments have none and load fresh
+    # (checked below: the objects' counts, the models' load_state_dict(strict=strict))
+    with fresh_expected():
         state = load(input_dir, map_location="cpu", verify=verify,
                      process_group="default" if several else None, into=_live(accelerator),
                      strict=False)
@@ -184,29 +183,6 @@ def _live(accelerator: Any) -> dict[str, Any]:
     ``load_state_dict`` then finds its own tensors there: nothing is copied twice."""
     return {"models": [accelerator.get_state_dict(m, unwrap=False) for m in accelerator._models],
             "optimizers": [opt.state_dict() for opt in accelerator._optimizers]}
-
-
-@contextlib.contextmanager
-def _fresh_by_design() -> Iterator[None]:
-    """Drop ``load``'s report of the keys ``into=`` had no tensor for, for this thread's load.
-
-    ``into=`` holds only the live tensors of the prepared models and optimizers, so in every
-    correct resume the checkpoint's RNG states, registered objects and the moments of an
-    optimizer that has not stepped yet have none: ``strict=False`` loads them fresh, and
-    ``load`` logs them as "unexpected" (a warning naming 14 keys on a typical resume). They are
-    expected here; what a resume gets wrong is refused afterwards (the objects' counts, the
-    models' ``load_state_dict(strict=strict)``)."""
-    me = threading.get_ident()
-
-    def keep(record: logging.LogRecord) -> bool:
-        return not (record.thread == me and str(record.msg).startswith("load(into=) of "))
-
-    logger = logging.getLogger("gds_persist")
-    logger.addFilter(keep)
-    try:
-        yield
-    finally:
-        logger.removeFilter(keep)
 
 
 def rng_states() -> dict[str, Any]:

@@ -24,10 +24,12 @@ in a row while being opened, or removed.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import logging
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from typing import Any
@@ -89,6 +91,23 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
 _MOVED = {**in_options("LoadOptions", "strategy", "rank_local", "data_dirs", "weights_only"),
           "return_info": "return_info is gone since 0.2 (load returns the state only): use "
                          "`state, info = gds_persist.load_with_info(path, ...)`"}
+
+
+# set by a caller whose into= holds only some of the checkpoint's tensors on purpose
+_FRESH_EXPECTED: contextvars.ContextVar[bool] = contextvars.ContextVar("fresh_expected",
+                                                                       default=False)
+
+
+@contextlib.contextmanager
+def fresh_expected() -> Iterator[None]:
+    """Within it, a ``load(into=..., strict=False)`` of this thread (context) does not warn of
+    the keys ``into`` lacks or has extra: the caller fills only some tensors on purpose and
+    checks the rest itself (``LoadInfo`` still lists them)."""
+    token = _FRESH_EXPECTED.set(True)
+    try:
+        yield
+    finally:
+        _FRESH_EXPECTED.reset(token)
 
 
 @removed_keywords(_MOVED)
@@ -396,7 +415,7 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
     if found is not None:
         info.missing_keys, info.unexpected_keys = found.missing_keys, found.unexpected_keys
         info.in_place_bytes = dest.in_place_bytes()
-        if found.missing_keys or found.unexpected_keys:
+        if (found.missing_keys or found.unexpected_keys) and not _FRESH_EXPECTED.get():
             log.warning("load(into=) of %s (strict=False): %d missing key(s) %s, %d unexpected "
                         "(loaded fresh) %s", ck.path, len(found.missing_keys),
                         found.missing_keys[:8], len(found.unexpected_keys),
