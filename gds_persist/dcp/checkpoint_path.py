@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 
+from ..stores import refuse_url
+
 
 class CheckpointPath:
     """The ``checkpoint_id`` side of a DCP storage writer / reader (list it before DCP's base
@@ -13,6 +15,7 @@ class CheckpointPath:
     path: str
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
+        refuse_url(path, "the DCP storage writer and reader")  # never a local ./s3:/ folder
         self.path = os.fspath(path)
 
     def _reset_path(self, checkpoint_id: str | os.PathLike[str] | None) -> None:

@@ -235,8 +235,9 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
         self._run = begin_driven(_Layout(self), self.path,
                                  settings.current(backend=self.backend),
                                  f"DCP save of {self.path}")
-        tmp = self._tmp = self._run.tmp
-        assert tmp is not None
+        tmp = self._run.tmp
+        assert isinstance(tmp, Temporary)  # the DCP writer takes local paths only
+        self._tmp = tmp
         try:
             assignment = self._assign(plans)
         except BaseException:

@@ -91,7 +91,7 @@ class ObjectWriter(Backend):
 
     def sync(self, handle: _Upload) -> None:
         if handle.small is not None:
-            handle.store.put(handle.key, handle.small)
+            handle.store.put(handle.key, memoryview(handle.small))
         else:
             handle.store.finish_upload(handle.key, handle.upload, handle.tags)
         handle.done = True

@@ -96,12 +96,14 @@ class S3Store(ObjectStore):
                                     status)
         return ObjectStoreError(f"{doing} {url}: {type(e).__name__}: {e} ({DOC})", url)
 
-    def _call(self, doing: str, key: str, method: str, **kw: Any) -> Any:
+    def _call(self, doing: str, key: str, method: str, missing_ok: bool = False,
+              **kw: Any) -> Any:
+        """The client's ``method``; None for a missing object where ``missing_ok``."""
         try:
             return getattr(self.client, method)(Bucket=self.bucket, **kw)
         except Exception as e:  # noqa: BLE001 - every client failure, named
-            if _missing(e) and method in ("head_object", "get_object"):
-                raise _Missing from None
+            if missing_ok and _missing(e):
+                return None
             raise self._fail(e, key, doing) from e
 
     # the interface ---------------------------------------------------------------------------
@@ -109,10 +111,10 @@ class S3Store(ObjectStore):
         self._call("writing", key, "put_object", Key=key, Body=_ViewReader(memoryview(data)))
 
     def get(self, key: str) -> bytes | None:
-        try:
-            body = self._call("reading", key, "get_object", Key=key)["Body"]
-        except _Missing:
+        got = self._call("reading", key, "get_object", True, Key=key)
+        if got is None:
             return None
+        body = got["Body"]
         try:
             return bytes(body.read())
         except Exception as e:  # noqa: BLE001 - a dropped connection mid-body
@@ -122,13 +124,12 @@ class S3Store(ObjectStore):
         if not len(buf):
             return 0
         rng = f"bytes={offset}-{offset + len(buf) - 1}"
-        try:
-            body = self._call("reading", key, "get_object", Key=key, Range=rng)["Body"]
-        except _Missing:
+        answer = self._call("reading", key, "get_object", True, Key=key, Range=rng)
+        if answer is None:
             raise ObjectStoreError(f"reading {self.url(key)}: the object is gone (HTTP 404); "
-                                   "it was replaced or removed meanwhile: load again", 
-                                   self.url(key), 404) from None
-        got = 0
+                                   "it was replaced or removed meanwhile: load again",
+                                   self.url(key), 404)
+        body, got = answer["Body"], 0
         try:
             with body:
                 while got < len(buf):
@@ -141,16 +142,15 @@ class S3Store(ObjectStore):
         return got
 
     def size(self, key: str) -> int | None:
-        try:
-            return int(self._call("reading", key, "head_object", Key=key)["ContentLength"])
-        except _Missing:
-            return None
+        head = self._call("reading", key, "head_object", True, Key=key)
+        return None if head is None else int(head["ContentLength"])
 
     def listing(self, prefix: str) -> list[Listed]:
         out, token = [], None
         now = time.time()
         while True:
-            kw = {"Prefix": prefix, **({"ContinuationToken": token} if token else {})}
+            kw: dict[str, Any] = {"Prefix": prefix,
+                                  **({"ContinuationToken": token} if token else {})}
             page = self._call("listing", prefix, "list_objects_v2", **kw)
             out += [Listed(o["Key"], int(o["Size"]), now - o["LastModified"].timestamp())
                     for o in page.get("Contents", [])]
@@ -215,10 +215,6 @@ class _ViewReader(io.RawIOBase):
 
     def __len__(self) -> int:
         return self.view.nbytes
-
-
-class _Missing(Exception):  # noqa: N818 - internal signal, never raised to users
-    """The object does not exist (HTTP 404 of a HEAD or GET)."""
 
 
 def _missing(e: Exception) -> bool:

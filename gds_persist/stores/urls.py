@@ -11,12 +11,12 @@ from __future__ import annotations
 
 import importlib
 import os
-import re
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from ..errors import UnsupportedURLError
+from ..transfer.commit import URL
 
 if TYPE_CHECKING:
     from .base import ObjectStore
@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 # first use: ``import gds_persist`` must not import a client library)
 STORES: dict[str, str] = {"s3": "s3"}
 LOCAL_SCHEMES = ("file",)  # file:///abs/path is the local path /abs/path (RFC 8089)
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+_SCHEME = URL
 DOC = 'docs/OBJECT_STORE.md, "URLs"'
 _stores: dict[tuple[str, str, tuple[str, ...]], ObjectStore] = {}
 _lock = threading.Lock()
