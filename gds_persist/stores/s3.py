@@ -74,7 +74,8 @@ class S3Store(ObjectStore):
                 f"{doing} {url}: no AWS credentials found; set AWS_ACCESS_KEY_ID and "
                 f"AWS_SECRET_ACCESS_KEY (or AWS_PROFILE, or ~/.aws/credentials) ({DOC})", url)
         if isinstance(e, (bx.EndpointConnectionError, bx.ConnectionClosedError,
-                          bx.ConnectTimeoutError, bx.ReadTimeoutError)):
+                          bx.ConnectTimeoutError, bx.ReadTimeoutError,
+                          bx.IncompleteReadError, bx.ResponseStreamingError)):
             attempts = settings.current().object_attempts
             return ObjectStoreError(
                 f"{doing} {url}: no answer from the endpoint {_endpoint()} after {attempts} "
@@ -121,8 +122,25 @@ class S3Store(ObjectStore):
             raise self._fail(e, key, "reading") from e
 
     def read_into(self, key: str, offset: int, buf: memoryview) -> int:
+        """A ranged GET into ``buf``; a body cut off midway (botocore retries requests, not
+        the streaming of their answers) is asked again for the rest, with backoff, bounded by
+        ``object_attempts``."""
+        got, attempts = 0, settings.current().object_attempts
+        for attempt in range(attempts):
+            n, cut = self._read_once(key, offset + got, buf[got:])
+            got += n
+            if cut is None:
+                return got
+            if attempt == attempts - 1:
+                raise self._fail(cut, key, "reading") from cut
+            time.sleep(min(0.1 * 2 ** attempt, 2.0))
+        raise AssertionError("unreachable")
+
+    def _read_once(self, key: str, offset: int, buf: memoryview) -> tuple[int, Exception | None]:
+        """Bytes read into ``buf``, and the error that cut the body off (None: it came
+        whole)."""
         if not len(buf):
-            return 0
+            return 0, None
         rng = f"bytes={offset}-{offset + len(buf) - 1}"
         answer = self._call("reading", key, "get_object", True, Key=key, Range=rng)
         if answer is None:
@@ -138,8 +156,8 @@ class S3Store(ObjectStore):
                         break
                     got += n
         except Exception as e:  # noqa: BLE001 - a dropped connection mid-body
-            raise self._fail(e, key, "reading") from e
-        return got
+            return got, e
+        return got, None
 
     def size(self, key: str) -> int | None:
         head = self._call("reading", key, "head_object", True, Key=key)
