@@ -109,6 +109,7 @@ class ObjectReader(Backend):
 
     name = "s3"
     host_alignment = 1  # into the destination's own memory wherever it is
+    whole_requests = True  # extents under a request are read in windows with their neighbours
 
     def open(self, path: str, *, write: bool, size: int = 0, create: bool = True) -> _Object:
         loc = parse(path)
