@@ -17,10 +17,10 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.request
 from typing import Any
@@ -54,8 +54,9 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0) -> None:
-    """Until ``url`` answers (bounded; fails with the server's output)."""
+def _wait_http(url: str, proc: subprocess.Popen[bytes], log: Any,
+               timeout_s: float = 30.0) -> None:
+    """Until ``url`` answers (bounded; fails with the server's output, ``log``)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
@@ -63,16 +64,17 @@ def _wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 30.0)
             return
         except Exception:  # noqa: BLE001 - not up yet
             if proc.poll() is not None or time.monotonic() > deadline:
-                out = proc.stdout.read().decode(errors="replace") if proc.stdout else ""
                 proc.kill()
+                log.seek(0)
+                out = log.read().decode(errors="replace")
                 raise RuntimeError(f"the S3 server at {url} did not come up (exit "
                                    f"{proc.poll()}):\n{out[-3000:]}") from None
             time.sleep(0.05)
 
 
 def _moto_command() -> list[str]:
-    exe = shutil.which("moto_server") or os.path.join(os.path.dirname(sys.executable),
-                                                       "moto_server")
+    """This interpreter's moto (its environment's script, else the module)."""
+    exe = os.path.join(os.path.dirname(sys.executable), "moto_server")
     return [exe] if os.path.exists(exe) else [sys.executable, "-m", "moto.server"]
 
 
@@ -85,6 +87,9 @@ class S3Server:
         self.port = free_port() if gate else self.server_port
         self.server: subprocess.Popen[bytes] | None = None
         self.relay: subprocess.Popen[bytes] | None = None
+        # the server logs every request: into a file, never a pipe nobody drains (a full pipe
+        # blocks the server's next log line, and with it every request)
+        self.log = tempfile.TemporaryFile()
 
     @property
     def endpoint(self) -> str:
@@ -99,8 +104,8 @@ class S3Server:
     def start(self) -> S3Server:
         self.server = subprocess.Popen(
             [*_moto_command(), "-H", "127.0.0.1", "-p", str(self.server_port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        _wait_http(f"http://127.0.0.1:{self.server_port}/moto-api/", self.server)
+            stdout=self.log, stderr=subprocess.STDOUT)
+        _wait_http(f"http://127.0.0.1:{self.server_port}/moto-api/", self.server, self.log)
         if self.gate:
             self.start_relay()
         self.make_bucket(self.bucket)
@@ -114,16 +119,14 @@ class S3Server:
         assert self.gate
         self.relay = subprocess.Popen(
             [sys.executable, "-c", RELAY, str(self.port), str(self.server_port)],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
-        _wait_http(f"{self.endpoint}/moto-api/", self.relay)
+            stdout=self.log, stderr=subprocess.STDOUT)
+        _wait_http(f"{self.endpoint}/moto-api/", self.relay, self.log)
 
     def kill_relay(self) -> None:
         """The endpoint dies at once (SIGKILL): open connections are cut mid-request."""
         if self.relay is not None:
             self.relay.kill()
             self.relay.wait()
-            if self.relay.stdout:
-                self.relay.stdout.close()
             self.relay = None
 
     def stop(self) -> None:
@@ -135,9 +138,8 @@ class S3Server:
             except subprocess.TimeoutExpired:
                 self.server.kill()
                 self.server.wait()
-            if self.server.stdout:
-                self.server.stdout.close()
             self.server = None
+        self.log.close()
 
     def __enter__(self) -> S3Server:
         return self.start()
