@@ -116,7 +116,7 @@ def seal(target: ObjectTarget, manifest: Manifest, replace_ok: bool = True) -> N
         raw = dump_manifest(manifest)
         parse_manifest(raw, f"the manifest being written for {target.path}")
         _check_objects(store, target, manifest)
-        previous = read_manifest(loc) if _has_manifest(store, loc) else None
+        previous = read_manifest(loc)
         if previous is not None and not replace_ok:
             raise CheckpointError(f"Checkpoint already exists and overwrite=False: {loc.url} "
                                   "holds a checkpoint committed meanwhile")
@@ -130,10 +130,6 @@ def seal(target: ObjectTarget, manifest: Manifest, replace_ok: bool = True) -> N
               dead={objects_of(previous[1], loc.url)} if previous else set())
     except CheckpointError:
         pass  # committed; a later save removes what is left
-
-
-def _has_manifest(store: ObjectStore, loc: Location) -> bool:
-    return store.size(loc.child(MANIFEST_NAME).key) is not None
 
 
 def _check_objects(store: ObjectStore, target: ObjectTarget, m: Manifest) -> None:
