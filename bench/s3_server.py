@@ -81,8 +81,10 @@ def _moto_command() -> list[str]:
 class S3Server:
     """moto_server on a free port (and the relay in front where ``gate``), a bucket made."""
 
-    def __init__(self, bucket: str = "ckpt", gate: bool = False):
-        self.bucket, self.gate = bucket, gate
+    def __init__(self, bucket: str = "ckpt", gate: bool = False, auth: bool = False):
+        """``auth``: the server checks every request's credentials (moto's IAM, where the
+        access key ``testing`` is unknown: every request is refused, HTTP 403); no bucket."""
+        self.bucket, self.gate, self.auth = bucket, gate, auth
         self.server_port = free_port()
         self.port = free_port() if gate else self.server_port
         self.server: subprocess.Popen[bytes] | None = None
@@ -104,11 +106,13 @@ class S3Server:
     def start(self) -> S3Server:
         self.server = subprocess.Popen(
             [*_moto_command(), "-H", "127.0.0.1", "-p", str(self.server_port)],
-            stdout=self.log, stderr=subprocess.STDOUT)
+            stdout=self.log, stderr=subprocess.STDOUT,
+            env={**os.environ, **({"INITIAL_NO_AUTH_ACTION_COUNT": "0"} if self.auth else {})})
         _wait_http(f"http://127.0.0.1:{self.server_port}/moto-api/", self.server, self.log)
         if self.gate:
             self.start_relay()
-        self.make_bucket(self.bucket)
+        if not self.auth:
+            self.make_bucket(self.bucket)
         return self
 
     def make_bucket(self, name: str) -> None:

@@ -102,3 +102,18 @@ def test_endpoint_killed_mid_save_then_mid_load(s3: S3Server) -> None:
         s3.start_relay()
         got = gds_persist.load(URL)
         assert torch.equal(got["big"], _state(3.0)["big"])
+
+
+def test_refused_credentials_name_the_url_and_the_variables(monkeypatch: pytest.MonkeyPatch
+                                                            ) -> None:
+    """A server that checks credentials (moto's IAM) and does not know the key: HTTP 403."""
+    with S3Server("private", auth=True) as server:
+        for k, v in server.env.items():
+            monkeypatch.setenv(k, v)
+        with settings.set(object_attempts=2), pytest.raises(
+                ObjectStoreError, match=r"s3://private/x.*HTTP 403.*refused: set "
+                                        r"AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY") as got:
+            gds_persist.save(_state(1.0), "s3://private/x")
+        assert got.value.status == 403
+        with pytest.raises(ObjectStoreError, match=r"s3://private/x.*HTTP 403"):
+            gds_persist.load("s3://private/x")
