@@ -183,7 +183,7 @@ def test_a_prefix_holding_other_objects_is_never_replaced(url: str) -> None:
 
 def test_what_an_object_store_save_does_not_take_is_refused_before_writing(url: str) -> None:
     key = url.split("/", 3)[3]
-    for kw in ({"format": "torch"}, {"rank_local": "model"},
+    for kw in ({"format": "torch"}, {"options": gds_persist.SaveOptions(data_dirs=["d"])},
                {"options": gds_persist.SaveOptions(compression="lossless")}):
         with pytest.raises(ValueError, match="OBJECT_STORE.md"):
             gds_persist.save(_state(1), url, **kw)

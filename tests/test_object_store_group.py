@@ -47,3 +47,15 @@ def test_a_group_loads_an_object_store_checkpoint(gang: Gang, strategy: str) -> 
 
 def test_a_group_restores_in_place_from_an_object_store(gang: Gang) -> None:
     assert gang.run(tasks.load_into_check, 2, URL, "broadcast") == [[], []]
+
+
+@pytest.mark.parametrize("local", [False, True])
+def test_a_group_saves_to_the_object_store_each_rank_its_share(gang: Gang, local: bool) -> None:
+    url = f"s3://group/dp/local-{local}"
+    infos = gang.run(tasks.save, 2, url, with_local=local)
+    assert [i["world"] for i in infos] == [2, 2]
+    assert all(i["rank_bytes"] > 0 for i in infos)  # both ranks wrote objects
+    assert gds_persist.verify(url).ok
+    strategy, own = ("broadcast", "own") if local else ("broadcast", None)
+    results = gang.run(tasks.load_check, 2, url, strategy, own)
+    assert [r["problems"] for r in results] == [[], []]

@@ -99,11 +99,9 @@ def _refuse_for_objects(request: SaveRequest, url: str) -> None:
     given = [name for name, value in (
         ("format='torch'", request.format == "torch"), ("base", request.base is not None),
         ("compression", request.cfg.compression != "none"), ("content_hash", request.hashes),
-        ("rank_local", request.rank_local is not None),
-        ("data_dirs", request.data_dirs is not None),
-        ("process_group", request.process_group is not None)) if value]
+        ("data_dirs", request.data_dirs is not None)) if value]
     if given:
         raise ValueError(f"a save to {url} cannot take {', '.join(given)}: an object-store "
-                         "checkpoint is a plain directory-format checkpoint of one process "
+                         "checkpoint is a plain directory-format checkpoint "
                          "(docs/OBJECT_STORE.md, \"Limits\"); save locally for those")
     object.__setattr__(request, "cfg", object_settings(request.cfg))
