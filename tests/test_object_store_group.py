@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import _dist_tasks as tasks
+import ckpt_dist_tasks
 import object_store_tasks
 import pytest
 from _gang import Gang
@@ -59,3 +60,10 @@ def test_a_group_saves_to_the_object_store_each_rank_its_share(gang: Gang, local
     strategy, own = ("broadcast", "own") if local else ("broadcast", None)
     results = gang.run(tasks.load_check, 2, url, strategy, own)
     assert [r["problems"] for r in results] == [[], []]
+
+
+def test_a_group_checkpointer_with_its_root_in_the_object_store(gang: Gang) -> None:
+    got = gang.run(ckpt_dist_tasks.checkpoint_steps, "s3://group/ckpt-run", 3, "fence")
+    assert [(r["latest"], r["steps"], r["loaded_step"], r["same"], r["tied"]) for r in got] == \
+        [(3, [2, 3], 3, True, True)] * 2
+    assert [r["publisher"] for r in got] == [True, False]

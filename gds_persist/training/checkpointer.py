@@ -138,8 +138,7 @@ class Checkpointer(WriterThreads, Restoring):
         local_paths = check_rank_local(rank_local, process_group)
         self.root = resolve(root)  # a local directory, or a URL of an object store
         if is_url(self.root):
-            _check_object_root(self.root, incremental, compression, memory, process_group,
-                               rank_local)
+            _check_object_root(self.root, incremental, compression, memory, rank_local)
             warmup = False  # it measures a local drive
         _steps.check_root(self.root)  # a file there: NotACheckpointDirectoryError
         self.requested_mode = mode
@@ -476,14 +475,13 @@ before_thread_pools_stop(_close_at_exit)
 
 
 def _check_object_root(root: str, incremental: bool, compression: str | None,
-                       memory: MemoryTier | None, process_group: Any, rank_local: Any) -> None:
+                       memory: MemoryTier | None, rank_local: Any) -> None:
     """What a Checkpointer with its root in an object store does not do (yet), refused here
     rather than at the first save."""
     given = [name for name, value in (
         ("incremental=True", incremental), ("compression", compression not in (None, "none")),
-        ("memory", memory is not None), ("process_group", process_group is not None),
-        ("rank_local", rank_local is not None)) if value]
+        ("memory", memory is not None), ("rank_local", rank_local is not None)) if value]
     if given:
         raise ValueError(f"Checkpointer({root!r}) cannot take {', '.join(given)}: steps in an "
-                         "object store are plain checkpoints of one process "
+                         "object store are plain checkpoints "
                          "(docs/OBJECT_STORE.md, \"Limits\")")

@@ -88,7 +88,11 @@ def refuse_url(path: str) -> None:
     """The last guard before a local directory is made or opened: a URL that reached the local
     commit or reader (an entry point that did not route it to its store) is refused, never made
     into a folder such as ``./s3:/bucket/x``."""
-    if URL.match(path) or _MANGLED_URL.match(os.path.relpath(path)):
+    try:
+        relative = os.path.relpath(path)
+    except (OSError, ValueError):  # no working directory (removed): nothing made from it
+        relative = ""
+    if URL.match(path) or _MANGLED_URL.match(relative):
         raise UnsupportedURLError(
             f"{path} is a URL, not a local path; save, load, verify, inspect and the "
             "Checkpointer take s3:// URLs (docs/OBJECT_STORE.md, \"URLs\")")
