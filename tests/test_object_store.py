@@ -313,6 +313,7 @@ def test_missing_credentials_name_the_variables(s3: S3Server, monkeypatch: pytes
 
 
 def test_import_gds_persist_does_not_import_the_client() -> None:
+    """A fresh interpreter (2-3 s): this one, or a fork of it, has imported the client."""
     import subprocess
 
     code = "import sys, gds_persist; print(sorted(m for m in ('boto3', 'botocore') " \
