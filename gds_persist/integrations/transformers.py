@@ -1,0 +1,234 @@
+"""Transformers' ``Trainer``: its checkpoints written by gds_persist, in the background.
+
+``attach(trainer)`` replaces, on that instance only, the methods Trainer's checkpointing goes
+through (a ``TrainerCallback`` cannot replace writes): ``_save_checkpoint`` (what a checkpoint
+holds), ``_load_from_checkpoint`` (resume: the previous write finished, then every file
+verified, then Trainer's own resume code), ``_load_best_model`` and ``train`` (wait for the
+write in flight first). Reference: ``docs/INTEGRATIONS.md``, "Transformers".
+
+A checkpoint is taken at Trainer's moment - the model's and the optimizer's tensors copied, the
+scheduler, scaler, RNG states and ``trainer_state.json`` as Trainer records them - and written
+by the one background writer (:class:`~gds_persist.training.background_writer.Lane`) while
+training goes on: the weights as ``model.safetensors`` (``save(format="safetensors")``), the
+optimizer, scheduler, scaler and RNG states as the ``torch.save`` files Trainer names
+(``save(format="torch")``, which ``torch.load`` reads), into a hidden ``.checkpoint-N.tmp-*``
+folder renamed to ``checkpoint-N`` once all of it is durable. Trainer's rotation
+(``save_total_limit``) then runs: it lists ``checkpoint-*`` folders only, so it never counts or
+deletes one being written. The next checkpoint, a resume, ``load_best_model_at_end`` and the end
+of ``train()`` wait for the write in flight; its error is raised there.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import os
+import random
+import shutil
+import time
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future
+from typing import Any
+
+import numpy as np
+import torch
+
+from ..errors import CheckpointError, ChecksumError
+from ..loading.verify import verify
+from ..saving.options import SaveOptions
+from ..saving.save import save
+from ..training.background_writer import Lane, collect
+from ..transfer.commit import fsync_path
+
+DOC = 'docs/INTEGRATIONS.md, "Transformers"'
+TORCH_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth")
+
+
+class _Attached:
+    """The state of one attached Trainer: its lane and the checkpoint write in flight."""
+
+    def __init__(self, trainer: Any, timeout_s: float, max_shard_size: Any):
+        if trainer.args.world_size > 1:
+            raise CheckpointError(
+                f"gds_persist.integrations.transformers.attach: this Trainer runs "
+                f"{trainer.args.world_size} processes; the attached writer supports one process "
+                f"so far: train without attach() there ({DOC})")
+        self.trainer, self.timeout_s = trainer, timeout_s
+        self.options = SaveOptions(max_shard_size=max_shard_size)
+        self.lane = Lane("transformers")
+        self.pending: list[tuple[str, Future[None]]] = []
+        self.stops: list[float] = []  # seconds each checkpoint held training up
+
+    def wait(self) -> None:
+        """The write in flight finished; its error raised here."""
+        pending, self.pending = self.pending, []
+        collect(pending, self.timeout_s, "attach(timeout_s=)")
+
+    def save_checkpoint(self, model: Any, trial: Any) -> None:
+        t0 = time.perf_counter()
+        self.wait()
+        tr = self.trainer
+        from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+
+        if tr.hp_search_backend is None and trial is None:
+            tr.store_flos()
+        run_dir = tr._get_output_dir(trial=trial)
+        output_dir = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{tr.state.global_step}")
+        if tr.state.best_global_step:
+            best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{tr.state.best_global_step}")
+            if os.path.exists(best) or tr.state.best_global_step == tr.state.global_step:
+                tr.state.best_model_checkpoint = best
+        tmp = os.path.join(run_dir, f".{os.path.basename(output_dir)}.tmp-{uuid.uuid4().hex[:12]}")
+        os.makedirs(tmp)
+        try:
+            small, tensors = self._take(model, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        self.pending.append((output_dir, self.lane.submit(
+            lambda: self._write(tmp, output_dir, small, tensors, run_dir), output_dir)))
+        self.stops.append(time.perf_counter() - t0)
+
+    def _take(self, model: Any, tmp: str) -> tuple[dict[str, bytes], dict[str, Any]]:
+        """What the checkpoint holds, at this moment: the small files written now into ``tmp``
+        (config, tokenizer, arguments: Trainer's ``_save`` with no weights), the trainer state
+        as text, and copies of the tensors' states for the writer."""
+        tr = self.trainer
+        unwrapped = tr.accelerator.unwrap_model(tr.model, keep_torch_compile=False)
+        if hasattr(unwrapped, "config"):
+            unwrapped.config.save_pretrained(tmp)
+        if getattr(unwrapped, "generation_config", None) is not None \
+                and getattr(unwrapped, "can_generate", lambda: False)():
+            unwrapped.generation_config.save_pretrained(tmp)
+        if tr.processing_class is not None:
+            tr.processing_class.save_pretrained(tmp)
+        torch.save(tr.args, os.path.join(tmp, "training_args.bin"))
+        tensors: dict[str, Any] = {"model": copy.deepcopy(unwrapped.state_dict())}
+        if not tr.args.save_only_model:
+            if tr.optimizer is not None:
+                tensors["optimizer.pt"] = copy.deepcopy(tr.optimizer.state_dict())
+            if tr.lr_scheduler is not None:
+                tensors["scheduler.pt"] = copy.deepcopy(tr.lr_scheduler.state_dict())
+            scaler = getattr(tr.accelerator, "scaler", None)
+            if scaler is not None:
+                tensors["scaler.pt"] = copy.deepcopy(scaler.state_dict())
+            tensors["rng_state.pth"] = _rng_states()
+        from transformers.trainer_callback import ExportableState
+
+        for cb in [*tr.callback_handler.callbacks, tr.control]:  # as Trainer does
+            if isinstance(cb, ExportableState):
+                name = cb.__class__.__name__
+                if isinstance(tr.state.stateful_callbacks.get(name), list):
+                    tr.state.stateful_callbacks[name].append(cb.state())
+                else:
+                    tr.state.stateful_callbacks[name] = cb.state()
+        text = json.dumps(dataclasses.asdict(tr.state), indent=2, sort_keys=True) + "\n"
+        return {"trainer_state.json": text.encode()}, tensors
+
+    def _write(self, tmp: str, output_dir: str, small: dict[str, bytes],
+               tensors: dict[str, Any], run_dir: str) -> None:
+        """In the background: every file, then the folder renamed into place, then rotation."""
+        try:
+            save(tensors.pop("model"), tmp, format="safetensors", options=self.options)
+            from transformers.trainer_pt_utils import safe_globals
+
+            for name, state in tensors.items():
+                with safe_globals():  # the numpy RNG state, which Trainer's resume allows too
+                    save(state, os.path.join(tmp, name), format="torch")
+            for name, raw in small.items():
+                with open(os.path.join(tmp, name), "wb") as f:
+                    f.write(raw)
+                    os.fsync(f.fileno())
+            for name in os.listdir(tmp):
+                fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            fsync_path(tmp)
+            if os.path.isdir(output_dir):  # a checkpoint of this step saved before: replaced
+                shutil.rmtree(output_dir)
+            os.rename(tmp, output_dir)
+            fsync_path(run_dir)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.trainer.args.save_total_limit,
+                           best_model_checkpoint=self.trainer.state.best_model_checkpoint,
+                           use_mtime=False)
+
+    def check(self, checkpoint: str) -> None:
+        """Before Trainer resumes from ``checkpoint``: every file gds_persist wrote verified."""
+        self.wait()
+        found = [n for n in TORCH_FILES if os.path.isfile(os.path.join(checkpoint, n))]
+        for target in [checkpoint, *(os.path.join(checkpoint, n) for n in found)]:
+            report = verify(target)
+            if not report.ok:
+                raise ChecksumError(
+                    f"{target} does not match the checksums recorded when it was written "
+                    f"({report.errors[0]}); resume from an earlier checkpoint ({DOC})")
+
+
+def _rng_states() -> dict[str, Any]:
+    """The RNG states as Trainer's ``_save_rng_state`` records them (one process)."""
+    states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
+                              "cpu": torch.random.get_rng_state()}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.random.get_rng_state()
+    return states
+
+
+def attach(trainer: Any, *, timeout_s: float = 600.0, max_shard_size: Any = None) -> Any:
+    """Make ``trainer``'s checkpoints go through gds_persist, written while training goes on.
+
+    Parameters
+    ----------
+    trainer : transformers.Trainer
+        The Trainer, before ``train()``; its own methods are replaced on this instance only.
+    timeout_s : float
+        How long the next checkpoint, a resume or the end of training waits for the write in
+        flight before raising :class:`~gds_persist.CheckpointTimeout`.
+    max_shard_size : int or str, optional
+        Cut the weights into shards beyond this many bytes (as ``save_pretrained``).
+
+    Returns
+    -------
+    transformers.Trainer
+        ``trainer`` itself; ``trainer.gds_persist.stops`` lists the seconds each checkpoint
+        held training up.
+
+    Raises
+    ------
+    CheckpointError
+        A Trainer of several processes (not supported yet).
+    """
+    state = _Attached(trainer, timeout_s, max_shard_size)
+    load_checkpoint = trainer._load_from_checkpoint
+    load_best = trainer._load_best_model
+    train = trainer.train
+
+    def resume(checkpoint: str, model: Any = None) -> Any:
+        state.check(checkpoint)
+        return load_checkpoint(checkpoint, model)
+
+    def best() -> Any:
+        state.wait()
+        return load_best()
+
+    def train_then_wait(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return train(*args, **kwargs)
+        finally:
+            state.wait()
+
+    replaced: dict[str, Callable[..., Any]] = {
+        "_save_checkpoint": state.save_checkpoint, "_load_from_checkpoint": resume,
+        "_load_best_model": best, "train": train_then_wait}
+    for name, fn in replaced.items():
+        setattr(trainer, name, fn)
+    trainer.gds_persist = state
+    return trainer
