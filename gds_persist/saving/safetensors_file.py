@@ -41,7 +41,6 @@ from .. import settings
 from ..errors import ReplicationError
 from ..format import ALIGNMENT, MANIFEST_NAME, Extent, align_up, joined_crcs
 from ..format.layout import FilePlan
-from ..format.records import Wire
 from ..format.safetensors import (
     INDEX_NAME,
     ST_DTYPES,
@@ -58,7 +57,9 @@ from ..transfer.commit import Temporary, check_replaceable, fsync_path, make_tem
 from ..transfer.writer import write_plan
 from .options import SaveRequest
 from .sequence import Layout, Run
-from .torch_file import TOKEN, _clip, _cut, _sees
+from .torch_file import TOKEN, Facts, Report, _clip, _cut, _sees  # a rank's digest and byte
+
+# ranges, as for one torch.save file
 from .units import backend_for, with_fallback
 
 DEFAULT_MAX_SHARD = "50GB"  # save_pretrained's default
@@ -128,22 +129,6 @@ def _check_leaf(name: Any, t: Any) -> None:
     if t.dtype not in ST_DTYPES:
         raise TypeError(f"{name!r} has dtype {t.dtype}, which safetensors has no code for; use "
                         "format='torch' or format='directory'")
-
-
-@dataclass(frozen=True)
-class Facts(Wire):
-    digest: str  # names, dtypes, shapes of this rank's state ('' on one process)
-
-
-@dataclass(frozen=True)
-class Report(Wire):
-    """A rank's byte ranges of the files, written: its pieces of each tensor (with CRC32C)."""
-
-    pieces: list[Extent]
-    bytes: int
-    backend: str
-    reason: str
-    seconds: float
 
 
 class SafetensorsLayout(Layout[Facts, Report]):
