@@ -60,6 +60,7 @@ class _Attached:
         self.lane = Lane("transformers")
         self.pending: list[tuple[str, Future[None]]] = []
         self.stops: list[float] = []  # seconds each checkpoint held training up
+        self.spare: dict[str, Any] = {}  # the previous checkpoint's copies, reused
 
     def wait(self) -> None:
         """The write in flight finished; its error raised here."""
@@ -105,15 +106,20 @@ class _Attached:
         if tr.processing_class is not None:
             tr.processing_class.save_pretrained(tmp)
         torch.save(tr.args, os.path.join(tmp, "training_args.bin"))
-        tensors: dict[str, Any] = {"model": copy.deepcopy(unwrapped.state_dict())}
+        live: dict[str, Any] = {"model": unwrapped.state_dict()}
         if not tr.args.save_only_model:
             if tr.optimizer is not None:
-                tensors["optimizer.pt"] = copy.deepcopy(tr.optimizer.state_dict())
+                live["optimizer.pt"] = tr.optimizer.state_dict()
             if tr.lr_scheduler is not None:
-                tensors["scheduler.pt"] = copy.deepcopy(tr.lr_scheduler.state_dict())
+                live["scheduler.pt"] = tr.lr_scheduler.state_dict()
             scaler = getattr(tr.accelerator, "scaler", None)
             if scaler is not None:
-                tensors["scaler.pt"] = copy.deepcopy(scaler.state_dict())
+                live["scaler.pt"] = scaler.state_dict()
+        # the previous checkpoint's copies are free again (its write finished): reused, as
+        # copying into memory already touched is several times faster than into fresh memory
+        tensors = {k: _copy_into(v, self.spare.get(k)) for k, v in live.items()}
+        self.spare = dict(tensors)
+        if not tr.args.save_only_model:
             tensors["rng_state.pth"] = _rng_states()
         from transformers.trainer_callback import ExportableState
 
@@ -171,6 +177,46 @@ class _Attached:
                 raise ChecksumError(
                     f"{target} does not match the checksums recorded when it was written "
                     f"({report.errors[0]}); resume from an earlier checkpoint ({DOC})")
+
+
+def _copy_into(obj: Any, spare: Any) -> Any:
+    """A copy of ``obj`` (tensors copied, storages shared as in ``obj``), made of ``spare``'s
+    tensors where it is an earlier copy of the same structure, shapes and dtypes."""
+    if spare is not None and _same_shape(obj, spare):
+        _copy_tensors(obj, spare)
+        return spare
+    return copy.deepcopy(obj)
+
+
+def _same_shape(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor):
+        return (isinstance(b, torch.Tensor) and a.shape == b.shape and a.dtype == b.dtype
+                and a.device == b.device and b.is_contiguous() == a.is_contiguous())
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(
+            _same_shape(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple):
+        return type(a) is type(b) and len(a) == len(b) and all(
+            _same_shape(x, y) for x, y in zip(a, b, strict=True))
+    return not isinstance(b, torch.Tensor | dict | list | tuple)
+
+
+def _copy_tensors(src: Any, dst: Any) -> Any:
+    """Copy ``src``'s tensors into ``dst``'s; its other values replace ``dst``'s in place
+    (dicts) or are compared equal (sequences of plain values: copied anew where they differ)."""
+    if isinstance(src, torch.Tensor):
+        dst.copy_(src)
+        return dst
+    if isinstance(src, dict):
+        for k, v in src.items():
+            dst[k] = _copy_tensors(v, dst[k])
+        return dst
+    if isinstance(src, list):
+        dst[:] = [_copy_tensors(x, y) for x, y in zip(src, dst, strict=True)]
+        return dst
+    if isinstance(src, tuple):
+        return type(src)(_copy_tensors(x, y) for x, y in zip(src, dst, strict=True))
+    return copy.deepcopy(src)
 
 
 def _rng_states() -> dict[str, Any]:
