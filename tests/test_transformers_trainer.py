@@ -5,7 +5,9 @@ raised at the next wait. A tiny GPT-2 on the CPU, one process."""
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import gds_persist
+from tests.forkserver import ForkServer
 
 transformers = pytest.importorskip("transformers")
 from transformers.trainer_pt_utils import safe_globals  # noqa: E402
@@ -108,3 +111,37 @@ def test_a_failed_write_is_raised_and_leaves_no_checkpoint(tmp_path: Path) -> No
     with pytest.raises(ValueError, match="max_shard_size"):
         trainer.train()
     assert os.listdir(tmp_path / "run") == []
+
+
+def test_ddp_ranks_share_the_writing_and_resume_bit_exactly(tmp_path: Path) -> None:
+    """2 gloo ranks, forked from the fork server (tests/forkserver.py): the files are those of
+    Trainer's own DDP checkpoints; the attached and resumed runs end with the own run's weights."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+           "WORLD_SIZE": "2", "GLOO_SOCKET_IFNAME": "lo"}
+    script = str(Path(__file__).with_name("transformers_ddp_worker.py"))
+    with ForkServer() as forks:
+        ranks = [forks.spawn(script, [str(tmp_path), str(tmp_path / f"r{r}.json")],
+                             env={**env, "RANK": str(r), "LOCAL_RANK": str(r)},
+                             stdout=str(tmp_path / f"r{r}.log"))
+                 for r in range(2)]
+        codes = [w.wait(timeout=240) for w in ranks]
+    logs = "\n".join((tmp_path / f"r{r}.log").read_text()[-3000:] for r in range(2))
+    assert codes == [0, 0], logs
+    for r in range(2):
+        got = json.loads((tmp_path / f"r{r}.json").read_text())
+        assert got["own"] == got["attached"] == got["resumed"], got
+    for step in ("checkpoint-2", "checkpoint-4"):
+        assert sorted(os.listdir(tmp_path / "attached" / step)) == \
+            sorted(os.listdir(tmp_path / "own" / step))
+    assert gds_persist.verify(tmp_path / "attached" / "checkpoint-4").ok
+    assert gds_persist.verify(tmp_path / "attached" / "checkpoint-4" / "optimizer.pt").ok
+
+
+def test_what_the_attached_writer_does_not_write_is_refused(tmp_path: Path) -> None:
+    trainer = _trainer(tmp_path / "run", attached=False)
+    trainer.args.push_to_hub = True  # set after Trainer's start, which would reach the Hub
+    with pytest.raises(gds_persist.CheckpointError, match="push_to_hub"):
+        attach(trainer)

@@ -37,25 +37,35 @@ import torch
 
 from ..errors import CheckpointError, ChecksumError
 from ..loading.verify import verify
+from ..parallel.distributed import background_group, make_comm
 from ..saving.options import SaveOptions
 from ..saving.save import save
 from ..training.background_writer import Lane, collect
 from ..transfer.commit import fsync_path
 
 DOC = 'docs/INTEGRATIONS.md, "Transformers"'
-TORCH_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt", "rng_state.pth")
+TORCH_FILES = ("optimizer.pt", "scheduler.pt", "scaler.pt")  # and this rank's RNG states
 
 
 class _Attached:
     """The state of one attached Trainer: its lane and the checkpoint write in flight."""
 
     def __init__(self, trainer: Any, timeout_s: float, max_shard_size: Any):
-        if trainer.args.world_size > 1:
+        refused = [name for name, on in (
+            ("DeepSpeed", getattr(trainer, "is_deepspeed_enabled", False)),
+            ("FSDP", getattr(trainer, "is_fsdp_enabled", False)),
+            ("push_to_hub", trainer.args.push_to_hub)) if on]
+        if refused:
             raise CheckpointError(
-                f"gds_persist.integrations.transformers.attach: this Trainer runs "
-                f"{trainer.args.world_size} processes; the attached writer supports one process "
-                f"so far: train without attach() there ({DOC})")
+                f"gds_persist.integrations.transformers.attach: this Trainer uses "
+                f"{', '.join(refused)}, whose checkpoints the attached writer does not write "
+                f"(sharded states, uploads); train without attach(), or without them ({DOC})")
         self.trainer, self.timeout_s = trainer, timeout_s
+        # with DDP: a gloo group of its own for the writer thread's collectives (every rank
+        # calls attach, so every rank creates it), and this rank's place in it
+        self.group = background_group(timeout_s) if trainer.args.world_size > 1 else None
+        self.comm = make_comm(self.group, timeout_s)
+        self.rank = self.comm.rank
         self.options = SaveOptions(max_shard_size=max_shard_size)
         self.lane = Lane("transformers")
         self.pending: list[tuple[str, Future[None]]] = []
@@ -81,31 +91,27 @@ class _Attached:
             best = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{tr.state.best_global_step}")
             if os.path.exists(best) or tr.state.best_global_step == tr.state.global_step:
                 tr.state.best_model_checkpoint = best
-        tmp = os.path.join(run_dir, f".{os.path.basename(output_dir)}.tmp-{uuid.uuid4().hex[:12]}")
-        os.makedirs(tmp)
+        ident = self.comm.broadcast_json(uuid.uuid4().hex[:12], 0, "checkpoint folder")
+        tmp = os.path.join(run_dir, f".{os.path.basename(output_dir)}.tmp-{ident}")
         try:
-            small, tensors = self._take(model, tmp)
+            small, tensors = self._take(tmp)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
         self.pending.append((output_dir, self.lane.submit(
             lambda: self._write(tmp, output_dir, small, tensors, run_dir), output_dir)))
         self.stops.append(time.perf_counter() - t0)
 
-    def _take(self, model: Any, tmp: str) -> tuple[dict[str, bytes], dict[str, Any]]:
+    def _take(self, tmp: str) -> tuple[dict[str, bytes], dict[str, Any]]:
         """What the checkpoint holds, at this moment: the small files written now into ``tmp``
-        (config, tokenizer, arguments: Trainer's ``_save`` with no weights), the trainer state
-        as text, and copies of the tensors' states for the writer."""
+        (rank 0), the trainer state as text, and copies of the tensors' states for the
+        writer."""
         tr = self.trainer
         unwrapped = tr.accelerator.unwrap_model(tr.model, keep_torch_compile=False)
-        if hasattr(unwrapped, "config"):
-            unwrapped.config.save_pretrained(tmp)
-        if getattr(unwrapped, "generation_config", None) is not None \
-                and getattr(unwrapped, "can_generate", lambda: False)():
-            unwrapped.generation_config.save_pretrained(tmp)
-        if tr.processing_class is not None:
-            tr.processing_class.save_pretrained(tmp)
-        torch.save(tr.args, os.path.join(tmp, "training_args.bin"))
+        if self.rank == 0:
+            os.makedirs(tmp)
+            self._small_files(unwrapped, tmp)
         live: dict[str, Any] = {"model": unwrapped.state_dict()}
         if not tr.args.save_only_model:
             if tr.optimizer is not None:
@@ -120,7 +126,7 @@ class _Attached:
         tensors = {k: _copy_into(v, self.spare.get(k)) for k, v in live.items()}
         self.spare = dict(tensors)
         if not tr.args.save_only_model:
-            tensors["rng_state.pth"] = _rng_states()
+            tensors[_rng_name(self.comm.size, self.rank)] = _rng_states(self.comm.size)
         from transformers.trainer_callback import ExportableState
 
         for cb in [*tr.callback_handler.callbacks, tr.control]:  # as Trainer does
@@ -131,52 +137,83 @@ class _Attached:
                 else:
                     tr.state.stateful_callbacks[name] = cb.state()
         text = json.dumps(dataclasses.asdict(tr.state), indent=2, sort_keys=True) + "\n"
-        return {"trainer_state.json": text.encode()}, tensors
+        return ({"trainer_state.json": text.encode()} if self.rank == 0 else {}), tensors
+
+    def _small_files(self, unwrapped: Any, tmp: str) -> None:
+        """Trainer's ``_save`` without the weights: config, generation config, processing
+        class, training arguments."""
+        tr = self.trainer
+        if hasattr(unwrapped, "config"):
+            unwrapped.config.save_pretrained(tmp)
+        if getattr(unwrapped, "generation_config", None) is not None \
+                and getattr(unwrapped, "can_generate", lambda: False)():
+            unwrapped.generation_config.save_pretrained(tmp)
+        if tr.processing_class is not None:
+            tr.processing_class.save_pretrained(tmp)
+        torch.save(tr.args, os.path.join(tmp, "training_args.bin"))
 
     def _write(self, tmp: str, output_dir: str, small: dict[str, bytes],
                tensors: dict[str, Any], run_dir: str) -> None:
-        """In the background: every file, then the folder renamed into place, then rotation."""
+        """In the background: every file (the ranks of a group share the model's and the
+        optimizer's, each writes its RNG state), then rank 0 renames the folder into place and
+        rotates; every rank returns once that is done."""
+        from transformers.trainer_pt_utils import safe_globals
+
+        group = self.group
         try:
-            save(tensors.pop("model"), tmp, format="safetensors", options=self.options)
-            from transformers.trainer_pt_utils import safe_globals
-
+            save(tensors.pop("model"), tmp, format="safetensors", options=self.options,
+                 process_group=group)
             for name, state in tensors.items():
-                with safe_globals():  # the numpy RNG state, which Trainer's resume allows too
-                    save(state, os.path.join(tmp, name), format="torch")
-            for name, raw in small.items():
-                with open(os.path.join(tmp, name), "wb") as f:
-                    f.write(raw)
-                    os.fsync(f.fileno())
-            for name in os.listdir(tmp):
-                fd = os.open(os.path.join(tmp, name), os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
-            fsync_path(tmp)
-            if os.path.isdir(output_dir):  # a checkpoint of this step saved before: replaced
-                shutil.rmtree(output_dir)
-            os.rename(tmp, output_dir)
-            fsync_path(run_dir)
+                shared = name == "optimizer.pt"  # replicated in DDP: written by every rank
+                if shared or self.rank == 0 or name.startswith("rng_state"):
+                    with safe_globals():  # the numpy RNG state, which Trainer's resume allows
+                        save(state, os.path.join(tmp, name), format="torch",
+                             process_group=group if shared else None)
+            self.comm.agree("written", lambda: None, f"checkpoint {output_dir}")
+            if self.rank == 0:
+                _publish(tmp, output_dir, small)
         except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
+            if self.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
             raise
-        from transformers.trainer_utils import rotate_checkpoints
+        self.comm.agree("committed", lambda: None, f"checkpoint {output_dir}")
+        if self.rank == 0:
+            from transformers.trainer_utils import rotate_checkpoints
 
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.trainer.args.save_total_limit,
-                           best_model_checkpoint=self.trainer.state.best_model_checkpoint,
-                           use_mtime=False)
+            rotate_checkpoints(output_dir=run_dir,
+                               save_total_limit=self.trainer.args.save_total_limit,
+                               best_model_checkpoint=self.trainer.state.best_model_checkpoint,
+                               use_mtime=False)
 
     def check(self, checkpoint: str) -> None:
         """Before Trainer resumes from ``checkpoint``: every file gds_persist wrote verified."""
         self.wait()
-        found = [n for n in TORCH_FILES if os.path.isfile(os.path.join(checkpoint, n))]
+        names = (*TORCH_FILES, _rng_name(self.comm.size, self.rank))
+        found = [n for n in names if os.path.isfile(os.path.join(checkpoint, n))]
         for target in [checkpoint, *(os.path.join(checkpoint, n) for n in found)]:
             report = verify(target)
             if not report.ok:
                 raise ChecksumError(
                     f"{target} does not match the checksums recorded when it was written "
                     f"({report.errors[0]}); resume from an earlier checkpoint ({DOC})")
+
+
+def _publish(tmp: str, output_dir: str, small: dict[str, bytes]) -> None:
+    """The small files written, everything fsynced, the folder renamed to ``output_dir``."""
+    for name, raw in small.items():
+        with open(os.path.join(tmp, name), "wb") as f:
+            f.write(raw)
+    for name in os.listdir(tmp):
+        fsync_path(os.path.join(tmp, name))
+    fsync_path(tmp)
+    if os.path.isdir(output_dir):  # a checkpoint of this step saved before: replaced
+        shutil.rmtree(output_dir)
+    os.rename(tmp, output_dir)
+    fsync_path(os.path.dirname(output_dir))
+
+
+def _rng_name(world: int, rank: int) -> str:
+    return "rng_state.pth" if world <= 1 else f"rng_state_{rank}.pth"
 
 
 def _copy_into(obj: Any, spare: Any) -> Any:
@@ -219,12 +256,13 @@ def _copy_tensors(src: Any, dst: Any) -> Any:
     return copy.deepcopy(src)
 
 
-def _rng_states() -> dict[str, Any]:
-    """The RNG states as Trainer's ``_save_rng_state`` records them (one process)."""
+def _rng_states(world: int) -> dict[str, Any]:
+    """The RNG states as Trainer's ``_save_rng_state`` records them."""
     states: dict[str, Any] = {"python": random.getstate(), "numpy": np.random.get_state(),
                               "cpu": torch.random.get_rng_state()}
     if torch.cuda.is_available():
-        states["cuda"] = torch.cuda.random.get_rng_state()
+        states["cuda"] = (torch.cuda.random.get_rng_state_all() if world > 1
+                          else torch.cuda.random.get_rng_state())
     return states
 
 
@@ -250,7 +288,12 @@ def attach(trainer: Any, *, timeout_s: float = 600.0, max_shard_size: Any = None
     Raises
     ------
     CheckpointError
-        A Trainer of several processes (not supported yet).
+        A Trainer with DeepSpeed, FSDP or ``push_to_hub`` (not written by the attached writer).
+
+    Notes
+    -----
+    With DDP every rank calls ``attach``: the ranks write byte ranges of the weights and of the
+    optimizer state, each its RNG states, and rank 0 the rest and the rename.
     """
     state = _Attached(trainer, timeout_s, max_shard_size)
     load_checkpoint = trainer._load_from_checkpoint
