@@ -6,9 +6,10 @@ holds), ``_load_from_checkpoint`` (resume: the previous write finished, then eve
 verified, then Trainer's own resume code), ``_load_best_model`` and ``train`` (wait for the
 write in flight first). Reference: ``docs/INTEGRATIONS.md``, "Transformers".
 
-A checkpoint is taken at Trainer's moment - the model's and the optimizer's tensors copied, the
-scheduler, scaler, RNG states and ``trainer_state.json`` as Trainer records them - and written
-by the one background writer (:class:`~gds_persist.training.background_writer.Lane`) while
+A checkpoint is taken at Trainer's moment - the scheduler, scaler, RNG states and
+``trainer_state.json`` as Trainer records them; the model's and the optimizer's tensors copied by
+the writer thread during the next step's forward and backward, which cannot change them (the
+optimizer's step waits for the copy: a step pre-hook) - and written by the one background writer (:class:`~gds_persist.training.background_writer.Lane`) while
 training goes on: the weights as ``model.safetensors`` (``save(format="safetensors")``), the
 optimizer, scheduler, scaler and RNG states as the ``torch.save`` files Trainer names
 (``save(format="torch")``, which ``torch.load`` reads), into a hidden ``.checkpoint-N.tmp-*``
@@ -71,6 +72,8 @@ class _Attached:
         self.pending: list[tuple[str, Future[None]]] = []
         self.stops: list[float] = []  # seconds each checkpoint held training up
         self.spare: dict[str, Any] = {}  # the previous checkpoint's copies, reused
+        self.copying: Future[dict[str, Any]] | None = None  # the copies the next step awaits
+        self.hooked: set[int] = set()  # the optimizers whose step waits for them
 
     def wait(self) -> None:
         """The write in flight finished; its error raised here."""
@@ -94,39 +97,66 @@ class _Attached:
         ident = self.comm.broadcast_json(uuid.uuid4().hex[:12], 0, "checkpoint folder")
         tmp = os.path.join(run_dir, f".{os.path.basename(output_dir)}.tmp-{ident}")
         try:
-            small, tensors = self._take(tmp)
+            small, now, live = self._take(tmp)
         except BaseException:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
+        # the model's and the optimizer's tensors are copied by the writer thread while the
+        # next step's forward and backward run; the optimizer's step waits for the copy (fence)
+        copying = self.copying = self.lane.submit(lambda: self._copies(live), "copy")
+        self._hook()
         self.pending.append((output_dir, self.lane.submit(
-            lambda: self._write(tmp, output_dir, small, tensors, run_dir), output_dir)))
+            lambda: self._write(tmp, output_dir, small, {**copying.result(), **now}, run_dir),
+            output_dir)))
         self.stops.append(time.perf_counter() - t0)
 
-    def _take(self, tmp: str) -> tuple[dict[str, bytes], dict[str, Any]]:
+    def _copies(self, live: dict[str, Any]) -> dict[str, Any]:
+        """Copies of ``live`` made into the previous checkpoint's (free again: its write
+        finished before this checkpoint began), as copying into memory already touched is
+        several times faster than into fresh pages."""
+        copies = {k: _copy_into(v, self.spare.get(k)) for k, v in live.items()}
+        self.spare = dict(copies)
+        return copies
+
+    def _hook(self) -> None:
+        """The fence on the optimizer's step, once per optimizer (Trainer makes its optimizer
+        in ``train()``)."""
+        opt = getattr(self.trainer.optimizer, "optimizer", self.trainer.optimizer)
+        if opt is not None and id(opt) not in self.hooked:
+            opt.register_step_pre_hook(lambda *args: self._fence())
+            self.hooked.add(id(opt))
+
+    def _fence(self) -> None:
+        """Before the optimizer changes the weights: the checkpoint's copies are done (the wait
+        counted in the checkpoint's stop)."""
+        copying, self.copying = self.copying, None
+        if copying is None:
+            return
+        t0 = time.perf_counter()
+        collect([("copy", copying)], self.timeout_s, "attach(timeout_s=)")
+        self.stops[-1] += time.perf_counter() - t0
+
+    def _take(self, tmp: str) -> tuple[dict[str, bytes], dict[str, Any], dict[str, Any]]:
         """What the checkpoint holds, at this moment: the small files written now into ``tmp``
-        (rank 0), the trainer state as text, and copies of the tensors' states for the
-        writer."""
+        (rank 0), the trainer state as text, copies of the scheduler's, scaler's and RNG
+        states, and the live model and optimizer states (copied before the next step)."""
         tr = self.trainer
         unwrapped = tr.accelerator.unwrap_model(tr.model, keep_torch_compile=False)
         if self.rank == 0:
             os.makedirs(tmp)
             self._small_files(unwrapped, tmp)
         live: dict[str, Any] = {"model": unwrapped.state_dict()}
+        now: dict[str, Any] = {}
         if not tr.args.save_only_model:
             if tr.optimizer is not None:
                 live["optimizer.pt"] = tr.optimizer.state_dict()
             if tr.lr_scheduler is not None:
-                live["scheduler.pt"] = tr.lr_scheduler.state_dict()
+                now["scheduler.pt"] = copy.deepcopy(tr.lr_scheduler.state_dict())
             scaler = getattr(tr.accelerator, "scaler", None)
             if scaler is not None:
-                live["scaler.pt"] = scaler.state_dict()
-        # the previous checkpoint's copies are free again (its write finished): reused, as
-        # copying into memory already touched is several times faster than into fresh memory
-        tensors = {k: _copy_into(v, self.spare.get(k)) for k, v in live.items()}
-        self.spare = dict(tensors)
-        if not tr.args.save_only_model:
-            tensors[_rng_name(self.comm.size, self.rank)] = _rng_states(self.comm.size)
+                now["scaler.pt"] = copy.deepcopy(scaler.state_dict())
+            now[_rng_name(self.comm.size, self.rank)] = _rng_states(self.comm.size)
         from transformers.trainer_callback import ExportableState
 
         for cb in [*tr.callback_handler.callbacks, tr.control]:  # as Trainer does
@@ -137,7 +167,7 @@ class _Attached:
                 else:
                     tr.state.stateful_callbacks[name] = cb.state()
         text = json.dumps(dataclasses.asdict(tr.state), indent=2, sort_keys=True) + "\n"
-        return ({"trainer_state.json": text.encode()} if self.rank == 0 else {}), tensors
+        return ({"trainer_state.json": text.encode()} if self.rank == 0 else {}), now, live
 
     def _small_files(self, unwrapped: Any, tmp: str) -> None:
         """Trainer's ``_save`` without the weights: config, generation config, processing
