@@ -9,11 +9,12 @@ write in flight first). Reference: ``docs/INTEGRATIONS.md``, "Transformers".
 A checkpoint is taken at Trainer's moment - the scheduler, scaler, RNG states and
 ``trainer_state.json`` as Trainer records them; the model's and the optimizer's tensors copied by
 the writer thread during the next step's forward and backward, which cannot change them (the
-optimizer's step waits for the copy: a step pre-hook) - and written by the one background writer (:class:`~gds_persist.training.background_writer.Lane`) while
-training goes on: the weights as ``model.safetensors`` (``save(format="safetensors")``), the
-optimizer, scheduler, scaler and RNG states as the ``torch.save`` files Trainer names
-(``save(format="torch")``, which ``torch.load`` reads), into a hidden ``.checkpoint-N.tmp-*``
-folder renamed to ``checkpoint-N`` once all of it is durable. Trainer's rotation
+optimizer's step waits for the copy: a step pre-hook) - and written by the one background
+writer (:class:`~gds_persist.training.background_writer.Lane`) while training goes on: the
+weights as ``model.safetensors`` (``save(format="safetensors")``), the optimizer, scheduler,
+scaler and RNG states as the ``torch.save`` files Trainer names (``save(format="torch")``,
+which ``torch.load`` reads), into a hidden ``.checkpoint-N.tmp-*`` folder renamed to
+``checkpoint-N`` once all of it is durable. Trainer's rotation
 (``save_total_limit``) then runs: it lists ``checkpoint-*`` folders only, so it never counts or
 deletes one being written. The next checkpoint, a resume, ``load_best_model_at_end`` and the end
 of ``train()`` wait for the write in flight; its error is raised there.

@@ -57,9 +57,7 @@ from ..transfer.commit import Temporary, check_replaceable, fsync_path, make_tem
 from ..transfer.writer import write_plan
 from .options import SaveRequest
 from .sequence import Layout, Run
-from .torch_file import TOKEN, Facts, Report, _clip, _cut, _sees  # a rank's digest and byte
-
-# ranges, as for one torch.save file
+from .torch_file import TOKEN, Facts, Report, _clip, _cut, _sees  # as for one torch.save file
 from .units import backend_for, with_fallback
 
 DEFAULT_MAX_SHARD = "50GB"  # save_pretrained's default
@@ -67,7 +65,8 @@ DEFAULT_MAX_SHARD = "50GB"  # save_pretrained's default
 
 @dataclass
 class Stored:
-    """One stored tensor: its bytes in ``source`` from ``start``, at ``begin`` of file ``file``."""
+    """One stored tensor: its bytes (from :attr:`start` of its storage) at ``begin`` of the data
+    buffer of file ``file``."""
 
     name: str
     tensor: torch.Tensor  # contiguous
