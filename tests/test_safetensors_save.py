@@ -139,6 +139,46 @@ def test_from_pretrained_reads_it_and_ties_the_weights(tmp_path: Path) -> None:
     assert torch.equal(again(ids).logits, model(ids).logits)
 
 
+def test_a_stock_model_directory_loads_unverified(tmp_path: Path) -> None:
+    """save_pretrained's files (no CRC32C recorded): load and load(into=) read them through the
+    engine (the tied lm_head.weight is not stored, as for load_file); verify checks nothing."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=101,
+                                     n_positions=16)
+    model = transformers.GPT2LMHeadModel(config)
+    model.save_pretrained(tmp_path / "hf")
+    back, info = gds_persist.load_with_info(tmp_path / "hf")
+    want = {k: v for k, v in model.state_dict().items() if k != "lm_head.weight"}
+    assert back.keys() == want.keys() and all(torch.equal(back[k], want[k]) for k in want)
+    assert "not verified" in info.reason
+    report = gds_persist.verify(tmp_path / "hf")
+    assert report.ok and report.checksum == "none"
+    into = {k: torch.zeros_like(v) for k, v in want.items()}
+    gds_persist.load(tmp_path / "hf", into=into)
+    assert all(torch.equal(into[k], want[k]) for k in want)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", ["direct", "kvikio"])
+def test_cuda_weights_to_safetensors_and_back_in_place(tmp_path: Path, backend: str) -> None:
+    """CUDA tensors through pinned buffers (direct) or from device memory (kvikio)."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device (torch.cuda.is_available() is False)")
+    if backend == "kvikio":
+        from tests.helpers import kvikio_missing
+
+        if (why := kvikio_missing()) is not None:
+            pytest.skip(why)
+    state = {k: v.cuda() for k, v in tasks.model_state().items()}
+    info = gds_persist.save(state, tmp_path / "m", format="safetensors", backend=backend)
+    assert info.backend == backend, info.reason
+    stock = load_file(tmp_path / "m" / "model.safetensors", device="cuda")
+    assert all(torch.equal(v, state[k]) for k, v in stock.items())
+    live = {k: torch.zeros_like(v) for k, v in state.items()}
+    gds_persist.load(tmp_path / "m", into=live, backend=backend)
+    assert all(torch.equal(live[k], state[k]) for k in state)
+
+
 @pytest.fixture(scope="module")
 def gang() -> Iterator[Gang]:
     with Gang(2, timeout_s=60) as g:
