@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import socket
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -145,3 +146,70 @@ def test_what_the_attached_writer_does_not_write_is_refused(tmp_path: Path) -> N
     trainer.args.push_to_hub = True  # set after Trainer's start, which would reach the Hub
     with pytest.raises(gds_persist.CheckpointError, match="push_to_hub"):
         attach(trainer)
+
+
+class _SlowCopy(transformers.TrainerCallback):  # type: ignore[misc]
+    """``change(model)`` at the start of every forward pass, with the writer thread held at the
+    end of every step until the next forward has made its change: the checkpoint's copies are
+    made after it, deterministically, as a slow copy would make them."""
+
+    def __init__(self, trainer: Any, change: Any):
+        self.trainer, self.change = trainer, change
+        self.gate = threading.Event()
+        trainer.model.register_forward_pre_hook(self._forward)
+        trainer.add_callback(self)
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.gate = gate = threading.Event()
+        self.trainer.gds_persist.lane.submit(lambda: gate.wait(60), "held")
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.gate.set()
+
+    def _forward(self, model: Any, args: Any) -> None:
+        with torch.no_grad():
+            self.change(model)
+        self.gate.set()
+
+
+def test_a_buffer_the_next_forward_changes_is_saved_as_it_was(tmp_path: Path) -> None:
+    """A buffer (here a count of forward passes, as BatchNorm's statistics) that the next
+    step's forward changes while the checkpoint is written: the file holds its value at the
+    checkpoint, not the next step's."""
+    trainer = _trainer(tmp_path / "run", max_steps=4)
+    trainer.model.register_buffer("forwards", torch.zeros((), dtype=torch.int64))
+    _SlowCopy(trainer, lambda m: m.forwards.add_(1))
+    trainer.train()
+    for step in (2, 4):
+        saved = load_file(tmp_path / "run" / f"checkpoint-{step}" / "model.safetensors")
+        assert saved["forwards"].item() == step  # one forward per step (batch 4, no accumulation)
+
+
+def test_a_weight_changed_outside_the_step_fails_that_checkpoint(tmp_path: Path) -> None:
+    """A parameter (held by the optimizer: copied after the checkpoint's moment, before the
+    next step) changed in place by a hook meanwhile: that checkpoint is refused with the
+    tensor named, never written as a mix of two steps; the earlier checkpoint stays."""
+    trainer = _trainer(tmp_path / "run")  # checkpoints at steps 2, 4 and 6
+    edits = {"on": False}
+
+    def edit(model: Any) -> None:
+        if edits["on"]:
+            model.lm_head.weight.mul_(0.5)
+
+    _SlowCopy(trainer, edit)
+    trainer.add_callback(_EditFromStep(edits, step=4))
+    with pytest.raises(gds_persist.TornCheckpointError, match="lm_head.weight|wte.weight") as e:
+        trainer.train()
+    assert any("wte.weight" in t or "lm_head.weight" in t for t in e.value.tensors)
+    assert sorted(os.listdir(tmp_path / "run")) == ["checkpoint-2"]
+    assert gds_persist.verify(tmp_path / "run" / "checkpoint-2").ok
+
+
+class _EditFromStep(transformers.TrainerCallback):  # type: ignore[misc]
+    """Turns the in-place edit on once the checkpoint of ``step`` was taken."""
+
+    def __init__(self, edits: dict[str, bool], step: int):
+        self.edits, self.step = edits, step
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.edits["on"] = state.global_step >= self.step

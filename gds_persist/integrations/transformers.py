@@ -7,9 +7,12 @@ verified, then Trainer's own resume code), ``_load_best_model`` and ``train`` (w
 write in flight first). Reference: ``docs/INTEGRATIONS.md``, "Transformers".
 
 A checkpoint is taken at Trainer's moment - the scheduler, scaler, RNG states and
-``trainer_state.json`` as Trainer records them; the model's and the optimizer's tensors copied by
-the writer thread during the next step's forward and backward, which cannot change them (the
-optimizer's step waits for the copy: a step pre-hook) - and written by the one background
+``trainer_state.json`` as Trainer records them; the buffers (which a forward pass may change)
+and frozen weights copied then; the optimizer's parameters and state copied by the writer thread
+during the next step's forward and backward (the optimizer's step waits for the copy: a step
+pre-hook), and checked against their CRC32C at the checkpoint, so an in-place change by other
+code fails that checkpoint (:class:`~gds_persist.TornCheckpointError`), never mixes two steps in
+it - and written by the one background
 writer (:class:`~gds_persist.training.background_writer.Lane`) while training goes on: the
 weights as ``model.safetensors`` (``save(format="safetensors")``), the optimizer, scheduler,
 scaler and RNG states as the ``torch.save`` files Trainer names (``save(format="torch")``,
@@ -37,12 +40,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointError, ChecksumError
+from ..errors import CheckpointError, ChecksumError, TornCheckpointError
 from ..loading.verify import verify
 from ..parallel.distributed import background_group, make_comm
 from ..saving.options import SaveOptions
 from ..saving.save import save
 from ..training.background_writer import Lane, collect
+from ..training.capture import HeldAtSave, capture_nested, held_by
 from ..transfer.commit import fsync_path
 
 DOC = 'docs/INTEGRATIONS.md, "Transformers"'
@@ -98,17 +102,18 @@ class _Attached:
         ident = self.comm.broadcast_json(uuid.uuid4().hex[:12], 0, "checkpoint folder")
         tmp = os.path.join(run_dir, f".{os.path.basename(output_dir)}.tmp-{ident}")
         try:
-            small, now, live = self._take(tmp)
+            small, now, live, at_save = self._take(tmp)
         except BaseException:
             if self.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
             raise
-        # the model's and the optimizer's tensors are copied by the writer thread while the
-        # next step's forward and backward run; the optimizer's step waits for the copy (fence)
+        # the optimizer's tensors are copied by the writer thread while the next step's forward
+        # and backward run; the optimizer's step waits for the copy (fence)
         copying = self.copying = self.lane.submit(lambda: self._copies(live), "copy")
         self._hook()
         self.pending.append((output_dir, self.lane.submit(
-            lambda: self._write(tmp, output_dir, small, {**copying.result(), **now}, run_dir),
+            lambda: self._write(tmp, output_dir, small, {**copying.result(), **now}, run_dir,
+                                at_save),
             output_dir)))
         self.stops.append(time.perf_counter() - t0)
 
@@ -138,10 +143,14 @@ class _Attached:
         collect([("copy", copying)], self.timeout_s, "attach(timeout_s=)")
         self.stops[-1] += time.perf_counter() - t0
 
-    def _take(self, tmp: str) -> tuple[dict[str, bytes], dict[str, Any], dict[str, Any]]:
+    def _take(self, tmp: str) -> tuple[dict[str, bytes], dict[str, Any], dict[str, Any],
+                                       HeldAtSave]:
         """What the checkpoint holds, at this moment: the small files written now into ``tmp``
         (rank 0), the trainer state as text, copies of the scheduler's, scaler's and RNG
-        states, and the live model and optimizer states (copied before the next step)."""
+        states, and the model and optimizer states - the optimizer's parameters and state
+        live (copied before its next step; their CRC32C now, to check the copy), the rest
+        (buffers a forward pass changes, frozen weights) copied now
+        (:func:`~gds_persist.training.capture.capture_nested`)."""
         tr = self.trainer
         unwrapped = tr.accelerator.unwrap_model(tr.model, keep_torch_compile=False)
         if self.rank == 0:
@@ -168,7 +177,10 @@ class _Attached:
                 else:
                     tr.state.stateful_callbacks[name] = cb.state()
         text = json.dumps(dataclasses.asdict(tr.state), indent=2, sort_keys=True) + "\n"
-        return ({"trainer_state.json": text.encode()} if self.rank == 0 else {}), now, live
+        opt = getattr(tr.optimizer, "optimizer", tr.optimizer)
+        live, at_save = capture_nested(live, held_by([opt] if opt is not None else []))
+        return ({"trainer_state.json": text.encode()} if self.rank == 0 else {}), now, live, \
+            at_save
 
     def _small_files(self, unwrapped: Any, tmp: str) -> None:
         """Trainer's ``_save`` without the weights: config, generation config, processing
@@ -184,14 +196,17 @@ class _Attached:
         torch.save(tr.args, os.path.join(tmp, "training_args.bin"))
 
     def _write(self, tmp: str, output_dir: str, small: dict[str, bytes],
-               tensors: dict[str, Any], run_dir: str) -> None:
-        """In the background: every file (the ranks of a group share the model's and the
-        optimizer's, each writes its RNG state), then rank 0 renames the folder into place and
-        rotates; every rank returns once that is done."""
+               tensors: dict[str, Any], run_dir: str, at_save: HeldAtSave) -> None:
+        """In the background: the copies checked against the checkpoint's moment, every file
+        written (the ranks of a group share the model's and the optimizer's, each writes its
+        RNG state), then rank 0 renames the folder into place and rotates; every rank returns
+        once that is done."""
         from transformers.trainer_pt_utils import safe_globals
 
         group = self.group
         try:
+            self.comm.agree("copied", lambda: _refuse_torn(at_save, tensors, output_dir),
+                            f"checkpoint {output_dir}")
             save(tensors.pop("model"), tmp, format="safetensors", options=self.options,
                  process_group=group)
             for name, state in tensors.items():
@@ -227,6 +242,17 @@ class _Attached:
                 raise ChecksumError(
                     f"{target} does not match the checksums recorded when it was written "
                     f"({report.errors[0]}); resume from an earlier checkpoint ({DOC})")
+
+
+def _refuse_torn(at_save: HeldAtSave, tensors: dict[str, Any], output_dir: str) -> None:
+    torn = at_save.torn(tensors)
+    if torn:
+        raise TornCheckpointError(
+            f"checkpoint {output_dir}: {', '.join(torn[:4])}{' ...' if len(torn) > 4 else ''} "
+            "changed in place after the checkpoint was taken and before the optimizer's next "
+            "step (code other than the step changed them: a hook, a callback); the checkpoint "
+            f"was not written and earlier ones are intact: change them in the step ({DOC})",
+            torn)
 
 
 def _publish(tmp: str, output_dir: str, small: dict[str, bytes]) -> None:
