@@ -1,6 +1,7 @@
 """``save``: the entry point. It checks its arguments once (:class:`.options.SaveRequest`) and
 runs the save sequence (:mod:`.sequence`) with the layout of the format asked for: a checkpoint
-directory (:mod:`.directory`) or one torch.save file (:mod:`.torch_file`)."""
+directory (:mod:`.directory`), one torch.save file (:mod:`.torch_file`) or a Hugging Face model
+directory (:mod:`.safetensors_file`)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from ..progress import ProgressCallback
 from ..results import SaveInfo
 from .directory import DirectoryLayout
 from .options import MOVED, SaveOptions, SaveRequest
-from .sequence import run_save
+from .safetensors_file import SafetensorsLayout
+from .sequence import Layout, run_save
 from .torch_file import TorchFileLayout
 
 
@@ -42,8 +44,10 @@ def save(
         Tensors (any device), containers and plain values; ``rank_local`` parts per rank.
     path : str or os.PathLike
         The checkpoint directory (``format="torch"``: one file); ``~`` is expanded.
-    format : {"directory", "torch"}
-        A checkpoint directory, or one ``torch.save`` file that stock ``torch.load`` reads.
+    format : {"directory", "torch", "safetensors"}
+        A checkpoint directory, one ``torch.save`` file that stock ``torch.load`` reads, or a
+        Hugging Face model directory of a flat mapping of tensors (``model.safetensors``, or
+        shards beyond ``options.max_shard_size``; ``docs/USAGE.md``, "Safetensors").
     backend : {"auto", "direct", "buffered", "kvikio"}, optional
         The I/O backend (default: the ``backend`` setting, ``"auto"``).
     process_group : torch.distributed group or "default", optional
@@ -82,7 +86,13 @@ def save(
         backend=backend, progress=progress, process_group=process_group, rank_local=rank_local,
         writers_per_node=more.writers_per_node, data_dirs=more.data_dirs,
         check_replicas=more.check_replicas, allow_pickle=allow_pickle, base=base,
-        compression=more.compression, content_hash=more.content_hash, format=format)
-    layout = (TorchFileLayout(state_dict, path, request) if request.format == "torch"
-              else DirectoryLayout(state_dict, path, request))
+        compression=more.compression, content_hash=more.content_hash, format=format,
+        max_shard_size=more.max_shard_size)
+    layout: Layout[Any, Any]
+    if request.format == "torch":
+        layout = TorchFileLayout(state_dict, path, request)
+    elif request.format == "safetensors":
+        layout = SafetensorsLayout(state_dict, path, request, request.max_shard_size)
+    else:
+        layout = DirectoryLayout(state_dict, path, request)
     return run_save(layout, path, cfg=request.cfg, process_group=request.process_group)
