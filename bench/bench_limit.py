@@ -53,15 +53,15 @@ class AlignedLimit:
         self.jobs = max(1, jobs)
         self.block = block_bytes
         self.flags = os.O_DIRECT if o_direct and hasattr(os, "O_DIRECT") else 0
-        payload = sum(t.numel() * t.element_size() for t in tensors)
+        storages = _distinct_storages(tensors)
+        payload = sum(st.nbytes() for st in storages)
         self.nbytes = -(-max(payload, PAGE) // PAGE) * PAGE
         self.memory = mmap.mmap(-1, self.nbytes)  # anonymous: page aligned
         view = torch.frombuffer(self.memory, dtype=torch.uint8)
         at = 0
-        for t in tensors:
-            n = t.numel() * t.element_size()
-            flat = t.detach().contiguous().reshape(-1).view(torch.uint8).cpu()
-            view[at : at + n].copy_(flat)
+        for st in storages:
+            n = st.nbytes()
+            view[at : at + n].copy_(torch.empty(0, dtype=torch.uint8, device=st.device).set_(st))
             at += n
         del view
         per = -(-self.nbytes // self.jobs // PAGE) * PAGE
@@ -128,13 +128,22 @@ class AlignedLimit:
         self.memory.close()
 
 
+def _distinct_storages(tensors: list[torch.Tensor]) -> list[torch.UntypedStorage]:
+    """The storages of ``tensors``, each once (tied weights share one), as a checkpoint holds
+    them."""
+    seen: dict[tuple[str, int], torch.UntypedStorage] = {}
+    for t in tensors:
+        st = t.untyped_storage()
+        seen.setdefault((str(st.device), st.data_ptr()), st)
+    return list(seen.values())
+
+
 def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     """Pair the aligned writer with ``gds_persist.save`` (and torch.save with ``--torch``) in
     ABBA order; print every pair and the medians."""
+    import gds_persist
     from bench.bench_io import new_parser, work_directory
     from bench.state import iter_tensors, make_state_dict
-
-    import gds_persist
 
     p = new_parser("bench_limit.py", __doc__, "state dict size")
     p.add_argument("--runs", type=int, default=3, help="ABBA pairs (default 3)")
