@@ -104,15 +104,6 @@ def _in_memory(directory: str) -> bool:
         return False
 
 
-def direct_write_alignment(requested: str, directory: str) -> int | None:
-    """The memory alignment O_DIRECT writes into ``directory`` need, where the backend
-    ``requested`` writes host memory there with O_DIRECT (``direct``, or ``auto`` on a
-    filesystem that takes it); None where it would not (buffered, kvikio)."""
-    if requested not in ("auto", "direct") or not supports_o_direct(directory)[0]:
-        return None
-    return o_direct_host_alignment(directory)
-
-
 def read_reason(backend: Backend, reason: str) -> str:
     """``reason`` of :func:`choose_backend` completed with what a load measured (after it)."""
     if isinstance(backend, AdaptiveReadBackend):
@@ -127,7 +118,6 @@ __all__ = [
     "BufferedBackend",
     "DirectBackend",
     "choose_backend",
-    "direct_write_alignment",
     "decide",
     "read_reason",
     "supports_o_direct",

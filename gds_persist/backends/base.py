@@ -9,7 +9,6 @@ Save (one data file)::
                                                  # create=False: writes into an existing file
                                                  # (ranks writing parts of one file)
     backend.pwrite(h, buf, offset)               # any number, from several threads at once
-    backend.pwritev(h, [buf, ...], offset)       # host buffers back to back, one request
     backend.set_size(h, m)                       # only when fewer bytes were written than
                                                  # reserved (encoded or referred units)
     backend.sync(h)                              # data durable (fsync) before the manifest
@@ -55,13 +54,6 @@ class Backend(ABC):
 
     @abstractmethod
     def pread(self, handle: Any, buf: Any, offset: int) -> int: ...
-
-    def pwritev(self, handle: Any, bufs: list[Any], offset: int) -> None:
-        """Write host buffers back to back from ``offset`` (each a multiple of ``alignment``
-        long); the default writes them one by one."""
-        for buf in bufs:
-            self.pwrite(handle, buf, offset)
-            offset += memoryview(buf).nbytes
 
     def set_size(self, handle: Any, size: int) -> None:
         """Make the file ``size`` bytes long (trims a file created with a larger reservation);

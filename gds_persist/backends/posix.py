@@ -33,9 +33,6 @@ class PosixBackend(Backend):
     def pread(self, handle: int, buf: memoryview, offset: int) -> int:
         return pread_all(handle, memoryview(buf).cast("B"), offset)
 
-    def pwritev(self, handle: int, bufs: list[Any], offset: int) -> None:
-        pwritev_all(handle, bufs, offset)
-
     def sync(self, handle: int) -> None:
         os.fsync(handle)
 
@@ -110,27 +107,6 @@ def pwrite_all(fd: int, data: Any, offset: int) -> None:
                 ) from e
             raise
         view, offset = view[n:], offset + n
-
-
-def pwritev_all(fd: int, bufs: list[Any], offset: int) -> None:
-    """Write ``bufs`` back to back at ``offset`` in one request (``pwritev``: the tensors of
-    one O_DIRECT request need not be adjacent in memory), resuming after short writes."""
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        try:
-            n = os.pwritev(fd, views, offset)
-        except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise DiskFullError(
-                    errno.ENOSPC, f"disk full writing {sum(v.nbytes for v in views)} bytes at "
-                    f"offset {offset}") from e
-            raise
-        offset += n
-        while views and n >= views[0].nbytes:
-            n -= views[0].nbytes
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
 
 
 def pread_all(fd: int, view: memoryview, offset: int) -> int:

@@ -8,14 +8,12 @@ writers.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from . import ALIGNMENT, DataFile, Extent, align_up, data_file_name
 
 Piece = tuple[int, int, int]  # (item index, start byte within the item, length)
-Heads = Callable[[int, int], int]  # (storage, start) -> its bytes before an O_DIRECT-aligned one
-HEAD_SPLIT_MIN = 1 << 20  # a piece this large is cut into head, body and tail (layout_file)
 
 
 @dataclass(frozen=True)
@@ -38,54 +36,16 @@ class SavePlan:
         return sum(f.size for f in self.files)
 
 
-def layout_file(name: str, file_index: int, pieces: Sequence[tuple[int, int, int]],
-                heads: Heads | None = None) -> FilePlan:
-    """Place ``(storage, start, length)`` pieces one after another at aligned offsets.
-
-    ``heads`` (where a save writes host memory with O_DIRECT): a large piece is cut where its
-    memory meets the alignment O_DIRECT needs (torch aligns host tensors to 64 bytes; O_DIRECT on
-    ext4 here needs 512) into a head, a body of whole ``ALIGNMENT`` blocks and a tail. The bodies
-    come first, back to back: each moves between the file and the tensor's own memory with
-    O_DIRECT (no staging copy). Heads, tails and small pieces follow, packed, and go through the
-    staging ring in a few large requests (small writes between the bodies cost more than their
-    bytes on ext4). The format is unchanged: a storage may span several extents."""
-    if heads is None:
-        bulk, packed = [p for p in pieces if p[2]], list[Piece]()
-    else:
-        bulk, packed = _cut_bodies(pieces, heads)
+def layout_file(name: str, file_index: int, pieces: Sequence[tuple[int, int, int]]) -> FilePlan:
+    """Place ``(storage, start, length)`` pieces one after another at aligned offsets."""
     extents = []
     offset = 0
-    for storage, start, length in bulk + packed:
+    for storage, start, length in pieces:
+        if length == 0:
+            continue
         extents.append(Extent(storage, start, length, file_index, offset))
         offset = align_up(offset + length, ALIGNMENT)
     return FilePlan(name, offset, tuple(extents))
-
-
-def _cut_bodies(pieces: Sequence[Piece], heads: Heads) -> tuple[list[Piece], list[Piece]]:
-    """The aligned bodies of large pieces, and everything else (heads, tails, small pieces)."""
-    bodies: list[Piece] = []
-    rest: list[Piece] = []
-    for storage, start, length in pieces:
-        if length < HEAD_SPLIT_MIN:
-            rest += [(storage, start, length)] if length else []
-            continue
-        head = min(heads(storage, start), length)
-        body = (length - head) // ALIGNMENT * ALIGNMENT
-        tail = length - head - body
-        rest += [(storage, start, head)] if head else []
-        bodies += [(storage, start + head, body)] if body else []
-        rest += [(storage, start + head + body, tail)] if tail else []
-    return bodies, rest
-
-
-def address_heads(addresses: Sequence[int | None], alignment: int) -> Heads:
-    """The :data:`Heads` of storages at host ``addresses`` (None: not host memory, never
-    split) for O_DIRECT that needs ``alignment``-aligned memory."""
-    def head(storage: int, start: int) -> int:
-        address = addresses[storage]
-        return 0 if address is None else -(address + start) % alignment
-
-    return head
 
 
 def padded_total(sizes: Sequence[int]) -> int:
@@ -124,19 +84,17 @@ def split_stream(sizes: Sequence[int], targets: Sequence[int],
     return parts
 
 
-def plan_single_writer(storage_sizes: Sequence[int], files: int = 1,
-                       heads: Heads | None = None) -> SavePlan:
+def plan_single_writer(storage_sizes: Sequence[int], files: int = 1) -> SavePlan:
     """Every storage, in order, into ``files`` data files of about equal size, written at once
     (a storage may be cut at an aligned boundary between two files). One file holds every
-    storage whole, exactly as before ``files`` existed. ``heads``: see :func:`layout_file`."""
+    storage whole, exactly as before ``files`` existed."""
     if files <= 1:
         pieces = [(i, 0, n) for i, n in enumerate(storage_sizes)]
-        return SavePlan((layout_file(data_file_name(0), 0, pieces, heads),))
+        return SavePlan((layout_file(data_file_name(0), 0, pieces),))
     total = padded_total(storage_sizes)
     targets = [total // files + (1 if k < total % files else 0) for k in range(files)]
     parts = split_stream(storage_sizes, targets)
-    return SavePlan(tuple(layout_file(data_file_name(k), k, part, heads)
-                          for k, part in enumerate(parts)))
+    return SavePlan(tuple(layout_file(data_file_name(k), k, part) for k, part in enumerate(parts)))
 
 
 def file_streams(total_bytes: int, io_threads: int, block_bytes: int, setting: int = 0) -> int:

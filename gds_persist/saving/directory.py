@@ -29,10 +29,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..backends import direct_write_alignment
 from ..errors import DistributedError
 from ..format import DataDir, DataFile, Extent, codec, local_prefix, storage_keys, stripe_dir_name
-from ..format.layout import Heads, address_heads, file_streams, plan_single_writer
+from ..format.layout import file_streams, plan_single_writer
 from ..format.records import Wire
 from ..parallel.replicas import check_replicas, description_of
 from ..parallel.schedule import DistributedPlan, PlannedFile, RankInfo, plan_save
@@ -144,21 +143,9 @@ class DirectoryLayout(Layout[Facts, Report]):
         else:
             cfg = self.request.cfg
             streams = file_streams(sum(sizes), cfg.io_threads, cfg.block_bytes, cfg.file_streams)
-            plan = plan_single_writer(sizes, streams, self._heads(run))
-            self.layout = _one_writer(plan.files, len(sizes))
+            self.layout = _one_writer(plan_single_writer(sizes, streams).files, len(sizes))
         self.share = _Share(self.layout, run.comm.rank, self.replicated, self.local)
         run.needs = f"this checkpoint needs {self.layout.total_bytes} bytes of data; "
-
-    def _heads(self, run: Run) -> Heads | None:
-        """Plain bytes written with O_DIRECT: each large host storage's misaligned head in an
-        extent of its own, so the rest is written from the tensor itself (format.layout)."""
-        if not self.request.plain:  # units: their cuts must not depend on addresses
-            return None
-        align = direct_write_alignment(self.request.cfg.backend, run.first.tmp)
-        if align is None:
-            return None
-        return address_heads([s.data_ptr() if s.device.type == "cpu" else None
-                              for s in self.replicated.storage_objects], align)
 
     # write ------------------------------------------------------------------------------------
     def write(self, run: Run) -> Report:

@@ -5,10 +5,9 @@ the I/O threads at once, each doing its whole share of the work:
 
 * a **direct** request reads a run of one extent straight into its destination's memory (no
   copy) and checksums it there: a host destination whose address meets the backend's
-  ``host_alignment`` where that is at most 64 bytes (torch's allocations qualify on tmpfs; where
-  O_DIRECT needs 512 bytes, page-aligned destinations read straight in measured slower on the
-  virtio disk than staging into torch allocations: 1.7 vs 2.6 GB/s for 2 GiB, and so did
-  destinations met at aligned addresses inside them, ``DIRECT_READ_MAX_ALIGNMENT``);
+  ``host_alignment`` (torch's 64-byte aligned allocations qualify on tmpfs; where O_DIRECT
+  needs 512 bytes, page-aligned destinations read straight in measured slower on the virtio
+  disk than staging into torch allocations: 1.7 vs 2.6 GB/s for 2 GiB);
 * a **staged** request reads a window of the file into a staging buffer (bounded memory: the
   submitting thread waits for a free one), then copies each piece out, checksumming it right
   after (while it is in cache); pieces for CUDA destinations go host-to-device on a side stream
@@ -60,11 +59,6 @@ OnBytes = Callable[[Extent, int, memoryview], None]  # (extent, offset in its st
 OnError = Callable[[ChecksumError], None]  # stored bytes that do not match or do not decode
 Dests = Sequence[torch.Tensor | None]  # flat uint8 destination per storage; None: not read
 DIRECT_MIN = 1 << 20  # an extent this large is read into its destination directly when aligned
-# ... and where O_DIRECT takes memory aligned as torch aligns it (64: tmpfs). Where it needs more
-# (512 on the virtio disk), a save's extents start at aligned addresses of 64-byte aligned
-# tensors (format.layout: heads), yet reading them straight in measured slower there than staging
-# (bench/results/2026-12-04-cpu-issue44: loads 0.75-0.98x before, in ABBA pairs)
-DIRECT_READ_MAX_ALIGNMENT = 64
 
 
 
@@ -233,8 +227,7 @@ class FileReader(FilePipeline):
 
         def direct_bytes(e: Extent) -> int:
             dest = hosts[e.storage] if hosts else None
-            if (align is None or align > DIRECT_READ_MAX_ALIGNMENT or dest is None
-                    or e.length < DIRECT_MIN or self.on_bytes):
+            if align is None or dest is None or e.length < DIRECT_MIN or self.on_bytes:
                 return 0
             return whole_blocks(e.length) if (dest.ctypes.data + e.start) % align == 0 else 0
 

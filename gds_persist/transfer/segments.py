@@ -28,7 +28,7 @@ class Segment:
     lo: int  # file offsets [lo, hi), aligned
     hi: int
     pieces: tuple[Piece, ...]  # extent bytes inside [lo, hi), by offset (gaps are zeros)
-    direct: bool = False  # moved straight to / from the tensors' memory (reads: one piece)
+    direct: bool = False  # one piece, moved straight to / from the tensor's memory
 
     @property
     def nbytes(self) -> int:
@@ -66,14 +66,11 @@ def cut(
     spans: Sequence[tuple[int, int]],
     block_bytes: int,
     direct_bytes: DirectBytes | None = None,
-    merge: bool = False,
 ) -> list[Segment]:
     """Cut the file ranges ``spans`` into requests of at most ``block_bytes``.
 
     ``direct_bytes(extent)`` says how many leading bytes of an extent may move directly (a
-    multiple of ``ALIGNMENT``; 0 for none); everything else is staged. ``merge`` (writes):
-    direct runs of extents back to back in the file share requests of ``block_bytes`` (one
-    ``pwritev``; a request per tensor measured slower on ext4 where tensors are small).
+    multiple of ``ALIGNMENT``; 0 for none); everything else is staged.
     """
     out: list[Segment] = []
     first = 0
@@ -89,14 +86,7 @@ def cut(
             if n <= 0 or e.offset < cursor:  # unaligned extents are staged whole
                 continue
             out += _staged(extents, cursor, e.offset, block_bytes, first)
-            first_lo = e.offset
-            prev = out[-1] if merge and out and out[-1].direct else None
-            if prev is not None and prev.hi == first_lo and prev.nbytes < block_bytes:
-                out.pop()
-                hi = min(prev.lo + block_bytes, e.offset + n)
-                out.append(Segment(prev.lo, hi, (*prev.pieces, (k, first_lo, hi)), direct=True))
-                first_lo = hi
-            for lo in range(first_lo, e.offset + n, block_bytes):
+            for lo in range(e.offset, e.offset + n, block_bytes):
                 hi = min(lo + block_bytes, e.offset + n)
                 out.append(Segment(lo, hi, ((k, lo, hi),), direct=True))
             cursor = e.offset + n

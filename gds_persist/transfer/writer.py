@@ -154,8 +154,7 @@ class FileWriter(FilePipeline):
             return whole_blocks(e.length) if address % align == 0 else 0
 
         spans = [(0, f.plan.size)] if f.whole else extent_spans(f.plan.extents)
-        return cut(f.plan.extents, spans, self.ring.block_bytes, direct_bytes,  # type: ignore
-                   merge=True)
+        return cut(f.plan.extents, spans, self.ring.block_bytes, direct_bytes)  # type: ignore
 
     def _submit(self, f: _OpenFile, seg: Segment, sources: Sequence[torch.Tensor],
                 hosts: Sequence[np.ndarray | None], copier: StreamCopier | None) -> Future[None]:
@@ -180,27 +179,24 @@ class FileWriter(FilePipeline):
 
     def _write_direct(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None],
                       sources: Sequence[torch.Tensor]) -> None:
-        """One request of tensors' own memory: host pieces checksummed, then written back to
-        back with one ``pwritev``; a CUDA piece (its CRC32C came from the device) goes to the
-        backend by itself."""
-        host = []
-        for k, lo, hi in seg.pieces:
-            e = f.plan.extents[k]
-            src = hosts[e.storage]
-            at = e.start + lo - e.offset
-            if src is None:
-                with stage("write (from device)", hi - lo):
-                    self.backend.pwrite(f.handle, sources[e.storage][at : at + hi - lo], lo)
-                continue
-            data = src[at : at + hi - lo]
-            with stage("checksum", hi - lo):
-                f.pieces.append((k, lo, hi - lo, crc32c(data)))  # atomic under the GIL
-            host.append((lo, data.data))
-        for lo, run in _runs(host):
-            with stage("write (from the tensor)", sum(v.nbytes for v in run)):
-                self.backend.pwritev(f.handle, run, lo)
+        (k, lo, hi), = seg.pieces
+        e = f.plan.extents[k]
+        src = hosts[e.storage]
+        at = e.start + lo - e.offset
+        if src is None:  # CUDA memory to the backend; its CRC32C came from the device
+            with stage("write (from device)", hi - lo):
+                self.backend.pwrite(f.handle, sources[e.storage][at : at + hi - lo], lo)
+            if self.progress is not None:
+                self.progress(hi - lo)
+            return
+        data = src[at : at + hi - lo]
+        with stage("checksum", hi - lo):
+            crc = crc32c(data)
+        with stage("write (from the tensor)", hi - lo):
+            self.backend.pwrite(f.handle, data.data, lo)
+        f.pieces.append((k, lo, hi - lo, crc))  # list.append is atomic under the GIL
         if self.progress is not None:
-            self.progress(seg.nbytes)
+            self.progress(hi - lo)
 
     def _write_buffer(self, buf: AlignedBuffer, f: _OpenFile, seg: Segment,
                       hosts: Sequence[np.ndarray | None], events: list[Any]) -> None:
@@ -236,18 +232,6 @@ class FileWriter(FilePipeline):
         """fsync every file, concurrently: the data is durable before the manifest is written."""
         with stage("fsync"):
             self.sync_all([f.handle for f in files], f"fsync of {files[0].path}")
-
-
-def _runs(pieces: list[tuple[int, memoryview]]) -> list[tuple[int, list[memoryview]]]:
-    """``(file offset, memory)`` pieces by offset, grouped into runs back to back in the file."""
-    runs: list[tuple[int, list[memoryview]]] = []
-    end = -1
-    for lo, view in pieces:
-        if lo != end:
-            runs.append((lo, []))
-        runs[-1][1].append(view)
-        end = lo + view.nbytes
-    return runs
 
 
 def _checksum_on_device(f: _OpenFile, sources: Sequence[torch.Tensor]) -> None:
