@@ -144,6 +144,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     import gds_persist
     from bench.bench_io import new_parser, work_directory
     from bench.state import iter_tensors, make_state_dict
+    from gds_persist.backends import supports_o_direct
 
     p = new_parser("bench_limit.py", __doc__, "state dict size")
     p.add_argument("--runs", type=int, default=3, help="ABBA pairs (default 3)")
@@ -156,8 +157,8 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     jobs = gds_persist.settings.current().io_threads
     times: dict[str, list[float]] = {"limit": [], "save": []}
     with work_directory(args.dir, "limit-") as workdir:
-        limit = AlignedLimit(workdir, tensors, jobs,
-                             gds_persist.settings.current().block_bytes)
+        limit = AlignedLimit(workdir, tensors, jobs, gds_persist.settings.current().block_bytes,
+                             o_direct=supports_o_direct(workdir)[0])
         target = os.path.join(workdir, "ckpt" + (".pt" if args.format == "torch" else ""))
 
         def save() -> float:
