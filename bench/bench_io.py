@@ -314,7 +314,7 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
                         drive_w.tool = drive_r.tool = w.tool
                     log(f"  drive  write {w.nbytes / w.seconds / 1e9:6.2f} GB/s  "
                         f"read {r.nbytes / r.seconds / 1e9:6.2f} GB/s  ({p.tool})")
-                w, r = _limit_once(limit, args.cache_drop, cache)
+                w, r = _drive_once(limit, args.cache_drop, cache)
                 limit_w.seconds.append(w.seconds)
                 limit_r.seconds.append(r.seconds)
                 disk["limit"] = limit.nbytes
@@ -404,25 +404,15 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
     return record
 
 
-def _drive_once(probe: DriveProbe, cache_drop: str,
+def _drive_once(probe: DriveProbe | AlignedLimit, cache_drop: str,
                 cache: dict[str, Any]) -> tuple[Any, Any]:
-    """One drive-limit write and cold read with ``probe``; its files are removed after."""
+    """One drive-limit (or aligned-writer) write and cold read with ``probe``; its files are
+    removed after."""
     os.sync()
     w = probe.write()
     cache["how"], cache["detail"] = machine.drop_page_cache([probe.directory], cache_drop)
     r = probe.read()
     probe.cleanup()
-    return w, r
-
-
-def _limit_once(limit: AlignedLimit, cache_drop: str,
-                cache: dict[str, Any]) -> tuple[Any, Any]:
-    """One aligned-writer write and cold read; its files are removed after."""
-    os.sync()
-    w = limit.write()
-    cache["how"], cache["detail"] = machine.drop_page_cache([limit.directory], cache_drop)
-    r = limit.read()
-    limit.cleanup()
     return w, r
 
 

@@ -82,37 +82,34 @@ class AlignedLimit:
 
     def write(self) -> LimitRun:
         self.cleanup()
-        view = memoryview(self.memory)
-
-        def one(k: int) -> None:
-            lo, hi = self.parts[k]
-            fd = open_fd(self.paths[k], True, hi - lo, self.flags)  # as the engine opens a file
-            try:
-                for a in range(lo, hi, self.block):
-                    pwrite_all(fd, view[a : min(a + self.block, hi)], a - lo)
-                os.fsync(fd)
-            finally:
-                os.close(fd)
-
-        try:
-            return LimitRun(self._each(one), self.nbytes, "aligned writer")
-        finally:
-            view.release()
+        return LimitRun(self._transfer(True), self.nbytes, "aligned writer")
 
     def read(self) -> LimitRun:
+        return LimitRun(self._transfer(False), self.nbytes, "aligned reader")
+
+    def _transfer(self, write: bool) -> float:
+        """Seconds for every thread to write (fsynced; files opened as the engine opens its
+        data files) or read its part."""
         view = memoryview(self.memory)
 
         def one(k: int) -> None:
             lo, hi = self.parts[k]
-            fd = os.open(self.paths[k], os.O_RDONLY | self.flags)
+            fd = (open_fd(self.paths[k], True, hi - lo, self.flags) if write
+                  else os.open(self.paths[k], os.O_RDONLY | self.flags))
             try:
                 for a in range(lo, hi, self.block):
-                    pread_all(fd, view[a : min(a + self.block, hi)], a - lo)
+                    part = view[a : min(a + self.block, hi)]
+                    if write:
+                        pwrite_all(fd, part, a - lo)
+                    else:
+                        pread_all(fd, part, a - lo)
+                if write:
+                    os.fsync(fd)
             finally:
                 os.close(fd)
 
         try:
-            return LimitRun(self._each(one), self.nbytes, "aligned reader")
+            return self._each(one)
         finally:
             view.release()
 
