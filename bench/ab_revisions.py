@@ -85,7 +85,7 @@ def main() -> None:
                      "after / before, and the same over torch's figure in its run")
         relative = ratios(pairs, per_torch=True)
         for (op, key), values in ratios(pairs).items():
-            if key.startswith("drive"):
+            if key.startswith("drive") or key == "limit":  # the references
                 continue
             shown = " ".join(f"{v:.2f}" for v in values)
             line = f"  {op:4} {key:10} median {statistics.median(values):.2f}  ({shown})"

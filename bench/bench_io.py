@@ -5,7 +5,8 @@
 
 On one synthetic GPT-style state dict it measures, interleaved in one run, durable saves (fsync
 included) and cold loads of every available method (bench/methods.py), next to the drive's own
-sequential O_DIRECT write/read limit (fio, or a plain Python O_DIRECT stream without fio). It prints
+sequential O_DIRECT write/read limit (fio, or a plain Python O_DIRECT stream without fio) and the
+limit a save of these distinct bytes can reach (the aligned writer, bench/bench_limit.py). It prints
 a header describing the machine and one fixed-width row per method; ``--json`` keeps every raw
 timing. See docs/BENCHMARK.md.
 
@@ -33,6 +34,7 @@ import torch  # noqa: E402
 
 import gds_persist  # noqa: E402
 from bench import chart, machine, methods, report  # noqa: E402
+from bench.bench_limit import AlignedLimit  # noqa: E402
 from bench.drive import DriveProbe, fio_version  # noqa: E402
 from bench.state import DTYPES, make_state_dict, summarize  # noqa: E402
 from gds_persist.progress import cli_progress  # noqa: E402
@@ -264,6 +266,12 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
     single = (DriveProbe(workdir, summ.payload_bytes, use_fio=not args.no_fio,
                          o_direct=ctx.o_direct) if jobs > 1 and probe.tool.startswith("fio")
               else None)
+    limit = AlignedLimit(workdir, [t for _, t in _source_tensors(sd)], jobs,
+                         gds_persist.settings.current().block_bytes, o_direct=ctx.o_direct)
+    limit_w = report.Series("limit", "aligned-writer limit", "save", limit.nbytes, limit=True,
+                            tool=limit.tool)
+    limit_r = report.Series("limit", "aligned-reader limit", "load", limit.nbytes, limit=True,
+                            tool=limit.tool)
     expected = dict(_source_tensors(sd)) if not args.no_check else {}
     drive_w = report.Series("drive", "drive limit", "save", probe.nbytes, drive=True)
     drive_r = report.Series("drive", "drive limit", "load", probe.nbytes, drive=True)
@@ -306,6 +314,12 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
                         drive_w.tool = drive_r.tool = w.tool
                     log(f"  drive  write {w.nbytes / w.seconds / 1e9:6.2f} GB/s  "
                         f"read {r.nbytes / r.seconds / 1e9:6.2f} GB/s  ({p.tool})")
+                w, r = _drive_once(limit, args.cache_drop, cache)
+                limit_w.seconds.append(w.seconds)
+                limit_r.seconds.append(r.seconds)
+                disk["limit"] = limit.nbytes
+                log(f"  limit  write {w.nbytes / w.seconds / 1e9:6.2f} GB/s  "
+                    f"read {r.nbytes / r.seconds / 1e9:6.2f} GB/s  ({limit.tool})")
                 moved += 2 * summ.payload_bytes
                 if bar is not None:
                     bar(min(moved, to_move), to_move)
@@ -334,11 +348,12 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
         bar.close()
     drive_w.tool = drive_r.tool = drive_w.tool or probe.tool
     cache["resident_before_load"] = resident
+    limit.close()
 
     done = [m for m in chosen.available if m.key not in failed]
     singles_w, singles_r = ([single_w], [single_r]) if single is not None else ([], [])
-    all_series = [drive_w, *singles_w, *(series[(m.key, "save")] for m in done),
-                  drive_r, *singles_r, *(series[(m.key, "load")] for m in done)]
+    all_series = [limit_w, drive_w, *singles_w, *(series[(m.key, "save")] for m in done),
+                  limit_r, drive_r, *singles_r, *(series[(m.key, "load")] for m in done)]
     table = report.rows(all_series)
     elapsed = time.perf_counter() - t_start
     record: dict[str, Any] = {
@@ -358,6 +373,7 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
                                   f"({summ.small_tensors} under 64 KiB), largest "
                                   f"{summ.largest_bytes / 2**20:.1f} MiB")},
         "cache": cache,
+        "limit": {"tool": limit.tool, "bytes": limit.nbytes},
         "drive": {"tool": drive_w.tool, "notes": probe.notes, "fio": fio_version(),
                   "bytes": probe.nbytes, "runs": drive_runs},
         "methods": [{"key": m.key, "label": m.label, "load_label": m.load_label or m.label,
@@ -388,9 +404,10 @@ def _run_in(args: argparse.Namespace, device: torch.device, keys: list[str] | No
     return record
 
 
-def _drive_once(probe: DriveProbe, cache_drop: str,
+def _drive_once(probe: DriveProbe | AlignedLimit, cache_drop: str,
                 cache: dict[str, Any]) -> tuple[Any, Any]:
-    """One drive-limit write and cold read with ``probe``; its files are removed after."""
+    """One drive-limit (or aligned-writer) write and cold read with ``probe``; its files are
+    removed after."""
     os.sync()
     w = probe.write()
     cache["how"], cache["detail"] = machine.drop_page_cache([probe.directory], cache_drop)

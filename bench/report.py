@@ -22,6 +22,7 @@ class Series:
     tool: str = ""  # for the drive rows: what measured them
     drive: bool = False
     baseline: bool = False
+    limit: bool = False  # the aligned-writer limit (bench/bench_limit.py): the "x limit" column
 
     @property
     def gbps(self) -> list[float]:
@@ -53,6 +54,7 @@ def rows(series: list[Series]) -> list[dict[str, Any]]:
         group = [s for s in series if s.op == op]
         drive = next((s for s in group if s.drive), None)
         base = next((s for s in group if s.baseline), None)
+        limit = next((s for s in group if s.limit), None)
         for s in group:
             stats = summary(s.gbps)
             out.append({
@@ -61,6 +63,7 @@ def rows(series: list[Series]) -> list[dict[str, Any]]:
                 "gbps": stats, "seconds": summary(s.seconds),
                 "x_drive": paired_ratio(s.gbps, drive.gbps) if drive else None,
                 "x_baseline": paired_ratio(s.gbps, base.gbps) if base else None,
+                "x_limit": paired_ratio(s.gbps, limit.gbps) if limit else None,
                 "baseline": base.label if base else None,
             })
     return out
@@ -129,7 +132,8 @@ def header_lines(record: dict[str, Any], title: str = "gds_persist I/O benchmark
 
 
 COLUMNS = (("op", 4, "<"), ("method", 30, "<"), ("GB/s", 7, ">"), ("min-max", 13, ">"),
-           ("IQR", 13, ">"), ("x drive", 7, ">"), ("x torch", 7, ">"), ("on disk", 10, ">"))
+           ("IQR", 13, ">"), ("x limit", 7, ">"), ("x drive", 7, ">"), ("x torch", 7, ">"),
+           ("on disk", 10, ">"))
 
 
 def fixed_width(values: tuple[str, ...], columns: tuple[tuple[str, int, str], ...]) -> str:
@@ -149,7 +153,7 @@ def table_lines(table: list[dict[str, Any]], disk: dict[str, int]) -> list[str]:
         lines.append(fmt((
             r["op"], label[:30], _num(g["median"]),
             f"{_num(g['min'])}-{_num(g['max'])}", f"{_num(g['q1'])}-{_num(g['q3'])}",
-            _num(r["x_drive"]), _num(r["x_baseline"]),
+            _num(r.get("x_limit")), _num(r["x_drive"]), _num(r["x_baseline"]),
             _bytes(disk.get(r["key"])) if not r["drive"] else _bytes(r["nbytes"]),
         )))
     return lines
@@ -158,8 +162,12 @@ def table_lines(table: list[dict[str, Any]], disk: dict[str, int]) -> list[str]:
 LEGEND = (
     "GB/s = state-dict payload bytes (distinct storages, 1 GB = 1e9 B) / seconds, median of "
     "the runs; min-max and IQR over the runs.",
-    "x drive / x torch = median over repetitions of the ratio to the drive-limit row / the "
-    "torch.save (save) or torch.load (load) row measured in the same repetition.",
+    "x limit / x drive / x torch = median over repetitions of the ratio to the aligned-writer "
+    "limit row / the drive-limit row / the torch.save (save) or torch.load (load) row measured "
+    "in the same repetition.",
+    "aligned-writer limit = the state's distinct bytes from page-aligned memory, O_DIRECT "
+    "16 MiB requests, one file per I/O thread, fsynced, no checksum or copy: what a save can "
+    "reach (bench/bench_limit.py); fio rewrites one cache-hot buffer (docs/BENCHMARK.md).",
 )
 
 

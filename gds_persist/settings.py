@@ -102,6 +102,19 @@ def _size(value: str) -> int:
     return int(nbytes)
 
 
+def parse_size(value: int | str, what: str) -> int:
+    """A size in bytes, given as an int or with a unit (``"5GB"``, ``"64MiB"``); ``what`` names
+    it in the ValueError for anything else."""
+    try:
+        n = value if isinstance(value, int) and not isinstance(value, bool) else _size(str(value))
+    except ValueError:
+        n = -1
+    if n <= 0:
+        raise ValueError(f"{what}={value!r} is not a size: give bytes (an int) or a number with "
+                         "a unit, such as '5GB' or '512MiB'")
+    return n
+
+
 def _convert(name: str, value: Any) -> Any:
     kind = type(getattr(Settings(), name))
     # int(True) and int(2.5) would silently become 1 and 2: refuse them instead

@@ -29,11 +29,13 @@ from gds_persist import settings
 from gds_persist.backends import read_history, read_mode, supports_o_direct
 from gds_persist.transfer.staging import release_cached
 from tests import seeds, strict_gpu
-from tests.helpers import BackendCase, kvikio_missing
+from tests.helpers import BackendCase, kvikio_missing, prefer_installed_kernels
 from tests.strict_gpu import (  # noqa: F401 - pytest hooks, registered by being here
     pytest_addoption,
     pytest_runtest_makereport,
 )
+
+prefer_installed_kernels()  # before anything imports transformers
 
 
 def pytest_configure(config: pytest.Config) -> None:

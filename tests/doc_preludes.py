@@ -20,6 +20,28 @@ class Prelude:
     check: str = ""  # runs after it
 
 
+TINY_TRAINER = """
+import os
+import torch
+import gds_persist
+try:
+    from tests.helpers import prefer_installed_kernels  # the checkout's kernels/ shadows it
+    prefer_installed_kernels()
+except ImportError:
+    pass
+import transformers
+
+transformers.set_seed(0)
+model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+    n_embd=16, n_layer=1, n_head=2, vocab_size=61, n_positions=8, bos_token_id=0,
+    eos_token_id=0))
+ids = torch.randint(0, 61, (16, 8))
+data = [{"input_ids": i, "labels": i} for i in ids]
+args = transformers.TrainingArguments(output_dir="out", max_steps=4, save_steps=2,
+                                      per_device_train_batch_size=4, report_to=[], use_cpu=True,
+                                      logging_strategy="no", disable_tqdm=True)
+"""
+
 TINY_TRAINING = """
 import torch
 import gds_persist
@@ -308,6 +330,19 @@ assert open("checkpoints/latest").read() == "step-6"
 assert engine.checkpoint_engine.decoupled
 assert gds_persist.verify("checkpoints/step-6/mp_rank_00_model_states.pt").ok
 """),
+    ("docs/INTEGRATIONS.md", "trainer.train()                                      # "
+                             "checkpoints written in the background"): Prelude(
+        setup=TINY_TRAINER,
+        check="""
+assert sorted(os.listdir("out")) == ["checkpoint-2", "checkpoint-4"]
+assert gds_persist.verify("out/checkpoint-4").ok
+"""),
+    ("docs/USAGE.md", 'gds_persist.save(model.state_dict(), "hf-model", format="safetensors")'
+                      "  # model.safetensors"): Prelude(
+        setup="import torch\nimport gds_persist\nmodel = torch.nn.Linear(4, 3)\n",
+        check="from safetensors.torch import load_file\n"
+              "assert torch.equal(load_file('hf-model/model.safetensors')['weight'], "
+              "model.weight)\n"),
     # docs/TRAINING.md
     ("docs/TRAINING.md", "for step in range(start + 1, total_steps + 1):"): Prelude(
         setup=TINY_TRAINING + "total_steps = 3\n",

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.abc
+import importlib.machinery
 import json
 import math
 import os
+import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -16,6 +19,8 @@ import torch
 from gds_persist import Checkpointer
 from gds_persist.backends import supports_o_direct
 from gds_persist.format import MANIFEST_NAME, canonical, crc32c
+
+_REPO = Path(__file__).resolve().parent.parent
 
 
 class HookedCheckpointer(Checkpointer):
@@ -254,3 +259,21 @@ def nvrtc_cubin(source: str, name: str) -> bytes:
         return bytes(nvrtc.getCUBIN(prog))
     finally:
         nvrtc.destroyProgram(prog)
+
+
+class _InstalledKernels(importlib.abc.MetaPathFinder):
+    """Import ``kernels`` from the installed distribution (Transformers imports it), not the
+    checkout's top-level ``kernels/`` (CUDA sources, shipped as ``gds_persist.kernels``) that
+    shadows it while the checkout is on ``sys.path``; where none is installed, nothing changes."""
+
+    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+        if name != "kernels":
+            return None
+        elsewhere = [p for p in sys.path if Path(p or ".").resolve() != _REPO]
+        return importlib.machinery.PathFinder.find_spec(name, elsewhere)
+
+
+def prefer_installed_kernels() -> None:
+    """Install :class:`_InstalledKernels` once, ahead of the usual finders."""
+    if not any(isinstance(f, _InstalledKernels) for f in sys.meta_path):
+        sys.meta_path.insert(0, _InstalledKernels())

@@ -59,7 +59,12 @@ def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
     # one fixed-width row per method and operation, plus the drive limit, with raw timings
     rows = {(r["op"], r["key"]): r for r in data["rows"]}
     drives = {"drive", "drive-1"} if shutil.which("fio") else {"drive"}  # fio: N jobs and 1 job
+    drives.add("limit")  # the aligned writer (bench/bench_limit.py), in every repetition
     assert set(rows) == {(op, k) for op in ("save", "load") for k in available | drives}
+    for op in ("save", "load"):
+        assert rows[(op, "limit")]["x_limit"] == pytest.approx(1.0)
+        assert rows[(op, "torch")]["x_limit"] > 0
+    assert "x limit" in printed and "aligned-writer limit" in printed
     for (_op, key), r in rows.items():
         assert r["runs"] == 2
         assert r["gbps"]["median"] > 0 and r["gbps"]["min"] <= r["gbps"]["max"]
@@ -162,7 +167,7 @@ def test_a_failing_method_is_reported_and_the_rest_still_run(tmp_path, capsys, m
                           "--methods", "broken,torch", "--cache-drop", "per-file"])
     printed = capsys.readouterr().out
     assert "FAILED (no row): broken writer: OSError: [Errno 28] No space left on device" in printed
-    assert {r["key"] for r in data["rows"]} == {"drive", "torch"}
+    assert {r["key"] for r in data["rows"]} == {"limit", "drive", "torch"}
     assert all(r["runs"] == 2 for r in data["rows"])
     assert data["order"][1] == ["torch", "drive"]  # dropped from the later repetitions
 
@@ -183,3 +188,14 @@ def test_stage_profile_runs_tiny_and_names_the_stages(tmp_path, capsys):
     assert all(r["thread_s"] >= 0 and r["calls"] >= 1 for r in data["save"]["stages"])
     assert "lowest bound:" in printed
     assert list(tmp_path.iterdir()) == [out]  # the checkpoints it wrote are gone
+
+
+def test_bench_limit_pairs_the_aligned_writer_with_save(tmp_path, capsys):
+    from bench import bench_limit
+
+    times = bench_limit.main(["--size", "2MiB", "--runs", "2", "--dir", str(tmp_path)])
+    assert len(times["limit"]) == len(times["save"]) == 2 and min(times["limit"]) > 0
+    printed = capsys.readouterr().out
+    assert "aligned writer (O_DIRECT pwrite" in printed or "buffered+fsync" in printed
+    assert "save / limit per pair" in printed
+    assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # its files and checkpoints gone

@@ -16,12 +16,13 @@ the reader aligns its requests around them.
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 from . import tree as _tree
 from .manifest import Manifest
 from .records import DataFile, Extent, StorageRecord, TensorRecord, dtype_name
-from .safetensors import StHeader
+from .safetensors import StHeader, recorded_crcs, recorded_ties
 from .torch_pickle import Skeleton
 
 TORCH = "torch"
@@ -66,6 +67,44 @@ def safetensors_manifest(name: str, file_size: int, header: StHeader) -> Manifes
                          [_tree.tensor(k) for k in range(len(header.tensors))])
     return Manifest([DataFile(name, file_size)], storages, tensors, extents, tree,
                     {"container": SAFETENSORS, "checksums": False, "metadata": header.metadata})
+
+
+def hf_manifest(shards: list[tuple[str, int, StHeader]]) -> Manifest:
+    """The manifest of a Hugging Face model directory (``model.safetensors`` or its shards):
+    one data file per shard, a storage per stored tensor, the flat mapping of every name (a tied
+    name views its stored tensor's storage); the CRC32C gds_persist recorded, where every file
+    has them (``writer["checksums"]``)."""
+    files: list[DataFile] = []
+    storages: list[StorageRecord] = []
+    tensors: list[TensorRecord] = []
+    extents: list[Extent] = []
+    names: list[str] = []
+    where: dict[str, int] = {}
+    crcs: dict[str, int] = {}
+    ties: dict[str, str] = {}
+    verifiable = True
+    for f, (name, size, header) in enumerate(shards):
+        files.append(DataFile(name, size))
+        recorded = recorded_crcs(header)
+        verifiable = verifiable and recorded is not None
+        crcs.update(recorded or {})
+        ties.update(recorded_ties(header))
+        for t in header.tensors:
+            k = len(storages)
+            where[t.name] = k
+            names.append(t.name)
+            storages.append(StorageRecord(t.end - t.begin, "cpu"))
+            tensors.append(TensorRecord(k, dtype_name(t.dtype), t.shape, _contiguous(t.shape), 0))
+            if t.end > t.begin:
+                extents.append(Extent(k, 0, t.end - t.begin, f, header.data_start + t.begin,
+                                      crcs.get(t.name, 0)))
+    for alias, stored in ties.items():
+        if stored in where and alias not in where:
+            names.append(alias)
+            tensors.append(replace(tensors[where[stored]]))
+    tree = _tree.mapping(names, [_tree.tensor(k) for k in range(len(names))])
+    return Manifest(files, storages, tensors, extents, tree,
+                    {"container": SAFETENSORS, "checksums": verifiable, "files": len(files)})
 
 
 def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:

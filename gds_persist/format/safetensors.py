@@ -99,3 +99,83 @@ def parse_header(read_at: Callable[[int, int], bytes], file_size: int) -> StHead
                                    f"fit its shape {list(shape)} and {dtype} or the file")
         tensors.append(StTensor(name, dtype, shape, begin, end))
     return StHeader(tensors, meta if isinstance(meta, dict) else {}, 8 + n)
+
+
+# --- the Hugging Face layout of a model's weights, as gds_persist writes it -----------------
+SINGLE_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+CRC_KEY = "gds_persist.crc32c"  # metadata: JSON {stored name: CRC32C as 8 hex digits}
+TIED_KEY = "gds_persist.tied"  # metadata: JSON {tied name: the stored name it shares}
+_PLACEHOLDER = 0  # the CRC32C field before the data is written: same width as the real one
+
+
+def shard_names(n: int) -> list[str]:
+    """The file names of a model in ``n`` files, as ``save_pretrained`` names them."""
+    if n == 1:
+        return [SINGLE_NAME]
+    return [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+
+
+def is_model_file(name: str) -> bool:
+    """Whether ``name`` is a file of a Hugging Face model's weights (replaced by a new save)."""
+    return name == INDEX_NAME or (name.startswith("model") and name.endswith(".safetensors"))
+
+
+def aligned_header(tensors: list[StTensor], metadata: dict[str, str],
+                   crcs: dict[str, int] | None, alignment: int) -> bytes:
+    """A file's header - length, JSON, spaces - ending at a multiple of ``alignment``, so the
+    data buffer starts aligned. ``crcs`` (None: placeholders of the same width, to size the
+    header before the data is written) go into ``metadata`` under :data:`CRC_KEY`."""
+    crc_text = {t.name: f"{(crcs or {}).get(t.name, _PLACEHOLDER):08x}" for t in tensors}
+    meta = {**metadata, CRC_KEY: json.dumps(crc_text, separators=(",", ":"))}
+    header: dict[str, object] = {"__metadata__": meta}
+    for t in tensors:
+        header[t.name] = {"dtype": ST_DTYPES[t.dtype], "shape": list(t.shape),
+                          "data_offsets": [t.begin, t.end]}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % alignment)
+    if len(raw) > MAX_HEADER:
+        raise ValueError(f"the safetensors header would be {len(raw)} bytes, above the "
+                         f"{MAX_HEADER}-byte limit of the format; save fewer tensors per file")
+    return struct.pack("<Q", len(raw)) + raw
+
+
+def index_json(total_size: int, weight_map: dict[str, str], metadata: dict[str, str]) -> bytes:
+    """``model.safetensors.index.json``: which file holds each stored tensor (as
+    ``save_pretrained``'s, it leaves tied names out)."""
+    return json.dumps({"metadata": {"total_size": total_size, **metadata},
+                       "weight_map": weight_map}, indent=2, sort_keys=True).encode() + b"\n"
+
+
+def index_files(raw: bytes) -> list[str]:
+    """The files an index names, in order of first appearance by sorted file name."""
+    try:
+        weight_map = json.loads(raw)["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (ValueError, KeyError, TypeError, AttributeError):
+        raise SafetensorsError(f"{INDEX_NAME} is not an index of safetensors files") from None
+    if not all(isinstance(f, str) and f.endswith(".safetensors") and "/" not in f
+               for f in files):
+        raise SafetensorsError(f"{INDEX_NAME} names files outside the directory: {files}")
+    return files
+
+
+def recorded_crcs(header: StHeader) -> dict[str, int] | None:
+    """The CRC32C gds_persist recorded for each tensor of a file (None: a file without them)."""
+    raw = header.metadata.get(CRC_KEY)
+    if raw is None:
+        return None
+    try:
+        return {k: int(v, 16) for k, v in json.loads(raw).items()}
+    except (ValueError, TypeError, AttributeError):
+        raise SafetensorsError(f"its {CRC_KEY} metadata is malformed") from None
+
+
+def recorded_ties(header: StHeader) -> dict[str, str]:
+    """The tied names a file records: {tied name: stored name}."""
+    try:
+        ties = json.loads(header.metadata.get(TIED_KEY, "{}"))
+        assert isinstance(ties, dict)
+        return {str(k): str(v) for k, v in ties.items()}
+    except (ValueError, AssertionError):
+        raise SafetensorsError(f"its {TIED_KEY} metadata is malformed") from None

@@ -52,7 +52,6 @@ from ..stores.opened import open_checkpoint, opened
 from ..transfer.opened import (
     OPEN_ATTEMPTS,
     OpenCheckpoint,
-    OpenFile,
     pause,
     replaced_message,
 )
@@ -357,7 +356,7 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
     """The rest of :func:`load`, on a checkpoint held open with this rank's files."""
     m = ck.manifest
     torch_file = single_file.is_torch_file(ck)
-    unverified = isinstance(ck, OpenFile) and not ck.verifiable
+    unverified = not ck.verifiable
     verify = verify and not unverified
     describe_storage = storage_descriptions(m)
     chosen: list[tuple[str, str]] = []  # (backend, reason) of every directory read

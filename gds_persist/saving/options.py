@@ -16,7 +16,8 @@ from ..progress import ProgressCallback
 from ..state.rank_local import normalize_paths
 from .incremental import check_base_path
 
-FORMATS = ("directory", "torch")  # a checkpoint directory, or one torch.save file
+FORMATS = ("directory", "torch", "safetensors")  # a checkpoint directory, one torch.save file,
+# or a Hugging Face model directory
 # save()'s keywords of 0.1 and their spelling since (gds_persist.keywords)
 MOVED = {**as_settings("block_bytes", "staging_bytes", "io_threads"),
          **in_options("SaveOptions", "compression", "content_hash", "writers_per_node",
@@ -43,6 +44,9 @@ class SaveOptions:
     check_replicas : {"structure", "checksums", "off"}
         Data-parallel: compare the replicated state across ranks by keys, dtypes and shapes,
         also by bytes, or not at all.
+    max_shard_size : int or str, optional
+        ``format="safetensors"``: the most tensor bytes per file before the model is cut into
+        shards with an index (default ``"50GB"``, as ``save_pretrained``).
     """
 
     compression: str | None = None
@@ -50,6 +54,7 @@ class SaveOptions:
     writers_per_node: int | None = None
     data_dirs: Any = None
     check_replicas: str = "structure"
+    max_shard_size: int | str | None = None
 
 
 @dataclass(frozen=True)
@@ -70,12 +75,13 @@ class SaveRequest:
     compression: str | None = None
     content_hash: bool | None = None
     format: str = "directory"
+    max_shard_size: int | str | None = None
     cfg: settings.Settings = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         if self.format not in FORMATS:
             raise ValueError(f"format={self.format!r}: valid formats are {', '.join(FORMATS)}")
-        if self.format == "torch":
+        if self.format in ("torch", "safetensors"):
             self._check_torch_format()
         elif self.data_parallel and self.allow_pickle:
             raise ValueError("allow_pickle=True is for single-process saves; it cannot be "
@@ -100,7 +106,9 @@ class SaveRequest:
                                           ("data_dirs", self.data_dirs)) if value is not None]
         if given:
             raise ValueError(
-                f"format='torch' writes one plain torch.save file, which cannot hold what "
+                f"format={self.format!r} writes "
+                + ("one plain torch.save file" if self.format == "torch" else
+                   "plain safetensors files") + ", which cannot hold what "
                 f"{', '.join(given)}= ask for (references, encoded units, per-rank parts, other "
                 "directories); use the directory format (format='directory', the default) for "
                 "them, or save rank-local parts as a file per rank")

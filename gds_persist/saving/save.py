@@ -1,6 +1,7 @@
 """``save``: the entry point. It checks its arguments once (:class:`.options.SaveRequest`) and
 runs the save sequence (:mod:`.sequence`) with the layout of the format asked for: a checkpoint
-directory (:mod:`.directory`) or one torch.save file (:mod:`.torch_file`)."""
+directory (:mod:`.directory`), one torch.save file (:mod:`.torch_file`) or a Hugging Face model
+directory (:mod:`.safetensors_file`)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from ..stores import is_url, resolve
 from ..stores.io import object_settings
 from .directory import DirectoryLayout
 from .options import MOVED, SaveOptions, SaveRequest
-from .sequence import run_save
+from .safetensors_file import SafetensorsLayout
+from .sequence import Layout, run_save
 from .torch_file import TorchFileLayout
 
 
@@ -45,8 +47,10 @@ def save(
     path : str or os.PathLike
         The checkpoint directory (``format="torch"``: one file); ``~`` is expanded. Or an
         object-store URL, ``s3://bucket/prefix`` (``docs/OBJECT_STORE.md``).
-    format : {"directory", "torch"}
-        A checkpoint directory, or one ``torch.save`` file that stock ``torch.load`` reads.
+    format : {"directory", "torch", "safetensors"}
+        A checkpoint directory, one ``torch.save`` file that stock ``torch.load`` reads, or a
+        Hugging Face model directory of a flat mapping of tensors (``model.safetensors``, or
+        shards beyond ``options.max_shard_size``; ``docs/USAGE.md``, "Safetensors").
     backend : {"auto", "direct", "buffered", "kvikio"}, optional
         The I/O backend (default: the ``backend`` setting, ``"auto"``).
     process_group : torch.distributed group or "default", optional
@@ -85,11 +89,17 @@ def save(
         backend=backend, progress=progress, process_group=process_group, rank_local=rank_local,
         writers_per_node=more.writers_per_node, data_dirs=more.data_dirs,
         check_replicas=more.check_replicas, allow_pickle=allow_pickle, base=base,
-        compression=more.compression, content_hash=more.content_hash, format=format)
+        compression=more.compression, content_hash=more.content_hash, format=format,
+        max_shard_size=more.max_shard_size)
     if is_url(path):
         _refuse_for_objects(request, path)
-    layout = (TorchFileLayout(state_dict, path, request) if request.format == "torch"
-              else DirectoryLayout(state_dict, path, request))
+    layout: Layout[Any, Any]
+    if request.format == "torch":
+        layout = TorchFileLayout(state_dict, path, request)
+    elif request.format == "safetensors":
+        layout = SafetensorsLayout(state_dict, path, request, request.max_shard_size)
+    else:
+        layout = DirectoryLayout(state_dict, path, request)
     return run_save(layout, path, cfg=request.cfg, process_group=request.process_group)
 
 
@@ -97,7 +107,8 @@ def _refuse_for_objects(request: SaveRequest, url: str) -> None:
     """What a save to an object store does not do (yet), refused before anything is written;
     its I/O settings raised to whole multipart parts."""
     given = [name for name, value in (
-        ("format='torch'", request.format == "torch"), ("base", request.base is not None),
+        (f"format={request.format!r}", request.format != "directory"),
+        ("base", request.base is not None),
         ("compression", request.cfg.compression != "none"), ("content_hash", request.hashes),
         ("data_dirs", request.data_dirs is not None)) if value]
     if given:

@@ -129,11 +129,15 @@ def fingerprints(storages: list[torch.UntypedStorage]) -> list[int]:
     runs, else through a host copy; either waits for the device's queued work). Host bytes are
     cut in pieces of at most :data:`PIECE_BYTES`, checksummed in one batch per core (crc32c
     releases the GIL; the training thread waits for this), and joined."""
-    out: list[int] = [0] * len(storages)
-    pieces: list[tuple[int, np.ndarray]] = []  # (storage, bytes), in order within a storage
-    for k, storage in enumerate(storages):
-        data = byte_view(storage)
-        if storage.device.type == "cpu":
+    return fingerprints_of([byte_view(s) for s in storages])
+
+
+def fingerprints_of(views: list[torch.Tensor]) -> list[int]:
+    """:func:`fingerprints` of flat uint8 tensors (a storage's bytes, or a tensor's)."""
+    out: list[int] = [0] * len(views)
+    pieces: list[tuple[int, np.ndarray]] = []  # (view, bytes), in order within a view
+    for k, data in enumerate(views):
+        if data.device.type == "cpu":
             host = data.numpy()
             pieces += [(k, host[at:at + PIECE_BYTES]) for at in range(0, len(host), PIECE_BYTES)]
             continue
@@ -167,3 +171,62 @@ def _pool() -> ThreadPoolExecutor:
 def copy_of(storage: torch.UntypedStorage) -> torch.UntypedStorage:
     """A private copy on the same device (stream-ordered on a GPU: the bytes as of now)."""
     return storage.clone()
+
+
+@dataclass
+class HeldAtSave:
+    """The tensors of a nested state that :func:`capture_nested` left live (held by a guarded
+    optimizer), with their CRC32C at ``save()``: a copy made of them later is checked here."""
+
+    paths: list[tuple[Any, ...]]
+    crcs: list[int]
+
+    def torn(self, copies: Any) -> list[str]:
+        """The held tensors whose copy in ``copies`` (the same structure) is not their bytes at
+        ``save()``: changed in place by code other than the optimizer's step."""
+        now = fingerprints_of([_flat_bytes(_at(copies, p)) for p in self.paths])
+        return ["/".join(map(str, p))
+                for p, then, crc in zip(self.paths, self.crcs, now, strict=True) if then != crc]
+
+
+def capture_nested(state: Any, held: set[StorageId]) -> tuple[Any, HeldAtSave]:
+    """``state`` (dicts, lists and tuples of tensors and plain values) as it is now: every
+    tensor not ``held`` replaced by a copy made now (buffers a forward pass updates, frozen
+    weights; views of one storage stay views of one copy, so tied weights stay tied), the held
+    ones left live with their CRC32C (:class:`HeldAtSave`)."""
+    copies: dict[StorageId, torch.UntypedStorage] = {}
+    paths: list[tuple[Any, ...]] = []
+
+    def walk(obj: Any, path: tuple[Any, ...]) -> Any:
+        if isinstance(obj, torch.Tensor):
+            sid = storage_id(obj.untyped_storage())
+            if sid in held and obj.is_contiguous():
+                paths.append(path)
+                return obj
+            if sid not in copies:
+                copies[sid] = copy_of(obj.untyped_storage())
+            return torch.empty(0, dtype=obj.dtype, device=obj.device).set_(
+                copies[sid], obj.storage_offset(), obj.size(), obj.stride())
+        if isinstance(obj, dict):
+            out = type(obj)((k, walk(v, (*path, k))) for k, v in obj.items())
+            if hasattr(obj, "_metadata"):  # a module's state dict: its version record
+                out._metadata = obj._metadata  # type: ignore[attr-defined]
+            return out
+        if type(obj) in (list, tuple):
+            return type(obj)(walk(v, (*path, k)) for k, v in enumerate(obj))
+        return obj
+
+    captured = walk(state, ())
+    crcs = fingerprints_of([_flat_bytes(_at(state, p)) for p in paths])
+    return captured, HeldAtSave(paths, crcs)
+
+
+def _at(obj: Any, path: tuple[Any, ...]) -> Any:
+    for key in path:
+        obj = obj[key]
+    return obj
+
+
+def _flat_bytes(tensor: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor's bytes as a flat uint8 tensor (no copy)."""
+    return tensor.detach().reshape(-1).view(torch.uint8)

@@ -43,7 +43,7 @@ import socket
 import time
 import uuid
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -176,6 +176,9 @@ class Temporary:
     lock: FileLock
     _commit_lock: FileLock | None = field(default=None, repr=False)
     _parked: str | None = field(default=None, repr=False)  # two-rename fallback: old checkpoint
+    # what may be replaced at ``path`` (checked under the commit lock); a model directory's
+    # save replaces a Hugging Face model directory, not only a checkpoint
+    replaceable: Callable[[str, bool], None] | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         self._finalizer = weakref.finalize(self, _close_quietly, self.lock)
@@ -189,7 +192,7 @@ class Temporary:
         lock = acquire(commit_lock_path(path), timeout_s=timeout_s,
                        what=f"committing {path} (another process is committing it)")
         try:
-            check_replaceable(path, replace)
+            (self.replaceable or check_replaceable)(path, replace)
             if os.path.lexists(path) and _exchange(self.dir, path):
                 pass  # self.dir now holds the previous checkpoint
             elif os.path.lexists(path):  # no exchange: two renames, old kept until the new is in

@@ -25,6 +25,7 @@ a short pause); damaged: the usual :class:`TruncatedError` / :class:`NotCommitte
 from __future__ import annotations
 
 import errno
+import functools
 import hashlib
 import os
 import pickle
@@ -52,6 +53,7 @@ from ..format import (
     data_file_path,
     foreign,
     parse_manifest,
+    safetensors,
     torch_archive,
     torch_pickle,
 )
@@ -91,7 +93,10 @@ def _close_all(fds: dict[Any, int]) -> None:
 class OpenCheckpoint:
     """A committed checkpoint held open: its directory, its validated ``manifest`` and the data
     files opened so far (:meth:`open_files`). Close it (or use it as a context manager); one
-    dropped unclosed closes its descriptors when collected."""
+    dropped unclosed closes its descriptors when collected. ``verifiable``: the manifest records
+    the CRC32C of every extent (not so for a stock safetensors or torch.save file)."""
+
+    verifiable = True
 
     def __init__(self, path: str, dir_fd: int, raw: bytes, manifest: Manifest):
         self.path = path
@@ -215,6 +220,47 @@ class OpenCheckpoint:
                 f"{digest[:16]}..., the reference recorded {ref.manifest_sha256[:16]}...; the "
                 f"referenced bytes are gone; {fix}")
         return fd
+
+
+def _pread_at(fd: int, offset: int, n: int) -> bytes:
+    return os.pread(fd, n, offset)
+
+
+def open_model_directory(path: str, dir_fd: int) -> OpenCheckpoint | None:
+    """A Hugging Face model directory (``model.safetensors``, or the shards its index names)
+    held open and described as a manifest (:func:`gds_persist.format.foreign.hf_manifest`);
+    None if ``path`` holds neither. Its files are opened (by name, in the held directory) as
+    any checkpoint's; ``verifiable``: gds_persist recorded every tensor's CRC32C."""
+    try:
+        names = [safetensors.SINGLE_NAME]
+        try:
+            index_fd = os.open(safetensors.INDEX_NAME, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+            names = safetensors.index_files(_read_and_close(index_fd))
+        except FileNotFoundError:
+            pass
+        shards, identity = [], b""
+        for name in names:
+            try:
+                fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=dir_fd)
+            except FileNotFoundError:
+                if name == safetensors.SINGLE_NAME:
+                    return None
+                raise TruncatedError(f"{os.path.join(path, name)}, named by "
+                                     f"{safetensors.INDEX_NAME}, is missing; the model is "
+                                     "incomplete") from None
+            try:
+                size = os.fstat(fd).st_size
+                header = parse_header(functools.partial(_pread_at, fd), size)
+                identity += os.pread(fd, header.data_start, 0)
+            finally:
+                os.close(fd)
+            shards.append((name, size, header))
+        manifest = foreign.hf_manifest(shards)
+    except SafetensorsError as e:
+        raise ManifestError(f"{path}: not a valid safetensors model directory: {e}") from None
+    ck = OpenCheckpoint(path, dir_fd, identity, manifest)
+    ck.verifiable = bool(manifest.writer["checksums"])
+    return ck
 
 
 class OpenFile(OpenCheckpoint):
@@ -383,6 +429,9 @@ def _open_once(path: str, last_try: bool) -> OpenCheckpoint:
                 same = False
             if not same:
                 raise CheckpointReplacedError(replaced_message(path, "replaced")) from None
+            hf = open_model_directory(path, dir_fd)
+            if hf is not None:
+                return hf
             raise NotCommittedError(
                 f"{path} has no manifest.json: it is not a committed gds_persist checkpoint "
                 + (_root_hint(path) or "(an interrupted save leaves only a hidden "
