@@ -32,6 +32,7 @@ from .errors import (
     ManifestError,
     NotACheckpointDirectoryError,
     NotCommittedError,
+    ObjectStoreError,
     PeerLostError,
     PickleRefusedError,
     ReferencedCheckpointError,
@@ -42,6 +43,7 @@ from .errors import (
     TornCheckpointError,
     TruncatedError,
     UnhashedBaseWarning,
+    UnsupportedURLError,
     WorkerDied,
 )
 from .loading.load import load, load_with_info, read_manifest
@@ -77,6 +79,7 @@ __all__ = [
     "MemoryTier",
     "NotACheckpointDirectoryError",
     "NotCommittedError",
+    "ObjectStoreError",
     "PickleRefusedError",
     "ReferencedCheckpointError",
     "PeerLostError",
@@ -90,6 +93,7 @@ __all__ = [
     "TornCheckpointError",
     "TruncatedError",
     "UnhashedBaseWarning",
+    "UnsupportedURLError",
     "WarmupReport",
     "WorkerDied",
     "__version__",

@@ -141,6 +141,22 @@ class StateMismatchError(CheckpointError, ValueError):
     tensors are not); raised before any byte is read, every mismatch in one message."""
 
 
+class ObjectStoreError(CheckpointError):
+    """A request to an object store failed for good (after the bounded retries): names the URL
+    of the object, the HTTP status (``status``, 0 when no answer came) and, for a missing bucket,
+    an unreachable endpoint or refused credentials, the environment variable to set."""
+
+    def __init__(self, message: str, url: str = "", status: int = 0):
+        super().__init__(message)
+        self.url, self.status = url, status
+
+
+class UnsupportedURLError(CheckpointError, ValueError):
+    """A path with a URL scheme that no store handles (``gs://`` before a store for it exists),
+    or an entry point that does not take URLs: refused, never taken as a local folder; the
+    message lists the schemes that have a store."""
+
+
 class UnhashedBaseWarning(UserWarning):
     """``save(..., base=...)`` (or a Checkpointer resuming from a plain step) got a base whose
     bytes carry no content hash, so nothing of them could be referred to and they were written

@@ -61,6 +61,13 @@ class Settings:
     # wait 14.1 ms an iteration for a core, 1 thread 1.3 ms:
     # bench/results/2026-12-03-cpu-tier-threads.txt)
     memory_io_threads: int = 1
+    # object stores (s3://, gds_persist.stores): attempts of one request (throttling, 5xx, a
+    # dropped connection), with the client's exponential backoff between them; then an error
+    # naming the object and the HTTP status
+    object_attempts: int = 5
+    # objects under a checkpoint URL that no manifest names are removed by a later save once
+    # this old: a concurrent save's objects are younger (docs/OBJECT_STORE.md, "Commit")
+    object_grace_s: float = 3600.0
 
     @property
     def ring_buffers(self) -> int:
@@ -136,7 +143,7 @@ def _validate(s: Settings) -> Settings:
         raise _bad("staging_bytes", s.staging_bytes,
                    f"must hold at least two blocks of block_bytes={s.block_bytes} (double "
                    "buffering); raise it or lower block_bytes")
-    for name in ("io_threads", "memory_io_threads"):
+    for name in ("io_threads", "memory_io_threads", "object_attempts"):
         if getattr(s, name) < 1:
             raise _bad(name, getattr(s, name), "must be at least 1")
     if s.file_streams < 0:
@@ -146,6 +153,8 @@ def _validate(s: Settings) -> Settings:
         value = getattr(s, name)
         if not (math.isfinite(value) and value > 0):  # inf overflows queue/future waits
             raise _bad(name, value, "must be positive and finite (seconds)")
+    if not (math.isfinite(s.object_grace_s) and s.object_grace_s >= 0):
+        raise _bad("object_grace_s", s.object_grace_s, "must be finite and >= 0 (seconds)")
     for name, valid in (("auto_kvikio", AUTO_KVIKIO), ("compression", COMPRESSIONS),
                         ("load_strategy", LOAD_STRATEGIES)):
         if getattr(s, name) not in valid:

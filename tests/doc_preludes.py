@@ -68,6 +68,17 @@ import gds_persist
 
 state = {"w": torch.randn(1000, 33), "b": torch.arange(7), "step": 1}
 """
+# a local S3-compatible server (bench/s3_server.py) with the bucket the text names, and the AWS
+# variables pointing at it; stopped when the block's process exits
+LOCAL_S3 = """
+import atexit
+import os
+from bench.s3_server import S3Server
+
+_s3 = S3Server("my-bucket").start()
+atexit.register(_s3.stop)
+os.environ.update(_s3.env)
+"""
 GLOO_WORLD_OF_ONE = """
 import os
 import torch
@@ -342,6 +353,16 @@ assert gds_persist.verify("out/checkpoint-4").ok
         check="import torch\nfor step in (1, 2):\n"
               '    ckpt.save(step, {"frozen": torch.ones(1000), "step": step}).wait()\n'
               "assert ckpt.stats.bytes_referenced == 4000, ckpt.stats\nckpt.close()\n"),
+    # docs/OBJECT_STORE.md
+    ("docs/OBJECT_STORE.md", 'gds_persist.save(state, "s3://my-bucket/run-7/step-100")'): Prelude(
+        setup=LOCAL_S3,
+        check='assert gds_persist.read_manifest("s3://my-bucket/run-7/step-100").writer['
+              '"backend"] == "s3"\nassert not os.path.exists("s3:")\n'),
+    ("docs/OBJECT_STORE.md", "state = ckpt.load()                 # latest committed step; "
+                             "verified"): Prelude(
+        setup=LOCAL_S3,
+        check='assert gds_persist.Checkpointer("s3://my-bucket/run-8").steps() == [2, 3]\n'
+              'assert not os.path.exists("s3:")\n'),
     # docs/RECOVERY.md
     ("docs/RECOVERY.md", "pg = torch.distributed.new_group()                 # the Checkpointer's "
                          "own group"): Prelude(

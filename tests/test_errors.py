@@ -555,6 +555,8 @@ _ALL_SETTING_VALUES: dict[str, tuple[Any, Any, Any]] = {
     "file_streams": (2, 3, 5),
     "compression": ("lossless", "auto", "lossless"),  # issue 13: gds_persist.saving.compression
     "memory_io_threads": (2, 3, 5),  # issue 25: the memory tier's writes
+    "object_attempts": (2, 3, 7),  # issue 40: object-store requests
+    "object_grace_s": (0.0, 60.0, 7200.0),  # issue 40: orphans of object-store saves
 }
 SETTING_VALUES = {k: v for k, v in _ALL_SETTING_VALUES.items() if k in settings.ENV_VARS}
 
@@ -704,6 +706,9 @@ def test_unknown_setting_lists_valid_ones() -> None:
     ({"io_threads": 2.5}, r"io_threads=2.5 \(environment variable GDS_PERSIST_IO_THREADS\) "
                           r"must be an int"),
     ({"memory_io_threads": 0}, r"memory_io_threads=0 .* must be at least 1"),
+    ({"object_attempts": 0}, r"object_attempts=0 .* must be at least 1"),
+    ({"object_grace_s": -1}, r"object_grace_s=-1.0 .* must be finite and >= 0"),
+    ({"object_grace_s": float("inf")}, r"object_grace_s=inf .* must be finite"),
     ({"io_timeout_s": 0}, r"io_timeout_s=0.0 .* must be positive"),
     ({"io_timeout_s": -1}, r"io_timeout_s=-1.0 .* must be positive"),
     ({"io_timeout_s": float("nan")}, r"io_timeout_s=nan .* must be positive"),

@@ -37,6 +37,7 @@ LAYERS: dict[str, int] = {
     "backends": 2,      # the only code that touches data files' descriptors
     "transfer": 3,      # moving, checksumming and committing bytes; warm-up
     "state": 4,         # the one walker of live state dicts
+    "stores": 4,        # where checkpoints live, by URL scheme (s3://): commit, I/O, opening
     "parallel": 5,      # process-group glue, schedules, exchange, shared reads
     "saving": 6,        # one save orchestrator: plain, units, data-parallel
     "loading": 6,       # one load orchestrator, verify, where the bytes land

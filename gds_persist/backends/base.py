@@ -45,6 +45,10 @@ class Backend(ABC):
     # more it times, and the bytes each should hold (the reader sends those first, cut to that)
     probe_requests: int = 0
     probe_bytes: int = 0
+    # True: each request costs a round trip (an object store's ranged GET), so a reader reads an
+    # extent into its destination directly only when it fills whole requests, and stages
+    # smaller ones with their neighbours, a window per request
+    whole_requests: bool = False
 
     @abstractmethod
     def open(self, path: str, *, write: bool, size: int = 0, create: bool = True) -> Any: ...

@@ -30,6 +30,7 @@ from ..saving.options import SaveRequest
 from ..saving.sequence import run_save
 from ..saving.torch_file import TorchFileLayout
 from ..state.flatten import flatten, rebuild_tensor
+from ..stores import refuse_url
 from ..transfer.atomic_file import AtomicFile
 from ..transfer.opened import OpenCheckpoint, opened
 from . import FORMATS
@@ -69,6 +70,8 @@ def export_checkpoint(
         ValueError: an unknown ``to``, or a suffix that names no format.
     """
     path, out = os.fspath(path), os.fspath(out)
+    refuse_url(path, "export_checkpoint")
+    refuse_url(out, "export_checkpoint")
     to = _infer_format(out, to)
     m = read_manifest(path)
     # imported here, not at the top: the DCP package imports torch.distributed.checkpoint

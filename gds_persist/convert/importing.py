@@ -18,6 +18,7 @@ from ..format.torch_archive import ZIP_MAGIC
 from ..progress import ProgressCallback
 from ..results import SaveInfo
 from ..saving.save import save
+from ..stores import refuse_url
 from . import FORMATS
 from .safetensors import map_safetensors
 
@@ -68,6 +69,8 @@ def import_checkpoint(
         CheckpointError: a torch file that needs a class ``weights_only=True`` refuses.
     """
     file, path = os.fspath(file), os.fspath(path)
+    refuse_url(file, "import_checkpoint")
+    refuse_url(path, "import_checkpoint")
     kind = detect_format(file) if format == "auto" else format
     if kind not in FORMATS:
         raise ValueError(f"unknown import format {format!r}; valid: auto, {', '.join(FORMATS)}")

@@ -34,6 +34,7 @@ from ..results import ExportInfo
 from ..saving.manifest_builder import Part, build_manifest
 from ..saving.sequence import Layout, Run, run_save
 from ..stages import stage
+from ..stores import refuse_url
 from ..transfer.opened import OpenCheckpoint, opened
 
 COPY_CHUNK = 16 << 20
@@ -58,6 +59,8 @@ def materialize(path: str | os.PathLike[str], out: str | os.PathLike[str], *,
         ValueError: ``out`` is ``path``.
     """
     path, out = os.fspath(path), os.fspath(out)
+    refuse_url(path, "materialize")
+    refuse_url(out, "materialize")
     if os.path.abspath(path) == os.path.abspath(out):
         raise ValueError(f"materialize {path} onto itself: give another output directory")
     cfg = settings.current()

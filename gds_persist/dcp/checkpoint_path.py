@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import os
 
+from ..stores import is_url, resolve
+
 
 class CheckpointPath:
     """The ``checkpoint_id`` side of a DCP storage writer / reader (list it before DCP's base
     class, so its methods stand for DCP's abstract ones): the id is the checkpoint directory's
-    path, any ``os.PathLike`` or string."""
+    path, any ``os.PathLike`` or string, or an object store's URL (``s3://bucket/prefix``)."""
 
     path: str
 
     def _set_path(self, path: str | os.PathLike[str]) -> None:
-        self.path = os.fspath(path)
+        # a URL of a store (docs/OBJECT_STORE.md), never a local ./s3:/ folder; another scheme
+        # is refused here
+        self.path = resolve(path) if is_url(path) else os.fspath(path)
 
     def _reset_path(self, checkpoint_id: str | os.PathLike[str] | None) -> None:
         """The part of ``reset(checkpoint_id)`` that moves to another checkpoint, if given."""

@@ -49,7 +49,9 @@ from ..format import DTYPES, MANIFEST_NAME, Extent, Manifest
 from ..format.tree import decode
 from ..loading.extents import read_extents
 from ..progress import ByteCounter, ProgressCallback
-from ..transfer.opened import OpenCheckpoint, open_checkpoint
+from ..stores import is_url
+from ..stores.opened import open_checkpoint
+from ..transfer.opened import OpenCheckpoint
 from ..transfer.pipeline import byte_view
 from ._codec import decode_metadata
 from .boxes import copy_run
@@ -183,6 +185,8 @@ class GdsPersistReader(CheckpointPath, StorageReader):
 
     @classmethod
     def _accepts(cls, path: str) -> bool:
+        if is_url(path):
+            return True  # read_metadata says whether one is there
         return os.path.isfile(os.path.join(path, MANIFEST_NAME))  # a committed checkpoint
 
     # No **kwargs on purpose: DCP then does not retry with a "rank-local metadata" fallback

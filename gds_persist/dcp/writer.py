@@ -56,7 +56,10 @@ from ..progress import ByteCounter, ProgressCallback
 from ..saving.manifest_builder import Part
 from ..saving.manifest_builder import build_manifest as build_from_parts
 from ..saving.sequence import Layout, Run, begin_driven, finish_driven
-from ..transfer.commit import Temporary, abort, begin, writer_record
+from ..stores import commit as objects
+from ..stores import is_url
+from ..stores.io import object_settings, writer_for
+from ..transfer.commit import Temporary, begin, writer_record
 from ..transfer.pipeline import byte_view
 from ..transfer.staging import io_session
 from ..transfer.writer import FileWriter
@@ -183,7 +186,7 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
         self.is_coordinator = False
         self.rank_bytes: list[int] = []
         self.save_id = uuid.uuid4().hex
-        self._tmp: Temporary | None = None
+        self._tmp: Temporary | objects.ObjectTarget | None = None
         self._t0 = 0.0
 
     # -- DCP interface ------------------------------------------------------------------------
@@ -191,7 +194,7 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
         self._reset_path(checkpoint_id)
         self.save_id = uuid.uuid4().hex
         if self._tmp is not None:  # a save that failed before finish(): give it up
-            abort(self._tmp)
+            self._tmp.finish()  # (abort's own step; an object store's prefix too)
         self._tmp = None
         self.rank_bytes = []
 
@@ -240,7 +243,7 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
         try:
             assignment = self._assign(plans)
         except BaseException:
-            abort(tmp)
+            tmp.finish()  # abort: its temporary directory or objects go
             self._tmp = None
             raise
         out = []
@@ -302,7 +305,7 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
                 "GdsPersistWriter.write_data got a plan it did not prepare (DCP plan caching, "
                 "DefaultSavePlanner(enable_plan_caching=True), is not supported)"
             )
-        if not os.path.isdir(info.tmp):
+        if not is_url(info.tmp) and not os.path.isdir(info.tmp):
             raise CheckpointError(
                 f"the temporary directory {info.tmp} of this save does not exist: it was "
                 "published or removed already (DCP plan caching, enable_plan_caching=True, is "
@@ -358,9 +361,13 @@ class GdsPersistWriter(CheckpointPath, StorageWriter, BlockingAsyncStager):
         meta: list[tuple[WriteItem, str, str, tuple[int, ...], int, int, int]],
     ) -> list[WriteResult]:
         wants_device = any(s.is_cuda for s in sources)
-        be, reason = choose_backend(
-            cfg.backend, info.tmp, wants_device, cfg.io_threads, cfg.block_bytes
-        )
+        if is_url(info.tmp):  # multipart uploads: requests of whole parts
+            cfg = object_settings(cfg)
+            be, reason = writer_for(cfg, info.tmp)
+        else:
+            be, reason = choose_backend(
+                cfg.backend, info.tmp, wants_device, cfg.io_threads, cfg.block_bytes
+            )
         # kvikio writes CUDA sources straight from device memory only when a file holds nothing
         # else, so CUDA and host sources go to separate files there.
         groups: dict[str, list[int]] = {}
@@ -427,7 +434,9 @@ class _Layout(Layout[Any, Any]):
         self.writer, self.metadata = writer, metadata
         self.replace = writer.overwrite
 
-    def begin(self, run: Run) -> Temporary:
+    def begin(self, run: Run) -> Temporary | objects.ObjectTarget:
+        if is_url(run.path):
+            return objects.begin(run.path, self.replace)
         return begin(run.path, run.cfg.io_timeout_s, replace=self.replace)
 
     def seal(self, run: Run, reports: list[list[WriteResult]]) -> Manifest:

@@ -16,6 +16,8 @@ from ..backends.posix import DirectBackend
 from ..errors import BackendError
 from ..format import Extent, align_up, storage_descriptions
 from ..stages import stage
+from ..stores import is_url
+from ..stores.io import reader_for
 from ..transfer.opened import OpenCheckpoint
 from ..transfer.reader import Describe, Dests, FileReader, OnBytes, OnChecksum, OnError
 from ..transfer.staging import io_session
@@ -65,6 +67,8 @@ def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | N
 
 def _read_backend(cfg: settings.Settings, directory: str, wants_device: bool,
                   load: tuple[str, int]) -> tuple[Backend, str]:
+    if is_url(directory):
+        return reader_for(directory)
     try:
         return choose_backend(cfg.backend, directory, wants_device, cfg.io_threads,
                               cfg.block_bytes, read_load=load)

@@ -48,11 +48,10 @@ from ..parallel.shared_reads import check_joined, shared_pieces
 from ..progress import ByteCounter, ProgressCallback
 from ..results import LoadInfo
 from ..stages import stage
+from ..stores.opened import open_checkpoint, opened
 from ..transfer.opened import (
     OPEN_ATTEMPTS,
     OpenCheckpoint,
-    open_checkpoint,
-    opened,
     pause,
     replaced_message,
 )
@@ -75,7 +74,8 @@ def read_manifest(path: str | os.PathLike[str]) -> Manifest:
     """The validated manifest of the committed checkpoint at ``path``, read without any data.
 
     Parameters:
-        path: a checkpoint directory, or a ``torch.save`` / safetensors file.
+        path: a checkpoint directory, or a ``torch.save`` / safetensors file, or the URL of a
+            checkpoint in an object store (``s3://bucket/prefix``).
 
     Returns:
         The :class:`~gds_persist.format.Manifest`.
@@ -177,6 +177,7 @@ def load(path: str | os.PathLike[str], **keywords: Any) -> Any:
     ----------
     path : str or os.PathLike
         A checkpoint directory, or one ``torch.save`` or safetensors file; ``~`` is expanded.
+        Or an object-store URL, ``s3://bucket/prefix`` (``docs/OBJECT_STORE.md``).
     into : state dict, optional
         Restore in place: a state shaped as ``save`` took it (``{"model":
         model.state_dict(), ...}``) whose tensors are filled with the checkpoint's bytes.

@@ -16,7 +16,8 @@ from ..errors import ChecksumError
 from ..format import Extent, align_up, storage_descriptions
 from ..progress import ByteCounter, ProgressCallback
 from ..results import VerifyReport
-from ..transfer.opened import OpenCheckpoint, OpenFile, opened
+from ..stores.opened import opened
+from ..transfer.opened import OpenCheckpoint, OpenFile
 from ..transfer.reader import checksum_mismatch
 from .extents import read_extents
 

@@ -249,7 +249,7 @@ class SafetensorsLayout(Layout[Facts, Report]):
         return out
 
     def commit(self, run: Run, sealed: Any) -> None:
-        assert run.tmp is not None
+        assert isinstance(run.tmp, Temporary)  # a local directory (URLs are refused by save)
         for f, name in enumerate(self.names):
             _finish_file(os.path.join(run.tmp.dir, name), sealed[name], self.sizes[f])
         if INDEX_NAME in sealed:

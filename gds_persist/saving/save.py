@@ -11,6 +11,8 @@ from typing import Any
 from ..keywords import removed_keywords
 from ..progress import ProgressCallback
 from ..results import SaveInfo
+from ..stores import is_url, resolve
+from ..stores.io import object_settings
 from .directory import DirectoryLayout
 from .options import MOVED, SaveOptions, SaveRequest
 from .safetensors_file import SafetensorsLayout
@@ -43,7 +45,8 @@ def save(
     state_dict : dict
         Tensors (any device), containers and plain values; ``rank_local`` parts per rank.
     path : str or os.PathLike
-        The checkpoint directory (``format="torch"``: one file); ``~`` is expanded.
+        The checkpoint directory (``format="torch"``: one file); ``~`` is expanded. Or an
+        object-store URL, ``s3://bucket/prefix`` (``docs/OBJECT_STORE.md``).
     format : {"directory", "torch", "safetensors"}
         A checkpoint directory, one ``torch.save`` file that stock ``torch.load`` reads, or a
         Hugging Face model directory of a flat mapping of tensors (``model.safetensors``, or
@@ -80,7 +83,7 @@ def save(
         No room; an unusable backend; another process's commit of ``path`` hangs; a rank
         failed (raised on every rank, naming it).
     """
-    path = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    path = resolve(path)
     more = options if options is not None else SaveOptions()
     request = SaveRequest(
         backend=backend, progress=progress, process_group=process_group, rank_local=rank_local,
@@ -88,6 +91,8 @@ def save(
         check_replicas=more.check_replicas, allow_pickle=allow_pickle, base=base,
         compression=more.compression, content_hash=more.content_hash, format=format,
         max_shard_size=more.max_shard_size)
+    if is_url(path):
+        _refuse_for_objects(request, path)
     layout: Layout[Any, Any]
     if request.format == "torch":
         layout = TorchFileLayout(state_dict, path, request)
@@ -96,3 +101,18 @@ def save(
     else:
         layout = DirectoryLayout(state_dict, path, request)
     return run_save(layout, path, cfg=request.cfg, process_group=request.process_group)
+
+
+def _refuse_for_objects(request: SaveRequest, url: str) -> None:
+    """What a save to an object store does not do (yet), refused before anything is written;
+    its I/O settings raised to whole multipart parts."""
+    given = [name for name, value in (
+        (f"format={request.format!r}", request.format != "directory"),
+        ("base", request.base is not None),
+        ("compression", request.cfg.compression != "none"), ("content_hash", request.hashes),
+        ("data_dirs", request.data_dirs is not None)) if value]
+    if given:
+        raise ValueError(f"a save to {url} cannot take {', '.join(given)}: an object-store "
+                         "checkpoint is a plain directory-format checkpoint "
+                         "(docs/OBJECT_STORE.md, \"Limits\"); save locally for those")
+    object.__setattr__(request, "cfg", object_settings(request.cfg))

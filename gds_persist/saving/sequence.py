@@ -34,6 +34,8 @@ from ..format import Manifest
 from ..format.records import Wire
 from ..parallel.distributed import Comm, SoloComm, make_comm
 from ..stages import stage
+from ..stores import commit as objects
+from ..stores.urls import is_url
 from ..transfer.commit import Temporary, abort, begin, seal
 
 Facts = TypeVar("Facts", bound=Wire)
@@ -68,7 +70,9 @@ class Run:
     what: str  # "gds_persist save of PATH (rank R of N)": the subject of every error
     intact: str  # what a failure means for the path
     t0: float = field(default_factory=time.perf_counter)
-    tmp: Temporary | None = None  # this rank's temporary, where it committed or will commit
+    # this rank's temporary (a directory, or an object store's data prefix), where it committed
+    # or will commit
+    tmp: Temporary | objects.ObjectTarget | None = None
     began: list[Began] = field(default_factory=list)  # every rank's, after prepare
     reports: list[Any] = field(default_factory=list)  # every rank's, after write
     phases: dict[str, float] = field(default_factory=dict)  # seconds per phase on this rank
@@ -116,8 +120,11 @@ class Layout(Generic[Facts, Report]):
     def prepare(self, run: Run) -> Facts:
         raise NotImplementedError
 
-    def begin(self, run: Run) -> Temporary:
-        """This rank's temporary target: by default a temporary checkpoint directory."""
+    def begin(self, run: Run) -> Temporary | objects.ObjectTarget:
+        """This rank's temporary target: by default a temporary checkpoint directory (a URL:
+        this save's data prefix in the object store, :mod:`gds_persist.stores.commit`)."""
+        if is_url(run.path):
+            return objects.begin(run.path, self.replace)
         return begin(run.path, run.cfg.io_timeout_s)
 
     def plan(self, run: Run, facts: list[Facts]) -> None:
@@ -134,6 +141,9 @@ class Layout(Generic[Facts, Report]):
     def commit(self, run: Run, sealed: Any) -> None:
         """Make ``sealed`` durable and visible atomically (default: a directory's manifest)."""
         assert run.tmp is not None and isinstance(sealed, Manifest)
+        if isinstance(run.tmp, objects.ObjectTarget):  # the manifest object, written last
+            objects.seal(run.tmp, sealed, self.replace)
+            return
         # the commit lock stays held until the sequence ends: cleanup() runs under it
         seal(run.tmp, sealed, run.cfg.io_timeout_s, self.replace, check=run.comm.size > 1,
              keep_lock=True)
@@ -175,7 +185,9 @@ def run_save(layout: Layout[Any, Any], path: str, comm: Comm | None = None, *,
         layout.cleanup(run)
     except BaseException:
         if not committed:
-            if run.tmp is not None:
+            if isinstance(run.tmp, objects.ObjectTarget):
+                run.tmp.finish()  # its objects go; never the committed checkpoint's
+            elif run.tmp is not None:
                 abort(run.tmp)  # never holds the new checkpoint once it was renamed into place
             if not run.committing:
                 layout.abandon(run)

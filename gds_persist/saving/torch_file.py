@@ -189,7 +189,7 @@ class TorchFileLayout(Layout[Facts, Report]):
                                                     world_size=run.comm.size))
 
     def commit(self, run: Run, sealed: Any) -> None:
-        assert run.tmp is not None
+        assert isinstance(run.tmp, Temporary)
         write_at(self.backend, file_in(run.tmp), self.layout.tail_offset, sealed)
         self.size = self.layout.tail_offset + len(sealed)
         seal_file(run.tmp, run.cfg.io_timeout_s)

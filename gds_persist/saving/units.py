@@ -32,6 +32,8 @@ from ..format import DTYPES, Extent, codec
 from ..format.records import TensorRecord
 from ..settings import Settings
 from ..stages import stage
+from ..stores import is_url
+from ..stores.io import writer_for
 from ..transfer.pipeline import byte_view
 from ..transfer.staging import io_session
 from ..transfer.unit_writer import Unit, UnitResults, UnitWriter, codec_threads
@@ -79,7 +81,10 @@ class Choice:
 
 def backend_for(cfg: Settings, directory: str,
                 storages: Sequence[torch.UntypedStorage]) -> tuple[Backend, str]:
-    """The backend that writes ``storages`` into ``directory`` (``cfg.backend``), and why."""
+    """The backend that writes ``storages`` into ``directory`` (``cfg.backend``; a URL: the
+    object store's uploads), and why."""
+    if is_url(directory):
+        return writer_for(cfg, directory)
     with stage("choose backend"):
         return choose_backend(cfg.backend, directory, any(s.is_cuda for s in storages),
                               cfg.io_threads, cfg.block_bytes)

@@ -44,6 +44,7 @@ from ..keywords import as_settings, removed_keywords
 from ..parallel.distributed import make_comm
 from ..results import WarmupReport
 from ..saving.compression import check_mode as check_compression
+from ..stores import is_url, resolve
 from ..transfer.warmup import BackgroundWarmup
 from . import steps as _steps
 from .at_exit import before_thread_pools_stop
@@ -83,7 +84,8 @@ class Checkpointer(WriterThreads, Restoring):
     Parameters
     ----------
     root : path
-        Where the step directories and ``latest`` go; created at the first ``save``.
+        Where the step directories and ``latest`` go; created at the first ``save``. Or an
+        object-store URL, ``s3://bucket/prefix`` (``docs/OBJECT_STORE.md``, "Checkpointer").
     keep_last : int or None
         Committed checkpoints kept (None: all); the newest goes only once a newer one commits.
     mode : {"auto", "fence", "snapshot"}
@@ -134,7 +136,10 @@ class Checkpointer(WriterThreads, Restoring):
                          max_pending, timeout_s)
         check_tiers(memory, drive_every, writer)
         local_paths = check_rank_local(rank_local, process_group)
-        self.root = os.path.abspath(os.path.expanduser(os.fspath(root)))
+        self.root = resolve(root)  # a local directory, or a URL of an object store
+        if is_url(self.root):
+            _check_object_root(self.root, incremental, compression, memory, rank_local)
+            warmup = False  # it measures a local drive
         _steps.check_root(self.root)  # a file there: NotACheckpointDirectoryError
         self.requested_mode = mode
         self.mode = mode  # the mode in force: "auto" only until the first save decides
@@ -467,3 +472,16 @@ def _close_at_exit() -> None:
 
 
 before_thread_pools_stop(_close_at_exit)
+
+
+def _check_object_root(root: str, incremental: bool, compression: str | None,
+                       memory: MemoryTier | None, rank_local: Any) -> None:
+    """What a Checkpointer with its root in an object store does not do (yet), refused here
+    rather than at the first save."""
+    given = [name for name, value in (
+        ("incremental=True", incremental), ("compression", compression not in (None, "none")),
+        ("memory", memory is not None), ("rank_local", rank_local is not None)) if value]
+    if given:
+        raise ValueError(f"Checkpointer({root!r}) cannot take {', '.join(given)}: steps in an "
+                         "object store are plain checkpoints "
+                         "(docs/OBJECT_STORE.md, \"Limits\")")

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..state.rank_local import KeyPath
+from ..stores import refuse_url
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class MemoryTier:
     peer_timeout_s: float = 60.0
 
     def __post_init__(self) -> None:
+        refuse_url(self.root, "MemoryTier(root=...), a node's memory,")
         object.__setattr__(self, "root", os.path.abspath(os.path.expanduser(
             os.fspath(self.root))))
         if operator.index(self.every) < 1:

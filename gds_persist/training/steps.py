@@ -34,8 +34,10 @@ import uuid
 
 from ..errors import NotACheckpointDirectoryError, NotCommittedError
 from ..format import MANIFEST_NAME, base_names
+from ..stores import is_url
 from ..transfer.commit import fsync_path, remove_stale_temporaries, remove_tree
 from ..transfer.locks import STALE_UNLOCKED_S, untouched_for
+from . import object_steps
 
 LATEST = "latest"
 _STEP = re.compile(r"^step-(\d+)$")
@@ -45,7 +47,10 @@ _HIDDEN_LATEST = ".latest.tmp-"
 
 def make_root(root: str) -> None:
     """Create the Checkpointer root (and its parents) if missing; a file in the way raises
-    :class:`NotACheckpointDirectoryError` saying what to do (not the bare ``FileExistsError``)."""
+    :class:`NotACheckpointDirectoryError` saying what to do (not the bare ``FileExistsError``).
+    A root in an object store needs no making: a prefix exists once an object is under it."""
+    if is_url(root):
+        return
     try:
         os.makedirs(root, exist_ok=True)
     except (FileExistsError, NotADirectoryError) as e:
@@ -62,6 +67,8 @@ def make_root(root: str) -> None:
 
 def check_root(root: str) -> None:
     """What :func:`make_root` would refuse, found without creating anything."""
+    if is_url(root):
+        return
     existing = root
     while not os.path.lexists(existing) and os.path.dirname(existing) != existing:
         existing = os.path.dirname(existing)
@@ -93,6 +100,8 @@ def parse_step(name: str) -> int | None:
 
 def committed_steps(root: str) -> list[int]:
     """Steps whose directory is committed (holds a manifest), ascending."""
+    if is_url(root):
+        return object_steps.committed_steps(root)
     try:
         names = os.listdir(root)
     except FileNotFoundError:
@@ -107,6 +116,8 @@ def committed_steps(root: str) -> list[int]:
 
 def read_latest(root: str) -> int | None:
     """The step ``latest`` names, or None when it is missing or unreadable."""
+    if is_url(root):
+        return object_steps.read_latest(root)
     try:
         with open(os.path.join(root, LATEST), encoding="ascii") as f:
             text = f.read(64)
@@ -128,6 +139,8 @@ def latest_step(root: str) -> int | None:
 
 def write_latest(root: str, step: int) -> None:
     """Point ``latest`` at ``step`` atomically and durably."""
+    if is_url(root):
+        return object_steps.write_latest(root, step)
     for name in os.listdir(root):  # another publisher's may be in flight: only old ones
         if name.startswith(_HIDDEN_LATEST) and untouched_for(os.path.join(root, name),
                                                              STALE_UNLOCKED_S):
@@ -150,6 +163,8 @@ def write_latest(root: str, step: int) -> None:
 def remove_step(root: str, step: int) -> None:
     """Delete a step directory: hide it with one rename (atomic), then remove it. A reader
     holding it open keeps reading it; one gone already (another process removed it) is fine."""
+    if is_url(root):
+        return object_steps.remove_step(root, step)
     path = step_path(root, step)
     hidden = os.path.join(root, f".{step_name(step)}.del-{uuid.uuid4().hex[:12]}")
     try:
@@ -168,6 +183,8 @@ def apply_retention(root: str, newest: int, keep_last: int | None) -> list[int]:
     ``newest`` itself is never removed, nor any step whose bytes a kept step refers to (an
     incremental checkpoint's bases, :func:`referenced_steps`). Returns the removed steps.
     """
+    if is_url(root):
+        return object_steps.apply_retention(root, newest, keep_last)
     steps = committed_steps(root)
     above = [s for s in steps if s > newest]
     upto = [s for s in steps if s <= newest]

@@ -37,6 +37,7 @@ import contextlib
 import ctypes
 import errno
 import os
+import re
 import shutil
 import socket
 import time
@@ -53,6 +54,7 @@ from ..errors import (
     CheckpointError,
     CheckpointPermissionError,
     NotACheckpointDirectoryError,
+    UnsupportedURLError,
 )
 from ..format import MANIFEST_NAME, Manifest, dump_manifest, parse_manifest
 from .locks import (
@@ -74,6 +76,26 @@ DEFAULT_TIMEOUT_S = 600.0
 # False: always the two-rename fallback, as on filesystems without RENAME_EXCHANGE (the tests
 # run that path this way; it is also an escape hatch should a filesystem's exchange misbehave).
 USE_RENAME_EXCHANGE = True
+
+
+# a URL (scheme://...): never a local path here; gds_persist.stores routes URLs to their store
+URL = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+# what os.path.abspath makes of one ("s3://b/x" -> "$PWD/s3:/b/x"), seen relative to $PWD
+_MANGLED_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*:/")
+
+
+def refuse_url(path: str) -> None:
+    """The last guard before a local directory is made or opened: a URL that reached the local
+    commit or reader (an entry point that did not route it to its store) is refused, never made
+    into a folder such as ``./s3:/bucket/x``."""
+    try:
+        relative = os.path.relpath(path)
+    except (OSError, ValueError):  # no working directory (removed): nothing made from it
+        relative = ""
+    if URL.match(path) or _MANGLED_URL.match(relative):
+        raise UnsupportedURLError(
+            f"{path} is a URL, not a local path; save, load, verify, inspect and the "
+            "Checkpointer take s3:// URLs (docs/OBJECT_STORE.md, \"URLs\")")
 
 
 def is_temporary(path: str) -> bool:
@@ -215,6 +237,7 @@ def _close_quietly(lock: FileLock) -> None:
 def make_temporary(path: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> Temporary:
     """Remove leftovers of dead saves of ``path``, then create this save's lock and temporary
     directory (in that order: a temporary directory never exists without its lock file)."""
+    refuse_url(path)
     path = os.path.abspath(path)
     parent, name = os.path.split(path)
     with _parent_errors(path, parent):

@@ -59,7 +59,7 @@ from ..format import (
 )
 from ..format.checksum import crc32c as _crc32c
 from ..format.safetensors import looks_like_safetensors, parse_header
-from .commit import commit_lock_path, is_temporary
+from .commit import commit_lock_path, is_temporary, refuse_url
 
 T = TypeVar("T")
 OPEN_ATTEMPTS = 8  # openings of one path in a row that may each find it replaced
@@ -395,6 +395,7 @@ def replaced_message(path: str, why: str) -> str:
 
 
 def _open_once(path: str, last_try: bool) -> OpenCheckpoint:
+    refuse_url(path)
     if is_temporary(path):
         raise NotCommittedError(
             f"{path} is the temporary directory of an interrupted or running save, not a "

@@ -224,10 +224,13 @@ class FileReader(FilePipeline):
 
     def _segments(self, f: _OpenFile, hosts: Sequence[np.ndarray | None]) -> list[Segment]:
         align = self.backend.host_alignment
+        # an object store: an extent smaller than a request is staged with its neighbours
+        # (one ranged GET per window), not fetched alone
+        least = self.ring.block_bytes if self.backend.whole_requests else DIRECT_MIN  # type: ignore
 
         def direct_bytes(e: Extent) -> int:
             dest = hosts[e.storage] if hosts else None
-            if align is None or dest is None or e.length < DIRECT_MIN or self.on_bytes:
+            if align is None or dest is None or e.length < least or self.on_bytes:
                 return 0
             return whole_blocks(e.length) if (dest.ctypes.data + e.start) % align == 0 else 0
 
