@@ -8,12 +8,8 @@ PCIe speed (pinned memory). Backends probe and bounce through them; the staging 
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
-import functools
 import mmap
 import warnings
-from typing import Any
 
 import torch
 
@@ -69,35 +65,3 @@ class AlignedBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
-HUGE_PAGES_MIN = 4 * HUGE_PAGE  # fresh host buffers this large ask for them
-_MADV_HUGEPAGE = 14
-
-
-def huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """Ask for transparent huge pages under a fresh, untouched host tensor of at least
-    :data:`HUGE_PAGES_MIN` bytes (its 2 MiB aligned interior), so that the load filling it
-    takes one page fault per 2 MiB, not per 4 KiB: reading 1 GiB from tmpfs into fresh memory
-    took 0.68 s with them against 0.80 s without (medians of 12, ABBA, 2-core VM, 2026-12-04;
-    where THP is ``madvise``, torch's allocations do not get them). A hint: where the kernel
-    has no huge pages (or THP is off) the memory is as before. Returns ``t``."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < HUGE_PAGES_MIN or _libc() is None:
-        return t
-    lo = -(-t.data_ptr() // HUGE_PAGE) * HUGE_PAGE
-    hi = (t.data_ptr() + nbytes) // HUGE_PAGE * HUGE_PAGE
-    if hi > lo:
-        _libc().madvise(lo, hi - lo, _MADV_HUGEPAGE)  # a hint: a refusal changes nothing
-    return t
-
-
-@functools.cache
-def _libc() -> Any:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        return libc
-    except (OSError, AttributeError):  # no libc madvise (not Linux)
-        return None

@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from .. import settings
-from ..backends.buffers import huge_pages
 from ..errors import CheckpointReplacedError, ManifestError, NotCommittedError
 from ..format import Extent, Manifest, align_up, sections_tree, storage_descriptions
 from ..format.records import Wire
@@ -365,7 +364,7 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
     def allocate(s: int) -> torch.Tensor:
         rec = m.storages[s]
         device = target_device(rec.device, map_location, distributed)
-        return huge_pages(torch.empty(rec.nbytes, dtype=torch.uint8, device=device))
+        return torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
 
     def read() -> list[list[int]]:
         with stage("allocate destinations"):

@@ -18,8 +18,9 @@ for into, live tensors already touched):
 * ``files``: ``torch.load`` of the torch.save file vs of the gds .pt file (one reader, two files);
 * ``stock``: ``gds_persist.load`` vs ``torch.load`` of the torch.save file (one file);
 * candidates, the engine against itself: ``threads2``, ``direct``, ``buffered``,
-  ``into-threads2``, ``into-buffered`` (``io_threads=2``, ``backend=...`` against the default),
-  ``huge``, ``huge-pt`` (fresh buffers on huge pages, as kept, against 4 KiB pages).
+  ``into-threads2``, ``into-buffered`` (``io_threads=2``, ``backend=...`` against the default);
+  ``huge``, ``huge-pt`` (fresh buffers on huge pages or not) only in this script as of the
+  commit that tried them (see the README: tried and dropped).
 
 Prints per pair the ratio time(B)/time(A) (> 1: A faster) and the median per comparison.
 """
@@ -42,7 +43,6 @@ from safetensors.torch import load_file, save_file
 import gds_persist
 from bench.bench_io import parse_size
 from bench.state import iter_tensors, make_state_dict
-from gds_persist.backends import buffers
 
 
 def evict(paths: list[str]) -> None:
@@ -138,24 +138,6 @@ def main() -> None:
                           ("into io_threads=2", with_settings(into, io_threads=2), f["ck"])),
         "into-buffered": (("into auto", into, f["ck"]),
                           ("into buffered", with_settings(into, backend="buffered"), f["ck"])),
-    })
-    def small_pages(fn: Callable[[], Any]) -> Callable[[], Any]:
-        def run() -> Any:
-            before = buffers.HUGE_PAGES_MIN
-            buffers.HUGE_PAGES_MIN = 1 << 62  # no fresh buffer asks for huge pages
-            try:
-                return fn()
-            finally:
-                buffers.HUGE_PAGES_MIN = before
-        return run
-
-    methods.update({
-        "huge": (("gds load (huge pages)", plain, f["ck"]),
-                 ("gds load (4 KiB pages)", small_pages(plain), f["ck"])),
-        "huge-pt": (("gds load(gds.pt) (huge pages)", lambda: gds_persist.load(f["gds.pt"]),
-                     f["gds.pt"]),
-                    ("gds load(gds.pt) (4 KiB pages)",
-                     small_pages(lambda: gds_persist.load(f["gds.pt"])), f["gds.pt"])),
     })
     methods.update({  # which file, not which reader: the host's placement of it
         "files": (("torch.load(torch.pt)", tl(f["torch.pt"]), f["torch.pt"]),
