@@ -17,6 +17,8 @@ for into, live tensors already touched):
 * ``placebo``: ``torch.load`` vs ``torch.load`` (the same load twice: the spread of a pair);
 * ``files``: ``torch.load`` of the torch.save file vs of the gds .pt file (one reader, two files);
 * ``stock``: ``gds_persist.load`` vs ``torch.load`` of the torch.save file (one file);
+* ``into-pt``, ``st-same``: ``into`` and ``st`` with both readers on one file (the gds .pt
+  file; the gds safetensors file);
 * candidates, the engine against itself: ``threads2``, ``direct``, ``buffered``,
   ``into-threads2``, ``into-buffered`` (``io_threads=2``, ``backend=...`` against the default);
   ``huge``, ``huge-pt`` (fresh buffers on huge pages or not) only in this script as of the
@@ -138,6 +140,17 @@ def main() -> None:
                           ("into io_threads=2", with_settings(into, io_threads=2), f["ck"])),
         "into-buffered": (("into auto", into, f["ck"]),
                           ("into buffered", with_settings(into, backend="buffered"), f["ck"])),
+    })
+    methods.update({  # the same comparisons of in-place loads, one file for both readers
+        "into-pt": (("gds load(gds.pt, into=)", lambda: gds_persist.load(f["gds.pt"], into=live),
+                     f["gds.pt"]),
+                    ("torch.load(gds.pt, mmap)+copy", lambda: copy_into(live, torch.load(
+                        f["gds.pt"], weights_only=True, mmap=True)), f["gds.pt"])),
+        "st-same": (("gds load(st, into=)", lambda: gds_persist.load(f["gds.safetensors"],
+                                                                     into=live),
+                     f["gds.safetensors"]),
+                    ("load_file(gds st)+copy", lambda: copy_into(live, load_file(os.path.join(
+                        f["gds.safetensors"], "model.safetensors"))), f["gds.safetensors"])),
     })
     methods.update({  # which file, not which reader: the host's placement of it
         "files": (("torch.load(torch.pt)", tl(f["torch.pt"]), f["torch.pt"]),
