@@ -17,6 +17,7 @@ for into, live tensors already touched):
 * ``placebo``: ``torch.load`` vs ``torch.load`` (the same load twice: the spread of a pair);
 * ``files``: ``torch.load`` of the torch.save file vs of the gds .pt file (one reader, two files);
 * ``stock``: ``gds_persist.load`` vs ``torch.load`` of the torch.save file (one file);
+* ``dir-buffered``, ``into-buffered-mmap``: ``dir`` and ``into`` with ``backend="buffered"``;
 * ``into-pt``, ``st-same``: ``into`` and ``st`` with both readers on one file (the gds .pt
   file; the gds safetensors file);
 * candidates, the engine against itself: ``threads2``, ``direct``, ``buffered``,
@@ -151,6 +152,12 @@ def main() -> None:
                      f["gds.safetensors"]),
                     ("load_file(gds st)+copy", lambda: copy_into(live, load_file(os.path.join(
                         f["gds.safetensors"], "model.safetensors"))), f["gds.safetensors"])),
+    })
+    methods.update({  # the targets with backend="buffered" (what auto's rule might choose)
+        "dir-buffered": (("gds load(dir) buffered", with_settings(plain, backend="buffered"),
+                          f["ck"]), ("torch.load", tl(f["torch.pt"]), f["torch.pt"])),
+        "into-buffered-mmap": (("into buffered", with_settings(into, backend="buffered"),
+                                f["ck"]), methods["into"][1]),
     })
     methods.update({  # which file, not which reader: the host's placement of it
         "files": (("torch.load(torch.pt)", tl(f["torch.pt"]), f["torch.pt"]),
