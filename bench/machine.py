@@ -6,7 +6,6 @@ the directory, the answer says so instead of raising.
 
 from __future__ import annotations
 
-import mmap
 import os
 import platform
 import subprocess
@@ -236,40 +235,10 @@ def drop_page_cache(paths: list[str], mode: str = "auto") -> tuple[str, str]:
 
 def resident_bytes(paths: list[str]) -> int | None:
     """Bytes of the files under ``paths`` now in the page cache (mincore), None if unknown."""
-    try:
-        import ctypes
-        import ctypes.util
+    from gds_persist.backends.residency import resident_bytes as held
 
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
-        libc.mmap.restype = ctypes.c_void_p
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_int, ctypes.c_long]
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
-        libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-    except (OSError, AttributeError):
-        return None
-    page = os.sysconf("SC_PAGE_SIZE")
-    total = 0
-    for f in _files(paths):
-        size = os.path.getsize(f)
-        if size == 0:
-            continue
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-            if addr in (None, ctypes.c_void_p(-1).value):
-                return None
-            try:
-                pages = (size + page - 1) // page
-                vec = ctypes.create_string_buffer(pages)
-                if libc.mincore(addr, size, vec) != 0:
-                    return None
-                total += sum(1 for b in vec.raw if b & 1) * page
-            finally:
-                libc.munmap(addr, size)
-        finally:
-            os.close(fd)
-    return total
+    got = held(_files(paths))
+    return None if got is None else got[0]
 
 
 def _files(paths: list[str]) -> list[str]:

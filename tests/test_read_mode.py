@@ -297,6 +297,12 @@ def test_tmpfs_loads_are_not_watched_for_a_collapse(tmp_path: Path) -> None:
     try:
         for directory, watched in ((shm, False), (tmp_path, True)):
             (directory / "data.bin").write_bytes(b"\0" * 4096)
+            fd = os.open(directory / "data.bin", os.O_RDONLY)
+            try:  # out of the page cache: a cached file on a drive reads through it (residency)
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
             if not supports_o_direct(str(directory))[0]:
                 continue
             be, _ = choose_backend("auto", str(directory), False, 4, 16 * MiB,

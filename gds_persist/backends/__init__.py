@@ -6,12 +6,15 @@ GPUDirect Storage mode (or ``auto_kvikio="always"``, after a measurement says so
 function :func:`gds_persist.backends.auto.decide` (with the measurement behind it). The choice and
 its reason end up in the save's ``info`` and in the manifest. A load that ``auto`` reads with
 O_DIRECT reads through :class:`~.adaptive.AdaptiveReadBackend`: its own first requests measure
-O_DIRECT against the page cache and pick the faster for the rest (:mod:`.read_mode`).
+O_DIRECT against the page cache and pick the faster for the rest (:mod:`.read_mode`); except
+where the page cache already holds the load's files (:mod:`.residency`, not on tmpfs, whose files
+are all in it): those are read through it, and nothing is measured or recorded.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 
 from .. import settings
 from ..errors import BackendError
@@ -27,6 +30,9 @@ from .posix import (
     require_o_direct,
     supports_o_direct,
 )
+from .residency import resident_bytes
+
+CACHED_SHARE = 0.9  # a load whose files the page cache holds this much of reads through it
 
 
 def _direct(directory: str) -> DirectBackend:
@@ -57,15 +63,16 @@ def choose_backend(
     io_threads: int = 4,
     block_bytes: int = 16 << 20,
     auto_kvikio: str | None = None,
-    read_load: tuple[str, int] | None = None,
+    read_load: tuple[str | Sequence[str], int] | None = None,
 ) -> tuple[Backend, str]:
     """Resolve a backend name for files in ``directory``; returns the backend and why.
 
     ``auto_kvikio`` (None: the setting in force) says when ``auto`` takes kvikio
-    (:mod:`.auto`). ``read_load``: for a load, a data file there (what to open) and the bytes
-    the load reads there: where ``auto`` would read with O_DIRECT, the load's own requests
-    decide between O_DIRECT and the page cache (:mod:`.adaptive`, tmpfs included); the
-    reason is completed by :func:`read_reason` after the read."""
+    (:mod:`.auto`). ``read_load``: for a load, its data files there (what to open) and the
+    bytes the load reads there: where ``auto`` would read with O_DIRECT, files the page cache
+    holds (:data:`CACHED_SHARE`, not on tmpfs) are read through it, else the load's own
+    requests decide between O_DIRECT and the page cache (:mod:`.adaptive`, tmpfs included);
+    the reason is completed by :func:`read_reason` after the read."""
     from .kvikio_backend import kvikio_facts
 
     directory = directory or "."  # a file named without a directory ("model.pt")
@@ -91,10 +98,23 @@ def choose_backend(
         return BufferedBackend(), reason
     if read_load is None:
         return _direct(directory), reason
-    source, load_bytes = read_load
-    return AdaptiveReadBackend(o_direct_host_alignment(directory), os.stat(source).st_dev,
-                               load_bytes, io_threads, block_bytes,
-                               watch=not _in_memory(directory)), reason
+    sources, load_bytes = read_load
+    sources = [sources] if isinstance(sources, str) else list(sources)
+    in_memory = _in_memory(directory)
+    cached = None if in_memory else _cached(sources)
+    if cached is not None:
+        return BufferedBackend(), f"{reason}; {cached}"
+    return AdaptiveReadBackend(o_direct_host_alignment(directory), os.stat(sources[0]).st_dev,
+                               load_bytes, io_threads, block_bytes, watch=not in_memory), reason
+
+
+def _cached(sources: list[str]) -> str | None:
+    """Why the load reads through the page cache, where it holds the files; else None."""
+    held = resident_bytes(sources)
+    if held is None or not held[1] or held[0] < CACHED_SHARE * held[1]:
+        return None
+    return (f"but the page cache holds {held[0] / held[1]:.0%} of the load's files (mincore): "
+            "read through it (O_DIRECT would read them from the drive again)")
 
 
 def _in_memory(directory: str) -> bool:

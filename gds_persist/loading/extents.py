@@ -55,7 +55,7 @@ def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | N
             load_bytes = sum(align_up(e.stored_length) for i in indices for e in by_file[i])
             with stage("choose backend"):
                 backend, reason = _read_backend(cfg, directory, wants_device,
-                                                (ck.source(indices[0]), load_bytes))
+                                                ([ck.source(i) for i in indices], load_bytes))
             reader = FileReader(backend, ring, pool, cfg.io_timeout_s, verify=verify,
                                 describe=describe, on_checksum=on_checksum, on_bytes=on_bytes,
                                 on_error=on_error, progress=progress)
@@ -66,7 +66,7 @@ def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | N
 
 
 def _read_backend(cfg: settings.Settings, directory: str, wants_device: bool,
-                  load: tuple[str, int]) -> tuple[Backend, str]:
+                  load: tuple[list[str], int]) -> tuple[Backend, str]:
     if is_url(directory):
         return reader_for(directory)
     try:

@@ -1,0 +1,87 @@
+"""``backend="auto"`` loads of files the page cache already holds read through it
+(:mod:`gds_persist.backends.residency`): O_DIRECT would read them from the drive again. Real
+files on the O_DIRECT disk, their pages evicted (``POSIX_FADV_DONTNEED`` after ``fsync``) or
+read in; every byte is still checked."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+import gds_persist
+from gds_persist.backends import read_mode
+from gds_persist.backends.posix import memory_backed, supports_o_direct
+from gds_persist.backends.residency import resident_bytes
+from gds_persist.errors import ChecksumError
+from tests.helpers import assert_tree_equal, flip_byte, random_tensor
+
+MiB = 1 << 20
+
+
+def _on_disk(path: Path) -> None:
+    if not supports_o_direct(str(path))[0] or memory_backed(str(path)):
+        pytest.skip(f"{path}: no O_DIRECT disk here (tmpfs files are all in the page cache)")
+
+
+def _evict(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+    finally:
+        os.close(fd)
+
+
+def _read_through(path: Path) -> None:
+    with open(path, "rb") as f:
+        while f.read(MiB):
+            pass
+
+
+def _files(ck: Path) -> list[Path]:
+    return sorted(p for p in ck.rglob("*") if p.is_file())
+
+
+def test_resident_bytes_follow_the_page_cache(tmp_path: Path) -> None:
+    _on_disk(tmp_path)
+    path = tmp_path / "data.bin"
+    path.write_bytes(os.urandom(3 * MiB + 100))
+    _evict(path)
+    held = resident_bytes([str(path)])
+    assert held is not None and held[1] == 3 * MiB + 100 and held[0] <= MiB, held
+    _read_through(path)
+    assert resident_bytes([str(path)]) == (3 * MiB + 100, 3 * MiB + 100)
+
+
+def test_a_cached_checkpoint_reads_through_the_page_cache_and_is_verified(
+        tmp_path: Path) -> None:
+    """Just saved (O_DIRECT: nothing cached), the load measures its read mode as before; with its
+    files read into the page cache, it reads through it, measures and records nothing, lands the
+    same bytes, and a flipped byte still fails its CRC32C."""
+    _on_disk(tmp_path)
+    sd = {"a": random_tensor(torch.float32, 2 * MiB, seed=1),
+          "small": [random_tensor(torch.int64, 1000 + k, seed=k) for k in range(5)]}
+    ck = tmp_path / "ck"
+    gds_persist.save(sd, ck)
+    for f in _files(ck):
+        _evict(f)
+    dev = os.stat(ck).st_dev
+    state, info = gds_persist.load_with_info(ck, backend="auto")
+    assert_tree_equal(state, sd)
+    assert "page cache holds" not in info.reason, info.reason
+    recorded = len(read_mode.recent(dev))
+    for f in _files(ck):
+        _read_through(f)
+    state, info = gds_persist.load_with_info(ck, backend="auto")
+    assert_tree_equal(state, sd)
+    assert info.backend == "buffered"
+    assert "the page cache holds 100% of the load's files (mincore)" in info.reason, info.reason
+    assert len(read_mode.recent(dev)) == recorded  # a cached load says nothing of the drive
+    data = max(_files(ck), key=lambda p: p.stat().st_size)
+    flip_byte(data, 4096)
+    _read_through(data)
+    with pytest.raises(ChecksumError, match="checksum mismatch"):
+        gds_persist.load(ck, backend="auto")
