@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import json
@@ -9,7 +10,7 @@ import math
 import os
 import sys
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -119,6 +120,22 @@ def flip_byte(file: str | os.PathLike[str], offset: int) -> None:
         b = f.read(1)
         f.seek(offset)
         f.write(bytes([b[0] ^ 0xFF]))
+
+
+@contextlib.contextmanager
+def s3_server(bucket: str, gate: bool = False) -> Iterator[Any]:
+    """bench/s3_server.py's server (with its relay: ``gate``), a bucket made, and this
+    process's AWS variables pointing at it alone until the ``with`` ends."""
+    import pytest
+
+    from bench.s3_server import S3Server
+
+    with S3Server(bucket, gate=gate) as server, pytest.MonkeyPatch.context() as mp:
+        for k, v in server.env.items():
+            mp.setenv(k, v)
+        for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
+            mp.delenv(k, raising=False)
+        yield server
 
 
 def open_fds() -> set[str]:

@@ -25,17 +25,14 @@ from gds_persist.errors import (
     UnsupportedURLError,
 )
 from tests.forkserver import ForkServer
+from tests.helpers import s3_server
 
 BUCKET = "ckpt"
 
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    with S3Server(BUCKET) as server, pytest.MonkeyPatch.context() as mp:
-        for k, v in server.env.items():
-            mp.setenv(k, v)
-        for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
-            mp.delenv(k, raising=False)
+    with s3_server(BUCKET) as server:
         yield server
 
 

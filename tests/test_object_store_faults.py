@@ -18,6 +18,7 @@ import gds_persist
 from bench.s3_server import S3Server
 from gds_persist import settings
 from gds_persist.errors import ObjectStoreError
+from tests.helpers import s3_server
 
 BUCKET = "faults"
 URL = f"s3://{BUCKET}/run/step-1"
@@ -26,11 +27,7 @@ BOUND_S = 60.0  # object_attempts=2: a dead endpoint is reported within seconds
 
 @pytest.fixture(scope="module")
 def s3() -> Iterator[S3Server]:
-    with S3Server(BUCKET, gate=True) as server, pytest.MonkeyPatch.context() as mp:
-        for k, v in server.env.items():
-            mp.setenv(k, v)
-        for k in ("AWS_ENDPOINT_URL_S3", "AWS_PROFILE", "AWS_SESSION_TOKEN"):
-            mp.delenv(k, raising=False)
+    with s3_server(BUCKET, gate=True) as server:
         yield server
 
 
