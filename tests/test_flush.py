@@ -10,12 +10,14 @@ for bit with the state its shares were saved from.
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import signal
 import tempfile
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import boto3
 import flush_tasks as tasks
@@ -141,8 +143,10 @@ def test_the_store_failing_mid_flush_commits_nothing_and_the_next_flush_does(
         gang: Gang, levels: list[str], s3: S3Server) -> None:
     root = f"s3://{BUCKET}/run"
     dirs = _commit(gang, levels, 5)
-    assert [g.get("error") for g in _flush(gang, dirs, f"{root}/step-00000005", 5)] == \
-        [None, None]
+    _flip(dirs[0][0], 0)  # its object is written, found wrong, and replaced by the next copy's
+    got = _flush(gang, dirs, f"{root}/step-00000005", 5)
+    assert [g.get("error") for g in got] == [None, None]
+    assert f"copied from {dirs[0][1]}; passed over {dirs[0][0]}: CRC32C" in got[0]["reason"]
     assert gang.run(tasks.publish, root, 5, 1) == [[], []]
     durable, local = (gds_persist.read_manifest(p) for p in (f"{root}/step-00000005",
                                                             dirs[0][0]))
@@ -250,3 +254,15 @@ def test_one_process_killed_mid_flush_then_its_flusher_commits(
         assert steps.committed_steps(root) == [2] and steps.read_latest(root) == 2
     finally:
         assert flusher.close(60)
+
+
+def test_the_flush_benchmark_runs(tmp_path: Path) -> None:
+    """bench/bench_flush.py at a tiny size, so it cannot rot."""
+    from bench import bench_flush
+
+    out = tmp_path / "r.json"
+    bench_flush.main(["--mib", "1", "--pairs", "2", "--dest", str(tmp_path / "d"),
+                      "--out", str(out)])
+    got = json.loads(out.read_text())
+    assert [p["order"] for p in got["pairs"]] == [["flush", "save"], ["save", "flush"]]
+    assert got["median_ratio"] > 0

@@ -13,11 +13,12 @@ object); the durable step is every rank's data file, byte for byte, plus that sa
    which it holds (SHA-256 of the bytes) or why a copy is unusable;
 2. ``plan``: the manifest every rank holds is the step's (the first of rank 0's copies that
    every rank has); each rank keeps its copies of that manifest, in order;
-3. ``write``: each rank checks its copies in order against the manifest's CRC32C (a copy
-   whose bytes changed since its commit is passed over) and writes the first that verifies,
-   its data file mmap'd as one storage (bounded memory: the writer's staging ring), checking
-   that the bytes written are those verified (the whole file's CRC32C); no copy verifies: the
-   flush fails on every rank, naming each copy and why, and nothing is committed;
+3. ``write``: each rank writes its copies' data file, in order, until one verifies: the file
+   mmap'd as one storage goes through the engine's writer (bounded memory: its staging ring),
+   which checksums every extent as it passes, so the bytes checked against the manifest's
+   CRC32C are the bytes written, in one pass; a copy whose bytes changed since its commit is
+   passed over (its file removed from the durable step); no copy verifies: the flush fails on
+   every rank, naming each copy and why, and nothing is committed;
 4. ``commit``: rank 0 commits that manifest (in an object store it also names its objects).
 
 :func:`publish` then points ``latest`` at the step and applies retention (after the commit:
@@ -37,14 +38,13 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from ... import settings
 from ...errors import CheckpointError
 from ...format import MANIFEST_NAME, Extent, Manifest, parse_manifest
-from ...format.checksum import crc32c, crc32c_combine
 from ...format.layout import FilePlan
 from ...format.records import Wire
 from ...parallel.distributed import Comm, background_group, make_comm
@@ -60,7 +60,6 @@ from .shares import LOCAL_DIR, SHARES_MARK, share_files
 log = logging.getLogger("gds_persist")
 
 DOC = "docs/RECOVERY.md, \"What survives which failure\""
-CRC_PIECE = 64 << 20  # the verification checksums a file in pieces of this size (GIL released)
 
 
 @dataclass(frozen=True)
@@ -152,11 +151,13 @@ class FlushLayout(Layout[Copies, Flushed]):
         for share_dir in self.mine:
             path = os.path.join(share_dir, f.name)
             with _mapped(path, f.size) as (data, unusable):
-                verified = unusable or _verify(data, f.size, extents)
-                if isinstance(verified, str):
-                    problems.append(f"{share_dir}: {verified}")
+                if unusable:
+                    problems.append(f"{share_dir}: {unusable}")
                     continue
-                be, reason = _copy(run, path, f.name, f.size, data, verified, self.progress)
+                be, reason, wrong = _copy(run, f.name, f.size, data, extents, self.progress)
+            if wrong:
+                problems.append(f"{share_dir}: {wrong}")
+                continue
             return Flushed(f.name, f.size, share_dir, problems, be, reason)
         # said first, whole: a peer's error reaches the other ranks as its first 500 characters
         raise CheckpointError(
@@ -228,46 +229,33 @@ def _mapped(path: str, size: int) -> Iterator[tuple[memoryview, str]]:
             pass  # a tensor on it is still referenced: closed when collected
 
 
-def _verify(data: memoryview, size: int, extents: list[Extent]) -> int | str:
-    """The whole file's CRC32C where every extent's matches the manifest's, else what differs.
-    The gaps between extents are checksummed too (never read by a load), so the bytes the
-    writer copies can be compared with those verified."""
-    whole, pos = 0, 0
-    for e in sorted(extents, key=lambda e: e.offset):
-        whole = crc32c_combine(whole, _crc(data[pos:e.offset]), e.offset - pos)
-        got = _crc(data[e.offset:e.offset + e.stored_length])
-        if got != e.stored_checksum:
-            return (f"CRC32C mismatch in bytes {e.offset}..{e.offset + e.stored_length} "
-                    f"({got:08x}, the manifest says {e.stored_checksum:08x})")
-        whole = crc32c_combine(whole, got, e.stored_length)
-        pos = e.offset + e.stored_length
-    return crc32c_combine(whole, _crc(data[pos:size]), size - pos)
-
-
-def _crc(view: memoryview) -> int:
-    crc = 0
-    for at in range(0, len(view), CRC_PIECE):
-        crc = crc32c(view[at:at + CRC_PIECE], crc)
-    return crc
-
-
-def _copy(run: Run, path: str, name: str, size: int, data: memoryview, expected: int,
-          progress: Callable[[int], None] | None) -> tuple[str, str]:
-    """Write the verified bytes of ``path`` as data file ``name`` of the durable step, through
-    the engine's writer; check that what was written is what was verified."""
+def _copy(run: Run, name: str, size: int, data: memoryview, extents: list[Extent],
+          progress: Callable[[int], None] | None) -> tuple[str, str, str]:
+    """Write the local data file ``data`` as data file ``name`` of the durable step through the
+    engine's writer, which checksums every extent as it passes: what differs from the manifest
+    (the bytes changed since their commit) is said, and the file written is removed. One pass:
+    the bytes checked are the bytes written. The gaps between extents are written as zeros, as
+    the share's save wrote them."""
     target = run.first.tmp
     storage = torch.frombuffer(data, dtype=torch.uint8).untyped_storage()
     try:
         be, reason = backend_for(run.cfg, target, [storage])
-        plan = FilePlan(name, size, (Extent(0, 0, size, 0, 0),))
+        # the file as one storage: each extent's bytes are at its own offset
+        ordered = sorted(extents, key=lambda e: e.offset)
+        plan = FilePlan(name, size, tuple(replace(e, storage=0, start=e.offset, crc32c=0)
+                                          for e in ordered))
         sealed = write_plan(be, target, [plan], [storage], run.cfg, progress)
     finally:
         del storage  # the mapping closes once no tensor refers to it
-    if sealed[0].crc32c != expected:
-        raise CheckpointError(f"{run.what}: {path} changed while it was flushed (CRC32C "
-                              f"{sealed[0].crc32c:08x} written, {expected:08x} verified); "
-                              f"flush again ({DOC}){run.intact}")
-    return be.name, with_fallback(be, reason)
+    wrong = [(e, got.crc32c) for e, got in zip(ordered, sealed, strict=True)
+             if got.crc32c != e.crc32c]
+    if not wrong:
+        return be.name, with_fallback(be, reason), ""
+    if not is_url(target):  # an object is replaced by the next copy's; a file is not
+        os.unlink(os.path.join(target, name))
+    e, got = wrong[0]
+    return "", "", (f"CRC32C mismatch in bytes {e.offset}..{e.offset + e.length} ({got:08x}, "
+                    f"the manifest says {e.crc32c:08x})")
 
 
 def flush_step(comm: Comm, share_dirs: list[str], durable_path: str, step: int,
