@@ -248,9 +248,12 @@ def test_one_process_killed_mid_flush_then_its_flusher_commits(
 
         d3 = _solo_share(levels, 3)
         _flip(d3, 0)
-        flusher.start(3, [d3])
+        gone = os.path.join(levels[1], "solo", "step-00000003")  # a level that lost it
+        flusher.start(3, [gone, d3])
         assert flusher.join(60) and (stats.failures, stats.failed_step) == (1, 3)
         assert stats.last_error.startswith("CheckpointError: no local copy of rank 0's share")
+        assert f"{gone}: no committed manifest" in stats.last_error
+        assert f"{d3}: CRC32C mismatch" in stats.last_error
         assert steps.committed_steps(root) == [2] and steps.read_latest(root) == 2
     finally:
         assert flusher.close(60)

@@ -203,7 +203,7 @@ def _common_manifest(facts: list[Copies], step: int, run: Run) -> str:
 @contextmanager
 def _mapped(path: str, size: int) -> Iterator[tuple[memoryview, str]]:
     """``path`` mapped (private, copy on write: a writable buffer for the writer's storage, and
-    nothing written back); ``why`` not empty where it cannot be (then the view is empty)."""
+    nothing written back); the second item not empty where it cannot be (the view then empty)."""
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
@@ -211,22 +211,22 @@ def _mapped(path: str, size: int) -> Iterator[tuple[memoryview, str]]:
         return
     try:
         have = os.fstat(fd).st_size
-        if have != size:
-            yield memoryview(b""), (f"{os.path.basename(path)} holds {have} bytes, its manifest "
-                                    f"says {size}")
-            return
-        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY)
+        mm = mmap.mmap(fd, size, access=mmap.ACCESS_COPY) if have == size and size else None
     finally:
         os.close(fd)
+    if mm is None:
+        yield memoryview(b""), (f"{os.path.basename(path)} holds {have} bytes, its manifest "
+                                f"says {size}")
+        return
     view = memoryview(mm)
     try:
         yield view, ""
     finally:
-        view.release()
         try:
+            view.release()
             mm.close()
         except BufferError:
-            pass  # a tensor on it is still referenced: closed when collected
+            pass  # a tensor on it is still referenced: unmapped when it is collected
 
 
 def _copy(run: Run, name: str, size: int, data: memoryview, extents: list[Extent],
