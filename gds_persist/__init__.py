@@ -54,7 +54,7 @@ from .saving.options import SaveOptions
 from .saving.save import save
 from .training.checkpointer import Checkpointer, SaveHandle
 from .training.optimizer_state import init_optimizer_state
-from .training.options import MemoryTier
+from .training.options import LocalLevel, MemoryTier
 from .transfer.warmup import warmup
 
 # imported on first use (gds_persist.dcp...): they pull in torch.distributed.checkpoint, trainers
@@ -75,6 +75,7 @@ __all__ = [
     "DistributedError",
     "LoadInfo",
     "LoadOptions",
+    "LocalLevel",
     "ManifestError",
     "MemoryTier",
     "NotACheckpointDirectoryError",

@@ -80,7 +80,7 @@ class Flushing:
 def open_flusher(ctx: Any, root: str, keep_last: int | None) -> bool:
     Flushing.stats, Flushing.lock = flush.FlushStats(), threading.Lock()
     Flushing.flusher = flush.Flusher(root, Flushing.stats, Flushing.lock, keep_last=keep_last,
-                                     timeout_s=TIMEOUT_S)
+                                     process_group="default", timeout_s=TIMEOUT_S)
     return Flushing.flusher.idle
 
 

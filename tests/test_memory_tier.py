@@ -27,7 +27,13 @@ import torch
 import gds_persist
 from gds_persist import MemoryTier
 from gds_persist.training.tier import recovery, replicate, shares
-from gds_persist.training.tier.memory import MemoryStore, RankInventory, job_name, lacks_room
+from gds_persist.training.tier.memory import (
+    Holdings,
+    MemoryStore,
+    RankInventory,
+    job_name,
+    lacks_room,
+)
 from tests.forkserver import ForkServer
 from tests.tier_worker import Job, reference, reference_tensors
 
@@ -128,31 +134,36 @@ def test_shares_split_the_state_once_over_the_ranks():
 
 
 def test_candidates_need_a_copy_of_every_share():
-    invs = [RankInventory([5, 6], {"1": [6]}, "a"), RankInventory([], {"0": [5]}, "b")]
-    assert recovery.candidates(invs, drive=[4]) == [6, 4]  # rank 1's share of 6 on node a only
-    assert recovery.holder_of(invs, 1, 6) == 0 and recovery.holder_of(invs, 1, 5) is None
-    assert recovery.candidates(invs, drive=[]) == [6]
-    tier = MemoryStore("/m", 0)
-    plan = recovery.plan_step(invs, 6, set(), tier)
+    invs = [RankInventory([Holdings([5, 6], {"1": [6]})], "a"),
+            RankInventory([Holdings([], {"0": [5]})], "b")]
+    levels = [recovery.LevelView("memory", MemoryStore("/m", 0))]
+    assert recovery.candidates(invs, [4], levels) == [6, 4]  # rank 1's share of 6 on node a only
+    assert recovery.candidates(invs, [], levels) == [6]
+    plan = recovery.plan_step(invs, 6, set(), levels)
     assert plan is not None
     assert [(s.node, s.kind) for s in plan.reads[0].values()] == [("a", "memory"), ("a", "replica")]
     assert plan.reads[1] == {} and plan.sends == [(0, 0, 1), (1, 0, 1)]  # node b has nothing
-    assert recovery.plan_step(invs, 6, {(1, "a", "replica")}, tier) is None  # its only copy
+    assert recovery.plan_step(invs, 6, {(1, "a", "replica")}, levels) is None  # its only copy
+    # with the durable level's step, the share no node holds any more is read from it, once
+    plan = recovery.plan_step(invs, 6, {(1, "a", "replica")}, levels, "/d/step-00000006")
+    assert plan is not None and plan.reads[1] == {1: recovery.Source(1, "b", "durable",
+                                                                      "/d/step-00000006")}
+    assert plan.sends == [(1, 1, 0), (0, 0, 1)]
 
 
 def test_plan_reads_what_each_node_holds_and_sends_only_what_it_lacks():
     nodes = ["a", "a", "b", "b"]
     holders = replicate.holders(nodes, 1)
-    invs = [RankInventory([3], {}, n) for n in nodes]
+    invs = [RankInventory([Holdings([3], {})], n) for n in nodes]
     for r, hs in enumerate(holders):
         for h in hs:
-            invs[h].replicas[str(r)] = [3]
-    tier = MemoryStore("/m", 0)
-    plan = recovery.plan_step(invs, 3, set(), tier)
+            invs[h].levels[0].replicas[str(r)] = [3]
+    levels = [recovery.LevelView("memory", MemoryStore("/m", 0))]
+    plan = recovery.plan_step(invs, 3, set(), levels)
     assert plan is not None and plan.sends == []  # 2 nodes, 1 replica: each holds every share
     assert all(sorted(reads) == [0, 1, 2, 3] for reads in plan.reads)
-    lost = [RankInventory([], {}, "b") if inv.node == "b" else inv for inv in invs]
-    plan = recovery.plan_step(lost, 3, set(), tier)  # node b's memory lost
+    lost = [RankInventory([Holdings([], {})], "b") if inv.node == "b" else inv for inv in invs]
+    plan = recovery.plan_step(lost, 3, set(), levels)  # node b's memory lost
     assert plan is not None and all(not plan.reads[r] for r in (2, 3))
     assert sorted((k, dst) for k, _, dst in plan.sends) == [(k, d) for k in range(4)
                                                             for d in (2, 3)]
@@ -168,28 +179,33 @@ def _state(step: int) -> dict:
 
 
 def test_tiers_by_interval_and_restore_from_memory(tmp_path):
+    """Memory every 2nd step; a durable step every 3rd, flushed from the newest memory step
+    then (step 3: step 2's copy; step 6: its own), in the background, the last one at close."""
     root, mem = tmp_path / "drive", tmp_path / "mem"
     with gds_persist.Checkpointer(root, memory=MemoryTier(mem, every=2), drive_every=3,
                                   warmup=False) as ckpt:
         handles = [ckpt.save(s, _state(s)) for s in range(1, 8)]
         ckpt.wait()
-        assert ckpt.stats.memory_committed == 3 and ckpt.stats.committed == 2
-    assert [h.info.backend for h in handles][0] == "none"  # step 1: in neither tier
-    assert "neither tier" in handles[0].info.reason and handles[0].done()
-    assert ckpt.steps() == [3, 6]
+        assert ckpt.stats.memory_committed == 3 and ckpt.stats.committed == 0
+    durable = ckpt.stats.durable
+    assert durable is not None and durable.flushed == 2 and durable.failures == 0, durable
+    assert [h.info.backend for h in handles][0] == "none"  # step 1: in no level
+    assert "in no level" in handles[0].info.reason and handles[0].done()
+    assert "flushed from step 2's local copies" in handles[2].info.reason
+    assert ckpt.steps() == [2, 6]
     tier = MemoryStore(os.path.join(mem, job_name(str(root))), 0)
-    assert tier.inventory() == RankInventory([6], {})  # only the latest step is kept
+    assert tier.inventory() == Holdings([6], {})  # only the latest step is kept
     with gds_persist.Checkpointer(root, memory=MemoryTier(mem), warmup=False) as again:
         got = again.load()
         assert again.restored_from == "memory" and again.stats.restore_step == 6
         assert torch.equal(got["w"], _state(6)["w"])
-        assert again.load(step=3)["step"] == 3 and again.restored_from == "drive"
+        assert again.load(step=2)["step"] == 2 and again.restored_from == "drive"
         assert again.load(step=6)["step"] == 6 and again.restored_from == "memory"
         with pytest.raises(gds_persist.CheckpointError, match="step 5 under .* tried: step 5"):
-            again.load(step=5)  # in neither tier
+            again.load(step=5)  # in no level
 
 
-def test_corrupt_memory_copy_falls_through_to_the_drive(tmp_path):
+def test_corrupt_memory_copy_falls_through_to_the_durable_level(tmp_path):
     root, mem = tmp_path / "drive", tmp_path / "mem"
     with gds_persist.Checkpointer(root, memory=MemoryTier(mem), warmup=False) as ckpt:
         ckpt.save(1, _state(1))
@@ -200,7 +216,9 @@ def test_corrupt_memory_copy_falls_through_to_the_drive(tmp_path):
         f.write(b"\xff\x00\xff")
     with gds_persist.Checkpointer(root, memory=MemoryTier(mem), warmup=False) as again:
         got = again.load()
-    assert again.restored_from == "drive" and torch.equal(got["w"], _state(2)["w"])
+    # the share is read again from the durable level's step (flushed: it holds that share)
+    assert again.restored_from == "durable" and torch.equal(got["w"], _state(2)["w"])
+    assert again.stats.restore_bytes == {"durable": 20000}
     assert "ChecksumError" in again.stats.restore_skipped[0]
 
 
@@ -269,7 +287,7 @@ def test_tier_arguments_are_checked(tmp_path):
     with pytest.raises(TypeError, match=r"memory= takes gds_persist.MemoryTier\(root=...\), "
                                         "not a str"):
         gds_persist.Checkpointer(tmp_path, memory=str(tmp_path / "m"))  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match=r"pass memory=gds_persist.MemoryTier\(root=DIR\)"):
+    with pytest.raises(ValueError, match=r"pass levels=\[gds_persist.LocalLevel\(root=DIR\)\]"):
         gds_persist.Checkpointer(tmp_path, drive_every=10)
     with pytest.raises(ValueError, match="needs writer='thread'"):
         gds_persist.Checkpointer(tmp_path, memory=MemoryTier(tmp_path / "m"), mode="snapshot",

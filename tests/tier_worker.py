@@ -115,11 +115,43 @@ def _kill_in_replication(rank: int, step: int) -> None:
     original = replicate._round
 
     def killing(comm: Any, k: int, *args: Any) -> None:
-        if comm.rank == rank and k == 3 and f"replicas of step {step}" in args:
+        if comm.rank == rank and k == 3 and f"copies of step {step}" in args:
             os.kill(os.getpid(), signal.SIGKILL)
         original(comm, k, *args)
 
     replicate._round = killing  # type: ignore[assignment]
+
+
+def _kill_in_flush(pid: int, step: int) -> None:
+    """SIGKILL process ``pid`` (the object store's endpoint) once the flush of ``step`` has
+    written its first bytes."""
+    from gds_persist.training.tier import flush
+
+    original = flush.flush_step
+
+    def killing(comm: Any, share_dirs: list[str], path: str, s: int, *args: Any) -> Any:
+        def progress(_: int) -> None:
+            if s == step:
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass  # another rank's flush killed it already
+        return original(comm, share_dirs, path, s, *args[:1], progress)
+
+    flush.flush_step = killing  # type: ignore[assignment]
+
+
+def _hold(ckpt: Any, until: str, timeout: float = 120) -> None:
+    """Training pauses until the file ``until`` exists (the test's go), saying what the durable
+    level's flushes did meanwhile."""
+    said, deadline = "", time.monotonic() + timeout
+    while not os.path.exists(until) and time.monotonic() < deadline:
+        durable = ckpt.stats.durable
+        now = f"flushed {durable.last_step} failed {durable.failures}\n"
+        if now != said:
+            os.write(1, now.encode())
+            said = now
+        time.sleep(0.02)
 
 
 def main(cfg: dict[str, Any]) -> None:
@@ -131,6 +163,8 @@ def main(cfg: dict[str, Any]) -> None:
     rank = cfg["rank"]
     if cfg.get("kill_in_replication"):
         _kill_in_replication(*cfg["kill_in_replication"])
+    if cfg.get("kill_in_flush"):
+        _kill_in_flush(*cfg["kill_in_flush"])
     dist.init_process_group("gloo", init_method=f"file://{cfg['init']}", rank=rank,
                             world_size=cfg["world"], timeout=timedelta(seconds=60))
     group = dist.new_group(backend="gloo")  # the Checkpointer's own group
@@ -142,9 +176,14 @@ def main(cfg: dict[str, Any]) -> None:
         sd = state(model, opt, step)
         return {**sd, "shard": shard_of(rank, step)} if local else sd
 
-    memory = gds_persist.MemoryTier(cfg["memory"], every=1, replicas=1,
-                                    peer_timeout_s=cfg.get("peer_timeout_s", 60.0))
-    with gds_persist.Checkpointer(cfg["drive"], process_group=group, memory=memory,
+    peer_s = cfg.get("peer_timeout_s", 60.0)
+    levels: dict[str, Any] = {"memory": gds_persist.MemoryTier(
+        cfg["memory"], every=1, replicas=1, peer_timeout_s=peer_s)}
+    if cfg.get("levels"):  # [root, every, copies] per node-local level, nearest first
+        levels = {"levels": [gds_persist.LocalLevel(root, every=every, copies=copies,
+                                                    peer_timeout_s=peer_s)
+                             for root, every, copies in cfg["levels"]]}
+    with gds_persist.Checkpointer(cfg["drive"], process_group=group, **levels,
                                   drive_every=cfg["drive_every"], keep_last=2, mode="fence",
                                   warmup=False, timeout_s=120,
                                   rank_local="shard" if local else None) as ckpt:
@@ -185,16 +224,27 @@ def main(cfg: dict[str, Any]) -> None:
 
         opt.register_step_pre_hook(unchanged_by_its_save)
         for step in range(start + 1, cfg["stop"] + 1):
+            if cfg.get("hold") and step == cfg["hold"][0]:
+                _hold(ckpt, cfg["hold"][1])
             train_step(model, opt, step)
             saved.update(step=step, digest=digest(state(model, opt, step)))
             ckpt.save(step, full(step))
             # one write(2): a SIGKILL cannot split the line (the launcher waits for it)
             os.write(1, f"trained {step} {saved['digest']}\nsaved {step}\n".encode())
+            durable = ckpt.stats.durable
+            if durable is not None:  # what the durable level's flushes did so far
+                os.write(1, f"flushed {durable.last_step} failed {durable.failures}\n".encode())
         ckpt.wait()
+        if cfg.get("flush"):  # the newest local step made durable before the job ends
+            ckpt.flush()
+            os.write(1, f"final flush: {ckpt.stats.durable}\n".encode())
         out["final"] = digest(state(model, opt, cfg["stop"]))
         out["holders"] = ckpt.stats.replica_holders
         out["healed"] = ckpt.stats.healed
         out["share_bytes"] = ckpt.stats.memory_share_bytes
+        durable = ckpt.stats.durable
+        out["flush"] = None if durable is None else vars(durable)
+        out["level_commits"] = ckpt.stats.level_commits
     with open(cfg["out"], "w") as f:
         json.dump(out, f)
     sys.stdout.flush()
@@ -226,11 +276,15 @@ class Job:
     def __init__(self, base: str, *, resume: bool, stop: int, drive_every: int = 2,
                  kill_in_replication: list[int] | None = None, memory: str | None = None,
                  width: int = WIDTH, into: bool = False, peer_timeout_s: float = 60.0,
-                 rank_local: bool = False, forks: ForkServer | None = None):
+                 rank_local: bool = False, forks: ForkServer | None = None,
+                 levels: list[tuple[int, int]] | None = None, drive: str | None = None,
+                 flush: bool = False, kill_in_flush: list[int] | None = None,
+                 hold: list[Any] | None = None):
         import subprocess
         import uuid
 
         self.base, self.memory = base, memory
+        self.drive = drive or os.path.join(base, "drive")
         tag = uuid.uuid4().hex[:8]
         self.outs = [os.path.join(base, f"out-{tag}-{r}.json") for r in range(self.world)]
         self.logs = [os.path.join(base, f"log-{tag}-{r}.txt") for r in range(self.world)]
@@ -238,7 +292,10 @@ class Job:
         self.procs = []
         for r in range(self.world):
             cfg = {"rank": r, "world": self.world, "init": os.path.join(base, f"init-{tag}"),
-                   "drive": os.path.join(base, "drive"), "memory": self.memory_root(r),
+                   "drive": self.drive, "memory": self.memory_root(r), "flush": flush,
+                   "kill_in_flush": kill_in_flush, "hold": hold,
+                   "levels": [[self.level_root(i, r), every, copies]
+                              for i, (every, copies) in enumerate(levels or [])],
                    "drive_every": drive_every, "stop": stop, "resume": resume,
                    "out": self.outs[r], "kill_in_replication": kill_in_replication,
                    "width": width, "into": into, "peer_timeout_s": peer_timeout_s,
@@ -258,6 +315,13 @@ class Job:
     def memory_root(self, rank: int) -> str:
         """Node ``rank``'s memory_root: a directory per node, under ``memory`` (else ``base``)."""
         return os.path.join(self.memory or self.base, f"mem-{node_of(rank)}")
+
+    def level_root(self, level: int, rank: int) -> str:
+        """Node ``rank``'s directory of node-local level ``level`` (``levels=``): the first in
+        memory as :meth:`memory_root`, the others on the disk under ``base`` (as a node's NVMe)."""
+        if level == 0:
+            return self.memory_root(rank)
+        return os.path.join(self.base, f"local{level}-{node_of(rank)}")
 
     def log(self, rank: int) -> str:
         with open(self.logs[rank]) as f:

@@ -53,11 +53,10 @@ from .capture import Capture, GuardHandle, held_by
 from .handles import CheckpointerStats, Job, Pending, SaveHandle
 from .helper import HelperProcess
 from .mode import ModeChoice, choose_mode, host_memory
-from .options import MemoryTier, TierConfig, check_tiers
+from .options import LocalLevel, MemoryTier, TierConfig, check_levels
 from .restoring import Restoring
 from .snapshot import ArenaOwner, snapshot_nbytes
 from .streams import DeviceStreams, record_events
-from .tier.memory import MemoryStore, job_name
 from .tiers import Tiers, check_rank_local
 from .writer_threads import WriterThreads
 
@@ -111,9 +110,13 @@ class Checkpointer(WriterThreads, Restoring):
     compression : {"none", "lossless", "auto"}, optional
         As :class:`gds_persist.SaveOptions` (default: the setting).
     memory : MemoryTier, optional
-        A memory tier beside the drive; ``load()`` restores from the nearest verified copies.
+        A memory tier beside the drive: the first node-local level.
+    levels : list of LocalLevel, optional
+        Node-local levels (tmpfs, the node's NVMe), nearest first, each with its interval and
+        copies on other nodes; ``root`` is then flushed from the newest local copy in the
+        background, and ``load()`` restores from the nearest verified copies.
     drive_every : int
-        With ``memory``: write every ``drive_every``-th step to ``root`` too.
+        With node-local levels: write every ``drive_every``-th step to ``root`` too.
     rank_local : key path or list of key paths, optional
         Per-rank state (ZeRO shards), as :func:`gds_persist.save`; needs a ``process_group``.
 
@@ -131,14 +134,14 @@ class Checkpointer(WriterThreads, Restoring):
                  writer: str = "thread", allow_pickle: bool = False, warmup: bool = True,
                  incremental: bool = False, compression: str | None = None,
                  memory: MemoryTier | None = None, drive_every: int = 1,
-                 rank_local: Any = None):
+                 rank_local: Any = None, levels: list[LocalLevel] | None = None):
         _check_arguments(mode, writer, process_group, allow_pickle, compression, keep_last,
                          max_pending, timeout_s)
-        check_tiers(memory, drive_every, writer)
+        local_levels = check_levels(memory, levels, drive_every, writer)
         local_paths = check_rank_local(rank_local, process_group)
         self.root = resolve(root)  # a local directory, or a URL of an object store
         if is_url(self.root):
-            _check_object_root(self.root, incremental, compression, memory, rank_local)
+            _check_object_root(self.root, incremental, compression, rank_local)
             warmup = False  # it measures a local drive
         _steps.check_root(self.root)  # a file there: NotACheckpointDirectoryError
         self.requested_mode = mode
@@ -173,11 +176,9 @@ class Checkpointer(WriterThreads, Restoring):
         self._helper = HelperProcess() if writer == "process" else None
         if self._helper is not None:
             self._helper.start()  # it imports torch while training starts
-        store = (None if memory is None else MemoryStore(
-            os.path.join(os.fspath(memory.root), job_name(self.root)), self._comm.rank))
-        config = TierConfig(self.root, memory, drive_every, keep_last, backend, compression,
-                            incremental, process_group, local_paths, self.timeout_s)
-        self._tiers = Tiers(config, self._comm, store, helper=self._helper, stats=self._stats,
+        config = TierConfig(self.root, local_levels, drive_every, keep_last, backend,
+                            compression, incremental, process_group, local_paths, self.timeout_s)
+        self._tiers = Tiers(config, self._comm, helper=self._helper, stats=self._stats,
                             lock=self._lock, base_step=latest)
         self._warmup = BackgroundWarmup(self.root, backend=backend) if warmup else None
         self._workers.add("write", self._in_streams(self._write))
@@ -325,6 +326,23 @@ class Checkpointer(WriterThreads, Restoring):
         self._pending.await_all(timeout)
         self._pending.raise_undelivered()
 
+    def flush(self, timeout: float | None = None) -> None:
+        """With node-local levels: once every save so far is committed, make the newest local
+        step durable now (wait for the flush in flight, then flush that step if ``root`` lacks
+        it). Every rank of the process group calls it. Without levels, as :meth:`wait`.
+
+        Parameters
+        ----------
+        timeout : float, optional
+            Bound on each wait, seconds (default ``timeout_s``).
+
+        Raises
+        ------
+        The first background error not yet raised; :class:`CheckpointTimeout` past ``timeout``.
+        """
+        self.wait(timeout)
+        self._tiers.finish_flush(self.timeout_s if timeout is None else timeout, final=False)
+
     def steps(self) -> list[int]:
         """All committed steps under ``root``, ascending."""
         return _steps.committed_steps(self.root)
@@ -372,6 +390,9 @@ class Checkpointer(WriterThreads, Restoring):
         """Counters and timings so far (saves, bytes, waits, the mode and why, restores)."""
         with self._lock:
             s = replace(self._stats)
+            if s.durable is not None:  # its own copy too: the flusher updates it
+                s.durable = replace(s.durable)
+            s.level_commits = dict(s.level_commits)
         if self._snapshots is not None:
             s.snapshot_bytes = self._snapshots.capacity
             s.snapshot_peak_bytes = self._snapshots.peak_bytes
@@ -399,8 +420,10 @@ class Checkpointer(WriterThreads, Restoring):
             self._pending.await_all(timeout)
         except BaseException:
             self._stop_threads(join_s=0.5)  # a hung write: do not wait for it a second time
+            self._tiers.stop_flusher(0.5)
             raise
         self._stop_threads(join_s=self.timeout_s)
+        self._tiers.finish_flush(self.timeout_s if timeout is None else timeout, final=True)
         self._tiers.join_heal()
         self._pending.raise_undelivered()
 
@@ -475,12 +498,12 @@ before_thread_pools_stop(_close_at_exit)
 
 
 def _check_object_root(root: str, incremental: bool, compression: str | None,
-                       memory: MemoryTier | None, rank_local: Any) -> None:
+                       rank_local: Any) -> None:
     """What a Checkpointer with its root in an object store does not do (yet), refused here
     rather than at the first save."""
     given = [name for name, value in (
         ("incremental=True", incremental), ("compression", compression not in (None, "none")),
-        ("memory", memory is not None), ("rank_local", rank_local is not None)) if value]
+        ("rank_local", rank_local is not None)) if value]
     if given:
         raise ValueError(f"Checkpointer({root!r}) cannot take {', '.join(given)}: steps in an "
                          "object store are plain checkpoints "

@@ -25,6 +25,7 @@ from ..state.flatten import Flattened
 from .background_writer import raise_first
 from .snapshot import Reservation
 from .streams import Events
+from .tier.flush import FlushStats
 
 
 @dataclass
@@ -69,6 +70,12 @@ class CheckpointerStats:
     restore_bytes: dict[str, int] = field(default_factory=dict)  # source -> bytes, all ranks
     healed: int = 0  # own memory copies rewritten after a restore from replicas
     heal_s: float = 0.0
+    level_commits: dict[str, int] = field(default_factory=dict)  # node-local level -> steps
+    # the durable level flushed from the local copies (levels=, memory=): what was flushed,
+    # what failed and why (None: the durable level is written from the state)
+    durable: FlushStats | None = None
+    flush_lag: str = ""  # why a due durable step waits, while it does
+    flush_skipped: int = 0  # due durable steps replaced by a newer one before their flush
 
 
 class SaveHandle:

@@ -44,7 +44,7 @@ class Restoring:
         check_into(into)
         kwargs = {"backend": self._backend, "into": into, "strict": strict,
                   "process_group": self.process_group}
-        if self._tiers.memory is not None:
+        if self._tiers.levels:
             return self._restore(step, map_location, verify, kwargs)
         for attempt in range(_LOAD_ATTEMPTS):
             latest = self.latest_step()
@@ -65,11 +65,11 @@ class Restoring:
 
     def _restore(self, step: int | None, map_location: Any, verify: bool,
                  kwargs: dict[str, Any]) -> Any:
-        """load() with a memory tier: ``step`` (default the newest every rank can restore) from
-        the nearest verified copies (:mod:`.tier.recovery`); a copy restored from replicas is
-        rewritten into this node's memory afterwards, in the background."""
-        memory = self._tiers.memory
-        assert memory is not None
+        """load() with node-local levels: ``step`` (default the newest every rank can restore)
+        from the nearest verified copies (:mod:`.tier.recovery`); a copy of the nearest level
+        this node lacked is rewritten afterwards, in the background."""
+        if self._tiers.durable is not None:  # a flush in flight may still move `latest`
+            self._tiers.durable.flusher.join(self._tiers.config.timeout_s)
 
         def load_drive(path: str) -> tuple[Any, int]:
             state, info = core_load(path, map_location=map_location, verify=verify, **kwargs)
@@ -77,8 +77,8 @@ class Restoring:
 
         request = Request(kwargs["into"], kwargs["strict"], map_location, self._backend)
         latest, peer_s = self.latest_step(), self._tiers.peer_timeout_s
-        got = restore(self._comm, memory, self.root, load_drive, request, step, peer_s,
-                      self._tiers.replica_plan)
+        got = restore(self._comm, [lv.view for lv in self._tiers.levels], self.root,
+                      load_drive, request, step, peer_s, self._tiers.replica_plan)
         state = self._tiers.take(got)  # and heals this node's copies from the state
         self._loaded(got.step, latest, got)
         return state

@@ -1,12 +1,16 @@
 """Where a Checkpointer's step goes and how it gets there: :class:`Tiers` (``docs/RECOVERY.md``).
 
-Without a memory tier every step goes to the drive (``root``). With one (``memory=``) a
-step goes to each tier whose interval divides it: ``MemoryTier.every``, this node's tmpfs with the
-rank's copies on its replica holders (:mod:`.tier`), and ``drive_every``, the drive; a step in
-neither is not written. A memory step for which some node's tmpfs lacks room goes to the drive
-instead. On the drive one process writes, or every rank 1/N with a process group;
-``incremental=True`` refers each save to the last committed step. A drive step counts once rank
-0 has published it as ``latest`` and applied retention, and every rank has learnt the outcome.
+Without node-local levels every step goes to the drive (``root``, the durable level). With them
+(``levels=``, ``memory=``) a step goes to each level whose interval divides it - the node's
+directory with the rank's share, its copies on other nodes' ranks (:mod:`.tier`) - and, every
+``drive_every`` steps, to the durable level: flushed in the background from the newest local
+copy (:mod:`.tier.flush`), so training waits only for the local commit. A flush in flight when
+the next is due makes that one wait for the next local step; a failed flush leaves the previous
+durable step and is retried then. With ``rank_local``, ``incremental`` or compression the
+durable level is written from the state, as without levels. A step for which every level lacks
+room goes to the drive from the state. On the drive one process writes, or every rank 1/N with
+a process group. A drive step counts once rank 0 has published it as ``latest`` and applied
+retention, and every rank has learnt the outcome.
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from .. import settings
+from ..backends.posix import filesystem_type
 from ..errors import CheckpointError, CheckpointTimeout, PeerLostError
 from ..format import MANIFEST_NAME
 from ..parallel.distributed import Comm
@@ -30,12 +35,13 @@ from ..saving.save import save as core_save
 from ..state.flatten import Flattened, flatten
 from ..state.rank_local import KeyPath, Split, join, normalize_paths, split_rank_local, unjoin
 from . import steps as _steps
+from .durable import DurableFlushes
 from .handles import CheckpointerStats, Job, SaveHandle
 from .helper import HelperProcess
-from .options import TierConfig
-from .tier.memory import MemoryStore, Room, lacks_room
+from .options import LocalLevel, TierConfig
+from .tier.memory import MemoryStore, Room, job_name, lacks_room
 from .tier.reading import Heal
-from .tier.recovery import Restored
+from .tier.recovery import LevelView, Restored
 from .tier.replicate import holders, transfer
 from .tier.shares import (
     check_same_structure,
@@ -58,34 +64,79 @@ def check_rank_local(rank_local: Any, process_group: Any) -> list[KeyPath]:
     return paths
 
 
-class Tiers:
-    """The write side of one Checkpointer: which tiers a step goes to, writing it there, and
-    publishing a drive step. Runs in the writer thread (but for :meth:`of`, :meth:`path` and
-    :meth:`skipped`); counts into ``stats`` under ``lock`` (the Checkpointer's).
+class Level:
+    """A node-local level as the writer holds it: its arguments, its name, this rank's
+    directory of it, and who keeps each rank's copies (fixed at the first step)."""
 
-    ``config``: the Checkpointer's arguments; ``memory``: this rank's memory-tier directory
-    (None without one). ``helper``: ``writer="process"``'s helper, which writes the snapshots
-    described in ``job.remote``. ``base_step``: the committed step the next incremental save
-    refers to (the Checkpointer sets it on a load).
+    def __init__(self, spec: LocalLevel, name: str, store: MemoryStore):
+        self.spec, self.name, self.store = spec, name, store
+        self.holders: list[list[int]] | None = None
+
+    @property
+    def view(self) -> LevelView:
+        return LevelView(self.name, self.store)
+
+    def replica_plan(self, nodes: list[str]) -> list[list[int]]:
+        """By rank, the ranks keeping its copies (fixed at the first call)."""
+        if self.holders is None:
+            count = self.spec.copies
+            if count is None:  # default: one copy elsewhere, where there is an elsewhere
+                count = min(1, len(set(nodes)) - 1)
+            self.holders = holders(nodes, count)
+        return self.holders
+
+
+def level_names(levels: list[LocalLevel]) -> list[str]:
+    """Each level's name: its own, else "memory" on a tmpfs and "local" elsewhere, with the
+    position appended where two would be alike."""
+    names = [level.name or ("memory" if _on_tmpfs(os.fspath(level.root)) else "local")
+             for level in levels]
+    return [n if names.count(n) == 1 else f"{n}{i + 1}" for i, n in enumerate(names)]
+
+
+def _spans_world(process_group: Any) -> bool:
+    """The group is every rank (the flusher's own group is made over the default group)."""
+    if process_group is None or process_group == "default":
+        return True
+    import torch.distributed as dist
+
+    return bool(dist.get_world_size(process_group) == dist.get_world_size())
+
+
+def _on_tmpfs(directory: str) -> bool:
+    os.makedirs(directory, exist_ok=True)
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        return filesystem_type(fd) in ("tmpfs", "ramfs")
+    finally:
+        os.close(fd)
+
+
+class Tiers:
+    """The write side of one Checkpointer: which levels a step goes to, writing it there,
+    flushing the durable level, and publishing a drive step. Runs in the writer thread (but for
+    :meth:`of`, :meth:`path` and :meth:`skipped`); counts into ``stats`` under ``lock`` (the
+    Checkpointer's).
+
+    ``config``: the Checkpointer's arguments. ``helper``: ``writer="process"``'s helper, which
+    writes the snapshots described in ``job.remote``. ``base_step``: the committed step the next
+    incremental save refers to (the Checkpointer sets it on a load).
     """
 
-    def __init__(self, config: TierConfig, comm: Comm, memory: MemoryStore | None, *,
-                 helper: HelperProcess | None, stats: CheckpointerStats, lock: threading.RLock,
-                 base_step: int | None):
+    def __init__(self, config: TierConfig, comm: Comm, *, helper: HelperProcess | None,
+                 stats: CheckpointerStats, lock: threading.RLock, base_step: int | None):
         self.config = config
         self.root = config.root
-        self.memory = memory
-        tier = config.memory
-        self.memory_every = tier.every if tier is not None else 1
+        job = job_name(self.root)
+        self.levels = [Level(spec, name, MemoryStore(os.path.join(spec.root, job), comm.rank))
+                       for spec, name in zip(config.levels, level_names(config.levels),
+                                             strict=True)]
         self.drive_every = config.drive_every
-        self._replicas = tier.replicas if tier is not None else None
-        self.peer_timeout_s = tier.peer_timeout_s if tier is not None else 60.0
         self.keep_last = config.keep_last
         self.incremental = config.incremental
         self.base_step = base_step
         self._comm = comm
         self._publisher = comm.rank == 0  # moves `latest` and removes old steps
-        self._holders: list[list[int]] | None = None  # by rank: who keeps its replicas
         self._process_group = config.process_group
         self._helper = helper
         self._timeout_s = config.timeout_s
@@ -93,6 +144,36 @@ class Tiers:
         self._healer: threading.Thread | None = None  # rewriting copies a restore lacked
         self._heal_read: threading.Event | None = None  # set once they are written
         self._stats, self._lock = stats, lock
+        self.durable = (DurableFlushes(comm, config.process_group, self.root, config.backend,
+                                       config.keep_last, config.timeout_s, self._share_dirs,
+                                       stats, lock)
+                        if self.levels and self.flushes(config) else None)
+
+    @staticmethod
+    def flushes(config: TierConfig) -> bool:
+        """The durable level is flushed from the local copies (not written from the state):
+        a flush copies the shares' files as they are, which no incremental, compressed or
+        rank-local durable step is; and its group spans every rank (it is made collectively)."""
+        return not (config.rank_local or config.incremental
+                    or config.compression not in (None, "none")) and _spans_world(
+                        config.process_group)
+
+    @property
+    def memory(self) -> MemoryStore | None:
+        """The nearest node-local level's directory (None without levels)."""
+        return self.levels[0].store if self.levels else None
+
+    @property
+    def memory_every(self) -> int:
+        return self.levels[0].spec.every if self.levels else 1
+
+    @property
+    def peer_timeout_s(self) -> float:
+        return self.levels[0].spec.peer_timeout_s if self.levels else 60.0
+
+    def replica_plan(self, nodes: list[str]) -> list[list[int]]:
+        """By rank, the ranks keeping its copies in the nearest level."""
+        return self.levels[0].replica_plan(nodes)
 
     def flatten(self, state: Any, allow_pickle: bool) -> Flattened:
         """The state as the writer takes it: with ``rank_local``, both parts joined in one."""
@@ -110,37 +191,69 @@ class Tiers:
     # ---------------------------------------------------------------- where a step goes
 
     def of(self, step: int) -> tuple[str, ...]:
-        """The tiers ``step`` goes to: "memory" and/or "drive" (none: it is not written)."""
-        if self.memory is None:
+        """Where ``step`` goes: the names of its node-local levels and/or "drive" (none: it is
+        not written)."""
+        if not self.levels:
             return ("drive",)
-        return tuple(t for t, every in (("memory", self.memory_every),
-                                        ("drive", self.drive_every)) if step % every == 0)
+        due = [(lv.name, lv.spec.every) for lv in self.levels] + [("drive", self.drive_every)]
+        return tuple(name for name, every in due if step % every == 0)
 
     def path(self, step: int, tiers: tuple[str, ...]) -> str:
-        """Where the step's checkpoint lands: its step directory on the drive, or in this
-        rank's memory when it goes to the memory tier only."""
-        if "drive" in tiers or self.memory is None:
-            return _steps.step_path(self.root, step)
-        return self.memory.own_step(step)
+        """Where the step's checkpoint lands: this rank's directory of its nearest node-local
+        level, else its step directory on the drive."""
+        for lv in self.levels:
+            if lv.name in tiers and (self.durable is not None or "drive" not in tiers):
+                return lv.store.own_step(step)
+        return _steps.step_path(self.root, step)
 
     def skipped(self, step: int) -> SaveInfo:
-        """The SaveInfo of a step in neither tier: nothing written, and why."""
+        """The SaveInfo of a step in no level: nothing written, and why."""
+        every = ", ".join(f"{lv.name} every {lv.spec.every}" for lv in self.levels)
         return SaveInfo(
             path="", backend="none", bytes_written=0, payload_bytes=0, seconds=0.0,
-            tensors=0, storages=0, reason=f"step {step} is in neither tier (MemoryTier(every="
-            f"{self.memory_every}), drive_every={self.drive_every}): not written")
+            tensors=0, storages=0, reason=f"step {step} is in no level ({every}, "
+            f"drive_every={self.drive_every}): not written")
 
     # ---------------------------------------------------------------- writing it there
 
     def write(self, job: Job, release: Callable[[], None]) -> SaveInfo:
-        """Write the job's step to its tiers (the memory tier first); the SaveInfo of the last.
-        A memory step without room adds "drive" to ``job.tiers`` and goes there. ``release``
-        frees the job's tensors: called once a memory-only step's share is committed, before
-        its replicas are copied (they are copied from the tmpfs)."""
-        info = self._write_memory(job, release) if "memory" in job.tiers else None
-        if info is None or "drive" in job.tiers:
-            info = self._write_drive(job)
-        return info
+        """Write the job's step to its node-local levels (nearest first), then flush or write
+        the durable level; the SaveInfo of the nearest level written (or of the drive).
+        ``release`` frees the job's tensors: called once the last level's share is committed
+        when the drive is not written from them (flushes copy the levels' files)."""
+        step = job.handle.step
+        local = [lv for lv in self.levels if lv.name in job.tiers]
+        due = "drive" in job.tiers
+        from_state = due and (self.durable is None or self.durable.newest_local is None
+                              and not local)
+        written: list[Level] = []
+        nearest: SaveInfo | None = None
+        for i, lv in enumerate(local):
+            last = i == len(local) - 1
+            info = self._write_level(lv, job, release if last and not from_state else None,
+                                     first=i == 0)
+            if info is not None:
+                written.append(lv)
+                nearest = nearest or info
+        if local and not written:  # every level lacked room: the drive, from the state
+            from_state = True
+        if from_state:
+            job.tiers = (*job.tiers, "drive") if not due else job.tiers
+            job.handle.path = _steps.step_path(self.root, step)
+            return self._write_drive(job)
+        job.tiers = tuple(t for t in job.tiers if t != "drive")  # flushed, not published here
+        if self.durable is not None:
+            self.durable.after_step(step, bool(written), due)
+        if nearest is None and due and self.durable is not None:
+            return replace(self.skipped(step), reason=(
+                f"step {step} is in no node-local level: the durable level is flushed from "
+                f"step {self.durable.newest_local}'s local copies in the background"))
+        return nearest if nearest is not None else self.skipped(step)
+
+    def _share_dirs(self, step: int) -> list[str]:
+        """This rank's committed copies of its share of ``step``, nearest level first."""
+        return [lv.store.own_step(step) for lv in self.levels
+                if step in lv.store.inventory().own]
 
     def publish(self, h: SaveHandle) -> None:
         """After every rank's drive save of ``h`` has returned: rank 0 publishes it, and every
@@ -157,66 +270,89 @@ class Tiers:
             self._stats.bytes_referenced += info.referenced_bytes
             self.base_step = step
 
-    def _write_memory(self, job: Job, release: Callable[[], None]) -> SaveInfo | None:
-        """Commit every rank's share of the step to its node's memory and the shares' replicas
-        to their holders; None (and the step goes to the drive instead) when some node's tmpfs
-        lacks room."""
-        assert self.memory is not None and job.flat is not None
-        tier, step, comm = self.memory, job.handle.step, self._comm
+    def _write_level(self, lv: Level, job: Job, release: Callable[[], None] | None,
+                     first: bool) -> SaveInfo | None:
+        """Commit every rank's share of the step to its node's directory of ``lv`` and the
+        shares' copies to their holders; None (the level skips the step) when some node lacks
+        room. ``first``: the job's first level, whose facts also say every rank's flusher state."""
+        assert job.flat is not None
+        tier, step, comm = lv.store, job.handle.step, self._comm
         flat, local = self._parts(job.flat)
-        self.join_heal()  # a restore's healing of this rank's copy ends before the next step
-        room = Room(node_name(), tier.free_bytes(), structure_digest(flat), local_bytes(local))
+        if lv is self.levels[0]:
+            self.join_heal()  # a restore's healing of this rank's copy ends before the next step
+        idle, failed = self.durable.flags() if self.durable is not None else (True, False)
+        room = Room(node_name(), tier.free_bytes(), structure_digest(flat), local_bytes(local),
+                    idle, failed)
         facts = [Room.from_wire(f)
-                 for f in comm.all_gather_json(room.to_wire(), "memory tier room")]
+                 for f in comm.all_gather_json(room.to_wire(), f"{lv.name} level room")]
         check_same_structure([f.digest for f in facts], step)
+        if first and self.durable is not None:
+            self.durable.gathered([(f.flush_idle, f.flush_retry) for f in facts])
         nodes = [f.node for f in facts]
-        self.replica_plan(nodes)
-        assert self._holders is not None
+        plan_of = lv.replica_plan(nodes)
         plan = plan_shares([st.nbytes for st in flat.storages], nodes)
         needs = [n + f.local for n, f in zip(share_bytes(plan), facts, strict=True)]
-        why = lacks_room(needs, [f.free for f in facts], nodes, self._holders)
+        why = lacks_room(needs, [f.free for f in facts], nodes, plan_of)
         if why is not None:
-            log.warning("gds_persist.Checkpointer(%s): step %d goes to the drive: %s",
-                        self.root, step, why)
+            log.warning("gds_persist.Checkpointer(%s): step %d skips the %s level: %s",
+                        self.root, step, lv.name, why)
             with self._lock:
                 self._stats.memory_fallbacks += 1
                 self._stats.memory_fallback_reason = why
-            job.tiers = (*job.tiers, "drive") if "drive" not in job.tiers else job.tiers
-            job.handle.path = _steps.step_path(self.root, step)
             return None
         t0 = time.perf_counter()
         info = save_share(comm, tier.own_step(step), flat, plan, self.config.backend, step, local)
-        if "drive" not in job.tiers:  # what follows reads only the tmpfs: training may go on
+        if release is not None:  # what follows reads only the level's files: training goes on
             release()
         t1 = time.perf_counter()
-        mine = self._holders[comm.rank]
-        held = [r for r, hs in enumerate(self._holders) if comm.rank in hs]
+        mine = plan_of[comm.rank]
+        held = [r for r, hs in enumerate(plan_of) if comm.rank in hs]
         try:
             transfer(comm, {h: tier.own_step(step) for h in mine},
-                     {r: tier.replica_step(r, step) for r in held}, f"replicas of step {step}",
-                     self.peer_timeout_s)
+                     {r: tier.replica_step(r, step) for r in held}, f"copies of step {step}",
+                     lv.spec.peer_timeout_s)
         except PeerLostError as e:  # said at once: the handle raises it only at the next call
             log.error("gds_persist.Checkpointer(%s): PeerLostError: %s", self.root, e)
             raise
-        comm.agree("memory retention", lambda: tier.retain(step, held),
-                   f"memory-tier retention after step {step} under {tier.root}")
+        pinned = self.durable.pinned() if self.durable is not None else set()
+        comm.agree(f"{lv.name} retention", lambda: tier.retain(step, held, pinned),
+                   f"{lv.name}-level retention after step {step} under {tier.root}")
+        self._count_level(lv, info, t1 - t0, time.perf_counter() - t1, mine)
+        return info
+
+    def _count_level(self, lv: Level, info: SaveInfo, write_s: float, copy_s: float,
+                     holders_of_mine: list[int]) -> None:
         with self._lock:
             s = self._stats
             s.memory_committed += 1
-            s.memory_write_s += t1 - t0
-            s.replicate_s += time.perf_counter() - t1
-            s.replica_holders = list(mine)
+            s.memory_write_s += write_s
+            s.replicate_s += copy_s
+            s.replica_holders = list(holders_of_mine)
             s.memory_share_bytes = info.bytes_written
-        return info
+            s.level_commits[lv.name] = s.level_commits.get(lv.name, 0) + 1
 
-    def replica_plan(self, nodes: list[str]) -> list[list[int]]:
-        """By rank, the ranks keeping its replicas (fixed at the first call)."""
-        if self._holders is None:
-            count = self._replicas
-            if count is None:  # default: one copy elsewhere, where there is an elsewhere
-                count = min(1, len(set(nodes)) - 1)
-            self._holders = holders(nodes, count)
-        return self._holders
+    # ---------------------------------------------------------------- the durable level
+
+    def finish_flush(self, timeout: float, final: bool) -> None:
+        """Once the writer is idle: the last flush (:meth:`DurableFlushes.finish`), then the
+        steps the levels kept only for a flush are let go."""
+        if self.durable is None:
+            return
+        self.durable.finish(timeout, final)
+        for lv in self.levels:
+            own = lv.store.inventory().own
+            if lv.holders is None or not own:
+                continue
+            held = [r for r, hs in enumerate(lv.holders) if self._comm.rank in hs]
+            try:
+                lv.store.retain(own[-1], held, self.durable.pinned())
+            except OSError as e:  # the steps stay; the next level step removes them
+                log.warning("gds_persist.Checkpointer(%s): retention of the %s level: %s",
+                            self.root, lv.name, e)
+
+    def stop_flusher(self, timeout: float) -> None:
+        if self.durable is not None:
+            self.durable.stop(timeout)
 
     # ---------------------------------------------------------------- healing after a restore
 

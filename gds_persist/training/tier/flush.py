@@ -39,6 +39,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
+from typing import Any
 
 import torch
 
@@ -350,6 +351,8 @@ class Flusher:
             its ``step-0000000N``.
         stats: where each flush's outcome goes, updated under ``lock``.
         lock: the caller's lock over ``stats``.
+        process_group: the ranks that flush together (``None``: this process alone); the
+            flusher runs its collectives on a group of its own over the same ranks.
         keep_last: how many durable steps retention keeps (``None``: all).
         backend: the write backend (``None``: the ``backend`` setting).
         timeout_s: the collectives' bound (``None``: the ``collective_timeout_s`` setting).
@@ -357,13 +360,14 @@ class Flusher:
     Every rank constructs it at the same point (creating the group is collective).
     """
 
-    def __init__(self, root: str, stats: FlushStats, lock: threading.Lock, *,
-                 keep_last: int | None = None, backend: str | None = None,
-                 timeout_s: float | None = None):
+    def __init__(self, root: str, stats: FlushStats, lock: Any, *,
+                 process_group: Any = None, keep_last: int | None = None,
+                 backend: str | None = None, timeout_s: float | None = None):
         self.root, self.stats, self.lock = root, stats, lock
         self.keep_last, self.backend = keep_last, backend
         timeout = timeout_s if timeout_s is not None else settings.current().collective_timeout_s
-        self.comm = make_comm(background_group(timeout), timeout)
+        group = background_group(timeout) if process_group is not None else None
+        self.comm = make_comm(group, timeout)
         self._idle = threading.Event()
         self._idle.set()
         self._jobs: queue.SimpleQueue[tuple[int, list[str]] | None] = queue.SimpleQueue()

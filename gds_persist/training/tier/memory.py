@@ -60,12 +60,20 @@ def lacks_room(needs: list[int], frees: list[int], nodes: list[str],
 
 
 @dataclass(frozen=True)
-class RankInventory(Wire):
-    """What a rank tells the others before a restore: the committed steps of its own share and
-    of the replicas it holds (by the rank whose share they are), its node, the drive's steps."""
+class Holdings(Wire):
+    """One level's committed steps on a rank: of its own share, and of the replicas it holds
+    (by the rank whose share they are)."""
 
     own: list[int]
     replicas: dict[str, list[int]]
+
+
+@dataclass(frozen=True)
+class RankInventory(Wire):
+    """What a rank tells the others before a restore: what each node-local level holds
+    (nearest first), its node, the drive's steps."""
+
+    levels: list[Holdings]
     node: str = ""
     drive: list[int] = field(default_factory=list)
 
@@ -79,6 +87,8 @@ class Room(Wire):
     free: int
     digest: str
     local: int
+    flush_idle: bool = True  # no flush to the durable level in flight on this rank
+    flush_retry: bool = False  # this rank's last flush failed (it is reported before idle)
 
 
 @dataclass(frozen=True)
@@ -109,7 +119,7 @@ class MemoryStore:
         st = os.statvfs(self.own_dir)
         return st.f_bavail * st.f_frsize
 
-    def inventory(self) -> RankInventory:
+    def inventory(self) -> Holdings:
         """The committed steps here: this rank's own, and the replicas held by rank."""
         replicas: dict[str, list[int]] = {}
         try:
@@ -120,12 +130,17 @@ class MemoryStore:
             if name.startswith("replica-") and name[8:].isdigit():
                 replicas[str(int(name[8:]))] = _steps.committed_steps(os.path.join(self.root,
                                                                                    name))
-        return RankInventory(_steps.committed_steps(self.own_dir), replicas)
+        return Holdings(_steps.committed_steps(self.own_dir), replicas)
 
-    def retain(self, step: int, replicas_of: list[int]) -> None:
+    def retain(self, step: int, replicas_of: list[int], pinned: set[int] | None = None) -> None:
         """Every rank committed ``step`` and its replicas: drop the older steps (and anything
         newer, left by an abandoned timeline) of this rank's directory and of the replicas of
-        ``replicas_of`` it holds."""
+        ``replicas_of`` it holds; but the ``pinned`` ones (the durable level's flush needs
+        them)."""
         for directory in [self.own_dir, *(self.replica_dir(r) for r in replicas_of)]:
-            if os.path.isdir(directory):
-                _steps.apply_retention(directory, step, 1)
+            if not os.path.isdir(directory):
+                continue
+            for old in _steps.committed_steps(directory):
+                if old < step and old not in (pinned or set()):
+                    _steps.remove_step(directory, old)
+            _steps.apply_retention(directory, step, None)  # newer steps, leftovers

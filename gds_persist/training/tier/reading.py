@@ -38,8 +38,11 @@ from ...parallel.pairs import move
 from ...stages import stage
 from ...state.flatten import Flattened, flatten
 from ...state.rank_local import locate, reunite, separate
+from ...stores.commit import read_manifest
+from ...stores.opened import open_checkpoint
+from ...stores.urls import is_url, parse
 from ...transfer.commit import commit, make_temporary, write_manifest
-from ...transfer.opened import OpenCheckpoint, open_checkpoint
+from ...transfer.opened import OpenCheckpoint
 from .local_parts import load_part, receive_part, sender_of
 from .shares import LOCAL_DIR, save_local, share_files
 
@@ -177,9 +180,7 @@ def read_step(comm: Comm, step: int, plan: Plan, req: Request, keep: dict[int, S
         provider = min(r for r, reads in enumerate(plan.reads) if reads)
         raw = None
         if comm.rank == provider:
-            first = mine[min(mine)]
-            with open(os.path.join(first.path, MANIFEST_NAME), "rb") as f:
-                raw = f.read()
+            raw = _manifest_bytes(mine[min(mine)].path)
         raw = comm.broadcast_bytes(raw, provider, "memory restore manifest")
         if hashlib.sha256(raw).hexdigest() != digest:  # replaced since it was opened
             src = plan.reads[provider][min(plan.reads[provider])]
@@ -189,6 +190,18 @@ def read_step(comm: Comm, step: int, plan: Plan, req: Request, keep: dict[int, S
     finally:
         for ck in opened.values():
             ck.close()
+
+
+def _manifest_bytes(path: str) -> bytes:
+    """The raw manifest of a copy: a node-local directory, or the durable level's step (which
+    may be in an object store)."""
+    if is_url(path):
+        got = read_manifest(parse(path))
+        if got is None:
+            raise CheckpointError(f"{path}: no committed step there any more")
+        return got[0]
+    with open(os.path.join(path, MANIFEST_NAME), "rb") as f:
+        return f.read()
 
 
 def _open(comm: Comm, mine: dict[int, Source], opened: dict[int, OpenCheckpoint],
