@@ -295,4 +295,6 @@ def test_on_a_gpu_batchnorm_statistics_changed_on_the_stream_are_those_of_the_sa
             run.expected[step] = _clone(state)
             run.paths[step] = ckpt.save(step, state).path
         run.model(torch.randn(8, 16, generator=run.g).cuda())  # the last save overlaps it
-    run.check(lambda s: gds_persist.load(run.paths[s], map_location="cuda"))
+    # map_location=None: each tensor back where it was saved (AdamW's step counts stay on the
+    # CPU; map_location="cuda" would move them, as torch.load does)
+    run.check(lambda s: gds_persist.load(run.paths[s]))
