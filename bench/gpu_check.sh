@@ -36,7 +36,7 @@
 #        3. pytest -m gpu --strict-gpu=on tests/: a skipped GPU test counts as a failure
 #           (this includes tests/test_docs_examples.py: the README and docs blocks marked
 #           <!-- doc-test: gpu -->, run as written) -> pytest-gpu.{txt,xml}
-#        4. bench/bench_io.py --device cuda at the first size: kvikio (GDS or cuFile compat),
+#        4. bench/bench_io.py --device cuda at the first size: kvikio (GDS, cuFile or KvikIO compat),
 #           kvikio with KvikIO compat forced, direct (pinned D2H pipeline), torch.save, DCP,
 #           save and load, against the drive limit of the same run -> bench-SIZE.{txt,json}
 #        5. bench/bench_warmup.py: the first save of a process vs the next, with and without
