@@ -13,9 +13,9 @@
 #                  summary.md and gpu_check.tar.gz (every other file, summary.md included), so
 #                  at most 8 files come back from a device machine; --no-pack leaves them loose
 #                  in DIR/gpu_check/
-#   --wheels DIR   wheels to install from when kvikio (or crc32c, hypothesis) is missing:
-#                  kvikio-cu13, libkvikio-cu13, rapids-logger, cuda-pathfinder, nvidia-cufile,
-#                  crc32c, hypothesis, sortedcontainers
+#   --wheels DIR   wheels to install from when kvikio (or crc32c, blake3, blosc2, hypothesis) is
+#                  missing: kvikio-cu13, libkvikio-cu13, rapids-logger, cuda-pathfinder,
+#                  nvidia-cufile, crc32c, blake3, blosc2, ndindex, hypothesis, sortedcontainers
 #                  (bench/fetch_gpu_wheels.sh downloads them on a machine with network).
 #                  Installed with --no-index: nothing is fetched.
 #   --sizes/--runs state dict sizes for the drive comparison and runs per size (pairwise)
@@ -32,11 +32,11 @@
 #                  nothing GPU-related is verified then, and the summary says so
 #
 # Steps: 1. facts (GPU, driver, PCIe, NUMA, kvikio/GDS mode and why) -> facts.{txt,json}
-#        2. kvikio (and crc32c) from --wheels if not importable
+#        2. kvikio (and crc32c, blake3, blosc2) from --wheels if not importable
 #        3. pytest -m gpu --strict-gpu=on tests/: a skipped GPU test counts as a failure
 #           (this includes tests/test_docs_examples.py: the README and docs blocks marked
 #           <!-- doc-test: gpu -->, run as written) -> pytest-gpu.{txt,xml}
-#        4. bench/bench_io.py --device cuda at the first size: kvikio (GDS or cuFile compat),
+#        4. bench/bench_io.py --device cuda at the first size: kvikio (GDS, cuFile or KvikIO compat),
 #           kvikio with KvikIO compat forced, direct (pinned D2H pipeline), torch.save, DCP,
 #           save and load, against the drive limit of the same run -> bench-SIZE.{txt,json}
 #        5. bench/bench_warmup.py: the first save of a process vs the next, with and without
@@ -160,7 +160,20 @@ install_from_wheels() {  # $@: distribution names
         "$PY" -m pip install -q --no-index --no-deps --find-links "$WHEELS" "$@" >> "$LOG" 2>&1 || true
     fi
 }
-if ! importable crc32c; then install_from_wheels crc32c; fi
+# gds_persist's own dependencies (pyproject.toml) that a CUDA torch image lacks: module wheel...
+# (blosc2 also needs ndindex; its other needs come with the image; tests/test_gpu_check.py keeps
+# this list and bench/fetch_gpu_wheels.sh in step with pyproject.toml)
+CORE_DEPS=("crc32c crc32c" "blake3 blake3" "blosc2 blosc2 ndindex")
+MISSING_CORE=""
+for dep in "${CORE_DEPS[@]}"; do
+    read -r module wheels <<< "$dep"
+    importable "$module" || install_from_wheels $wheels
+    importable "$module" || MISSING_CORE="$MISSING_CORE $module"
+done
+if [ -n "$MISSING_CORE" ]; then  # the tests and steps that need them fail: say why up front
+    log "gds_persist dependencies not importable:$MISSING_CORE (put their wheels in --wheels)"
+    echo "- **missing dependencies**:$MISSING_CORE (not importable, no wheel in --wheels): the tests and steps that use them fail" >> "$SUMMARY"
+fi
 if ! importable gds_persist; then
     log "gds_persist is not importable with $PY (PYTHONPATH=$REPO): $("$PY" -c 'import gds_persist' 2>&1 | tail -1)"
     echo "- **NOT RUN**: gds_persist not importable (missing dependency? pass --wheels)" >> "$SUMMARY"

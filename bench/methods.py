@@ -289,8 +289,7 @@ class GdsKvikio(GdsPersist):
 
         with self._scope():
             gds, mode = gds_mode(import_kvikio())
-        short = "GDS" if gds else ("KvikIO compat, forced" if self.compat else "cuFile compat")
-        self.label = f"gds_persist kvikio ({short})"
+        self.label = kvikio_label(gds, mode)
         self.info["mode"] = mode
         self.notes.append(f"mode: {mode}")
 
@@ -299,6 +298,21 @@ class GdsKvikio(GdsPersist):
         reason = self.info.get("reason", "")
         if self.info.get("backend") != "kvikio" or "fell back" in reason:
             raise RuntimeError(f"the kvikio row did not run through kvikio: {reason}")
+
+
+def kvikio_label(gds: bool, mode: str) -> str:
+    """The kvikio row's name, naming the I/O that ran, within the table's 30 characters:
+    GDS, cuFile (cuFile's compatibility mode), KvikIO (KvikIO's own POSIX compatibility mode,
+    which KvikIO takes by itself where it finds no usable cuFile) or KvikIO ON (forced)."""
+    if gds:
+        short = "GDS"
+    elif mode.startswith("KvikIO compatibility mode forced"):
+        short = "KvikIO ON"
+    elif mode.startswith("KvikIO"):
+        short = "KvikIO"
+    else:
+        short = "cuFile"
+    return f"gds_persist kvikio ({short})"
 
 
 register(GdsKvikio, key="gds-kvikio")

@@ -295,4 +295,22 @@ def test_on_a_gpu_batchnorm_statistics_changed_on_the_stream_are_those_of_the_sa
             run.expected[step] = _clone(state)
             run.paths[step] = ckpt.save(step, state).path
         run.model(torch.randn(8, 16, generator=run.g).cuda())  # the last save overlaps it
-    run.check(lambda s: gds_persist.load(run.paths[s], map_location="cuda"))
+    # map_location=None: each tensor back where it was saved (AdamW's step counts stay on the
+    # CPU; map_location="cuda" would move them, as torch.load does)
+    run.check(lambda s: gds_persist.load(run.paths[s]))
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_fingerprints_of_many_storages_are_their_crc32c() -> None:
+    """save()'s fingerprints of device storages, taken in one batch, equal the host CRC32C of
+    each, mixed with host ones and empty ones, in order."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device: the batch of device CRCs")
+    from gds_persist.format.checksum import crc32c
+    from gds_persist.training.capture import fingerprints_of
+
+    g = torch.Generator().manual_seed(3)
+    host = [torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g)
+            for n in (0, 1, 4097, 300, 5 << 20, 17)]
+    views = [h.cuda() if k % 2 else h for k, h in enumerate(host)] * 40
+    assert fingerprints_of(views) == [crc32c(h.numpy()) for h in host] * 40

@@ -199,3 +199,24 @@ def test_bench_limit_pairs_the_aligned_writer_with_save(tmp_path, capsys):
     assert "aligned writer (O_DIRECT pwrite" in printed or "buffered+fsync" in printed
     assert "save / limit per pair" in printed
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # its files and checkpoints gone
+
+
+
+def test_the_kvikio_row_names_the_io_that_ran():
+    """The H200's KvikIO compatibility mode (taken by KvikIO itself) was labelled "cuFile compat";
+    each mode gds_mode() describes gets its own name, and all fit the table's 30 characters."""
+    import kvikio
+    import kvikio.defaults
+
+    from gds_persist.backends.kvikio_backend import gds_mode
+
+    with kvikio.defaults.set("compat_mode", kvikio.CompatMode.ON):  # the real forced mode
+        forced = gds_mode(kvikio)
+    modes = [forced,
+             (False, "KvikIO compatibility mode (KvikIO found no usable libcufile/GDS setup)"),
+             (False, "cuFile compatibility mode (POSIX inside cuFile; nvidia-fs not loaded)"),
+             (True, "GPUDirect Storage (cuFile with the nvidia-fs driver)")]
+    labels = [methods.kvikio_label(*m) for m in modes]
+    assert labels == ["gds_persist kvikio (KvikIO ON)", "gds_persist kvikio (KvikIO)",
+                      "gds_persist kvikio (cuFile)", "gds_persist kvikio (GDS)"]
+    assert max(map(len, labels)) <= 30

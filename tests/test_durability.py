@@ -465,3 +465,46 @@ def _save_with_timeout(sd: Any, path: Path) -> None:
     with gds_persist.settings.set(io_timeout_s=1):
         with gds_persist.settings.set(block_bytes=4096, staging_bytes=3 * 4096, io_threads=2):
             gds_persist.save(sd, path)
+
+
+# --- the aligned end of a file written with exact lengths ----------------------------------
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("place", ["disk", "tmpfs"])
+def test_zero_pad_end_makes_the_aligned_end_and_keeps_every_byte(
+        tmp_path: Path, direct: bool, place: str) -> None:
+    """kvikio writes device extents with exact lengths; on tmpfs nothing reserves the file, so
+    the padding after its last extent is written as zeros before the fsync (the manifest
+    records the aligned size). It never shrinks a file nor touches bytes beyond the padding."""
+    from gds_persist.backends.posix import _O_DIRECT, supports_o_direct, zero_pad_end
+
+    where = tmp_path if place == "disk" else Path("/dev/shm")
+    if place == "tmpfs" and not os.access(where, os.W_OK):
+        pytest.skip("no writable /dev/shm")
+    if direct and not supports_o_direct(str(where))[0]:
+        pytest.skip(f"{where} takes no O_DIRECT")
+    path = where / f"pad-{os.getpid()}-{direct}.bin"
+    data = bytes(random.Random(1).randrange(256) for _ in range(5000))
+    path.write_bytes(data)
+    try:
+        fd = os.open(path, os.O_WRONLY | (_O_DIRECT if direct else 0))
+        try:
+            zero_pad_end(str(path), fd, direct, 5000)
+            assert path.read_bytes() == data + bytes(8192 - 5000)
+            zero_pad_end(str(path), fd, direct, 3000)  # an earlier end: nothing to do
+            zero_pad_end(str(path), fd, direct, 8192)  # already aligned
+            assert path.read_bytes() == data + bytes(8192 - 5000)
+        finally:
+            os.close(fd)
+        tail = b"\xff" * 4096  # another rank's bytes after the padding: left as they are
+        with open(path, "r+b") as f:
+            f.seek(8192)
+            f.write(tail)
+        fd = os.open(path, os.O_WRONLY | (_O_DIRECT if direct else 0))
+        try:
+            zero_pad_end(str(path), fd, direct, 9000)
+        finally:
+            os.close(fd)
+        assert path.read_bytes() == data + bytes(8192 - 5000) + tail
+    finally:
+        path.unlink()

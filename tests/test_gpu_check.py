@@ -133,3 +133,25 @@ def test_no_pack_leaves_the_files(tmp_path):
     assert sorted(p.name for p in o.iterdir()) == ["gpu_check", "summary.md"]
     assert (o / "gpu_check" / "facts.json").is_file()
     assert (o / "gpu_check" / "summary.md").read_text() == (o / "summary.md").read_text()
+
+
+# what a CUDA torch image brings of gds_persist's dependencies (the H200 image has all three)
+IMAGE_HAS = {"torch", "numpy", "nvidia-ml-py"}
+
+
+def test_every_other_dependency_travels_as_a_wheel():
+    """A dependency added to pyproject.toml but not to gpu_check.sh's CORE_DEPS and
+    fetch_gpu_wheels.sh is missing on a GPU machine without network: every test that needs it
+    fails there (blake3 and blosc2 did on the H200)."""
+    import tomllib
+
+    deps = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    needed = {re.split(r"[<>=!~\[; ]", d, maxsplit=1)[0].lower() for d in deps} - IMAGE_HAS
+    check = SCRIPT.read_text()
+    core = re.search(r"^CORE_DEPS=\((.*)\)$", check, re.M)
+    assert core, "gpu_check.sh has no CORE_DEPS=(...) line"
+    wheels = {w for entry in re.findall(r'"([^"]*)"', core.group(1)) for w in entry.split()[1:]}
+    assert needed <= wheels, f"gpu_check.sh does not install {sorted(needed - wheels)}"
+    fetch = (REPO / "bench" / "fetch_gpu_wheels.sh").read_text()
+    gets = set(" ".join(re.findall(r"^\s*get .*$", fetch, re.M)).split())
+    assert wheels <= gets, f"fetch_gpu_wheels.sh does not download {sorted(wheels - gets)}"

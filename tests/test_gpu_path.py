@@ -9,8 +9,10 @@ fallback or a clear message. Tests marked ``gpu`` need a CUDA device and skip wi
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 import torch
 
 import gds_persist
+from gds_persist.backends.posix import memory_backed
 from gds_persist.parallel.topology import Topology, bind_current_thread_near, cpus_near, topology
 from gds_persist.transfer.cuda_copy import StreamCopier, copier_for
 
@@ -314,12 +317,26 @@ def test_gpu_topology_reports_the_gpu():
     assert t.gpus[0].memory_bytes > 0
 
 
+@pytest.fixture
+def shm_path():
+    """A fresh directory on tmpfs: files there are not preallocated, so each ends where its
+    writes end (a short tail shows up as a truncated file)."""
+    if not os.path.isdir("/dev/shm") or not memory_backed("/dev/shm"):
+        pytest.skip("/dev/shm is not a tmpfs here")
+    path = Path(tempfile.mkdtemp(prefix="gds_persist-test-", dir="/dev/shm"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.mark.gpu
+@pytest.mark.parametrize("place", ["disk", "tmpfs"])
 @pytest.mark.parametrize("backend", ["kvikio", "direct"])
-def test_gpu_round_trip_identical_files(tmp_path, backend):
+def test_gpu_round_trip_identical_files(request, backend, place):
     """CUDA tensors through kvikio (GDS or compat) and through the pinned D2H pipeline: same
-    files as the CPU path; loads back on the GPU (device-side verify) and on the CPU."""
+    files as the CPU path, on the disk and on tmpfs (no preallocation: the file's aligned end is
+    the writer's to make); loads back on the GPU (device-side verify) and on the CPU."""
     _cuda_or_skip()
+    tmp_path = request.getfixturevalue("tmp_path" if place == "disk" else "shm_path")
     if backend == "kvikio":
         _kvikio_or_skip()
     sd = _state_dict("cuda")

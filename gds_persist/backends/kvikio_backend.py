@@ -51,7 +51,7 @@ from ..format import ALIGNMENT, align_up
 from .auto import KvikioFacts
 from .base import Backend
 from .buffers import AlignedBuffer
-from .posix import _O_DIRECT, open_fd, pread_all, pwrite_all, supports_o_direct
+from .posix import _O_DIRECT, open_fd, pread_all, pwrite_all, supports_o_direct, zero_pad_end
 
 log = logging.getLogger("gds_persist")
 
@@ -153,6 +153,7 @@ class KvikioHandle:
     direct: bool  # fd has O_DIRECT (aligned transfers only)
     cufile: Any = None  # kvikio.CuFile; None when cuFile could not open the file
     synced: set = field(default_factory=set)  # devices whose current stream was synchronized
+    device_end: int = 0  # end of the furthest cuFile write (exact lengths, no padding)
 
 
 class KvikioBackend(Backend):
@@ -257,6 +258,8 @@ class KvikioBackend(Backend):
             try:
                 done = handle.cufile.pwrite(buf, n, file_offset=offset).get()
                 if done == n:
+                    with self._lock:
+                        handle.device_end = max(handle.device_end, offset + n)
                     return
                 raise OSError(f"cuFile wrote {done} of {n} bytes")
             except Exception as e:  # noqa: BLE001 - any cuFile failure: POSIX from here on
@@ -278,6 +281,10 @@ class KvikioBackend(Backend):
         return self.bounce_read(handle, buf, offset)
 
     def sync(self, handle: KvikioHandle) -> None:
+        # cuFile wrote exact lengths: the alignment padding after the last one is not in the
+        # file where its size was not reserved (tmpfs), and the manifest records it
+        if handle.device_end:
+            zero_pad_end(handle.path, handle.fd, handle.direct, handle.device_end, ALIGN)
         os.fsync(handle.fd)
 
     def close(self, handle: KvikioHandle) -> None:
@@ -337,6 +344,7 @@ class KvikioBackend(Backend):
                     bounce.tensor[length:padded].zero_()
                     length = padded
                 pwrite_all(handle.fd, bounce.view[:length], offset + lo)
+            handle.device_end = max(handle.device_end, offset + n)  # unpadded without O_DIRECT
 
     def bounce_read(self, handle: KvikioHandle, tensor: Any, offset: int) -> int:
         """Read ``tensor.numel()`` bytes at ``offset`` into a tensor (any device) through the

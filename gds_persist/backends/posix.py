@@ -94,6 +94,27 @@ def open_fd(path: str, write: bool, size: int, flags: int = 0, create: bool = Tr
     return fd
 
 
+def zero_pad_end(path: str, fd: int, direct: bool, end: int, alignment: int = 4096) -> None:
+    """Make the file at least ``end`` rounded up to ``alignment`` bytes long, writing zeros after
+    ``end`` (the padding the plan leaves after the file's last extent), then nothing else.
+
+    A writer that sends exact extent lengths (kvikio from device memory) leaves the file ending
+    at ``end`` where nothing reserved its full size (tmpfs, which is not preallocated); the
+    manifest records the aligned size. Zeros are written, never ``ftruncate``: a rank writing
+    part of a shared file must not cut another rank's bytes. ``fd`` serves unless it is O_DIRECT
+    (``direct``), which takes no unaligned write; then ``path`` is opened for this one write.
+    """
+    target = -(-end // alignment) * alignment
+    if target == end or os.fstat(fd).st_size >= target:
+        return
+    out = os.open(path, os.O_WRONLY) if direct else fd
+    try:
+        pwrite_all(out, bytes(target - end), end)
+    finally:
+        if out != fd:
+            os.close(out)
+
+
 def pwrite_all(fd: int, data: Any, offset: int) -> None:
     """Write all of ``data`` (any buffer) at ``offset``, resuming after short writes."""
     view = memoryview(data).cast("B")

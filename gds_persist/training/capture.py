@@ -40,7 +40,7 @@ import torch
 
 from ..format.checksum import crc32c, crc32c_combine
 from ..state.flatten import Flattened
-from ..transfer.crc import device_crc32c_or_none
+from ..transfer.crc import device_crc32c_many
 from ..transfer.pipeline import byte_view
 
 # Unguarded storages up to this size are copied at every save: a copy costs about what its
@@ -126,9 +126,9 @@ class Capture:
 
 def fingerprints(storages: list[torch.UntypedStorage]) -> list[int]:
     """The CRC32C of each storage's bytes now (device storages: by the CRC kernel where it
-    runs, else through a host copy; either waits for the device's queued work). Host bytes are
-    cut in pieces of at most :data:`PIECE_BYTES`, checksummed in one batch per core (crc32c
-    releases the GIL; the training thread waits for this), and joined."""
+    runs, all in one batch, else through a host copy; either waits once for the device's queued
+    work). Host bytes are cut in pieces of at most :data:`PIECE_BYTES`, checksummed in one batch
+    per core (crc32c releases the GIL; the training thread waits for this), and joined."""
     return fingerprints_of([byte_view(s) for s in storages])
 
 
@@ -140,9 +140,12 @@ def fingerprints_of(views: list[torch.Tensor]) -> list[int]:
         if data.device.type == "cpu":
             host = data.numpy()
             pieces += [(k, host[at:at + PIECE_BYTES]) for at in range(0, len(host), PIECE_BYTES)]
-            continue
-        on_device = device_crc32c_or_none([data])
-        out[k] = on_device[0] if on_device is not None else crc32c(data.cpu().numpy())
+    # every device storage in one batch: one wait per device, not one per storage (a GPT's
+    # parameters and AdamW state are hundreds of storages)
+    cuda = [k for k, data in enumerate(views) if data.device.type != "cpu"]
+    for k, crc in zip(cuda, device_crc32c_many([views[k] for k in cuda]) if cuda else [],
+                      strict=True):
+        out[k] = crc
     batches = _batches([p for _, p in pieces], _pool()._max_workers)
     crcs = [c for batch in _pool().map(lambda b: [crc32c(p) for p in b], batches) for c in batch]
     first: set[int] = set()
