@@ -158,6 +158,9 @@ def _check(iteration_s: float, levels: list[Level], failures: LevelFailures,
 def _check_level(v: Level, budget: Endurance | None) -> None:
     kinds = DURABLE_KINDS if v.durable else LOCAL_KINDS
     where = "the durable level" if v.durable else f"level {v.name!r}"
+    if v.kind == "store" and not v.durable:
+        raise _bad(f"{where}: kind 'store' is the durable level's (an object store or shared "
+                   "directory): give it as the durable level (--durable), last")
     if v.kind not in kinds:
         raise _bad(f"{where}: unknown kind {v.kind!r}; use one of {', '.join(kinds)}")
     for what, value in (("stall", v.stall_s), ("restore", v.restore_s), ("flush", v.flush_s)):
@@ -241,19 +244,62 @@ def _intervals(iteration_s: float, needs: list[_Need]) -> tuple[list[int], list[
     caps = list(wants)  # nor sparser than a farther one
     for i in range(len(caps) - 2, -1, -1):
         caps[i] = min(caps[i], caps[i + 1])
-    every: list[int] = []
-    for i, n in enumerate(needs):
-        unit = every[-1] if every else 1
-        if n.rate == 0 and i + 1 < len(needs):
-            every.append(unit)  # none of its own: as often as the next level, settled below
-            continue
-        k = unit * max(_best_multiple(caps[i], unit * iteration_s, n),
-                       _at_least(lows[i], unit * iteration_s))
-        j = i
-        while j > 0 and needs[j - 1].rate == 0:  # the levels that follow this one
-            j -= 1
-        every[j:] = [k] * (i - j + 1)
-    return every, [_limit(i, n, needs, lows, wants, caps) for i, n in enumerate(needs)]
+    search = _Search(iteration_s, needs, lows, caps)
+    return search.every(), [_limit(i, n, needs, lows, wants, caps)
+                            for i, n in enumerate(needs)]
+
+
+_SEARCH = 256  # candidate multiples per level at most
+
+
+@dataclass
+class _Search:
+    """Whole, nested intervals: level by level, nearest first, the multiple of the nearer level's
+    interval whose completion (each farther level at its own best multiple) wastes least. A
+    level's waste is flat near its optimum, so moving it a little lets the farther ones nest
+    close to theirs. A level with no failures of its own takes the next one's interval."""
+
+    iteration_s: float
+    needs: list[_Need]
+    lows: list[float]
+    caps: list[float]
+
+    def every(self) -> list[int]:
+        rated = [i for i, n in enumerate(self.needs) if n.rate or i == len(self.needs) - 1]
+        chosen: list[int] = []
+        for pos, i in enumerate(rated):
+            unit = chosen[-1] if chosen else 1
+            best = self._multiple(i, unit)
+            low = _at_least(self.lows[i], unit * self.iteration_s)
+            span = range(max(low, math.floor(best / 1.5)), math.ceil(best * 1.5) + 1)
+            step = max(1, len(span) // _SEARCH)
+            chosen.append(unit * min({best, *span[::step]}, key=lambda m: self._waste(
+                rated, [*chosen, unit * m], pos + 1)))
+        return self._expand(rated, chosen)
+
+    def _multiple(self, i: int, unit: int) -> int:
+        unit_s = unit * self.iteration_s
+        return max(_best_multiple(self.caps[i], unit_s, self.needs[i]),
+                   _at_least(self.lows[i], unit_s))
+
+    def _expand(self, rated: list[int], chosen: list[int]) -> list[int]:
+        return [chosen[next(p for p, r in enumerate(rated) if r >= i)]
+                for i in range(len(self.needs))]
+
+    def _waste(self, rated: list[int], chosen: list[int], pos: int) -> float:
+        chosen = list(chosen)
+        for i in rated[pos:]:
+            chosen.append(chosen[-1] * self._multiple(i, chosen[-1]))
+        return sum(_waste(n, k * self.iteration_s)
+                   for n, k in zip(self.needs, self._expand(rated, chosen), strict=True))
+
+
+def _waste(n: _Need, interval_s: float) -> float:
+    """The fraction of wall time a level wastes: Daly's model, its stalls alone without
+    failures of its own."""
+    if not n.rate:
+        return n.level.stall_s / interval_s
+    return waste_fraction(interval_s, n.level.stall_s, n.mtbf_s, n.restart_s)
 
 
 def _limit(i: int, n: _Need, needs: list[_Need], lows: list[float], wants: list[float],
@@ -341,8 +387,7 @@ def _result(i: int, n: _Need, interval: float, every: int, limit: str, owners: d
         [c for c, owner in owners.items() if owner == i], n.mtbf_s if rated else None,
         young_interval(v.stall_s, n.mtbf_s) if rated else None,
         n.target_s if rated else None, limit, "",
-        waste_fraction(interval, v.stall_s, n.mtbf_s, n.restart_s) if rated else
-        v.stall_s / interval, v.copies, v.flush_s if v.durable else None,
+        _waste(n, interval), v.copies, v.flush_s if v.durable else None,
         n.floors.get("wear"))
     r.why = _why(limit, n)
     r.limited_by = limit.partition(":")[0]
@@ -368,7 +413,10 @@ def _level_lines(r: LevelResult) -> list[str]:
     recovers = (f"recovers {', '.join(_CLASS_NAMES[c] for c in r.recovers)} (MTBF "
                 f"{d(r.mtbf_s)})" if r.mtbf_s is not None else "recovers nothing of its own")
     lines = [_heading(r), f"  stall {d(r.stall_s)}, restore {d(r.restore_s)}; {recovers}"]
-    if r.young_interval_s is not None and r.daly_interval_s is not None:
+    if r.stall_s == 0:
+        lines.append(f"  no stall: as often as its floors allow; waste {100 * r.waste:.3f}% of "
+                     "wall time")
+    elif r.young_interval_s is not None and r.daly_interval_s is not None:
         lines.append(f"  Young sqrt(2CM) {d(r.young_interval_s)}, Daly "
                      f"{d(r.daly_interval_s)}; waste {100 * r.waste:.3f}% of wall time")
     else:

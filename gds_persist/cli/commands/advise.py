@@ -37,7 +37,8 @@ from ...advice.wear import Endurance, endurance
 from ...backends import choose_backend
 from ...backends.write_rate import PROBE_BYTES, PROBE_RUNS, write_rate
 
-HELP = "checkpoint intervals (Young/Daly): one level, or memory_every and drive_every with wear"
+HELP = ("checkpoint intervals (Young/Daly): one level, memory_every and drive_every, or every "
+        "level's (--level, --durable), with wear")
 _INTRO = ("From the time one checkpoint stalls training and the mean time between failures, "
           "print the optimal checkpoint interval (Young, Daly), the expected work lost per "
           "failure and the wasted fraction of wall time; with an iteration time, also what "
