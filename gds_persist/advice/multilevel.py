@@ -323,7 +323,8 @@ def _why(limit: str, need: _Need) -> str:
     label, _, other = limit.partition(":")
     v = need.level
     return {
-        "failures": "failures: Daly's optimum for its stall and the failures it recovers",
+        "failures": "failures: Daly's optimum for its stall and the failures it recovers, "
+                    "in whole iterations nested with the other levels",
         "iteration": "one iteration: Daly's optimum is shorter",
         "wear": f"wear floor: more often would write over the drive's endurance budget "
                 f"(Daly's optimum {format_duration(need.target_s)})",
