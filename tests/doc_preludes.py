@@ -353,6 +353,12 @@ assert gds_persist.verify("out/checkpoint-4").ok
         check="import torch\nfor step in (1, 2):\n"
               '    ckpt.save(step, {"frozen": torch.ones(1000), "step": step}).wait()\n'
               "assert ckpt.stats.bytes_referenced == 4000, ckpt.stats\nckpt.close()\n"),
+    ("docs/TRAINING.md", "advice = advise_multilevel(1.0, levels, LevelFailures("
+                         "process_mtbf_s=6 * 3600,"): Prelude(
+        check="tmpfs, durable = advice.levels\n"
+              "assert durable.interval_s >= 1800 and durable.limited_by == 'flush', durable\n"
+              "assert durable.every % tmpfs.every == 0 and tmpfs.limited_by == 'failures'\n"
+              "assert advice.recovered_from == {'process': 'tmpfs', 'replica_loss': 'durable'}\n"),
     # docs/OBJECT_STORE.md
     ("docs/OBJECT_STORE.md", 'gds_persist.save(state, "s3://my-bucket/run-7/step-100")'): Prelude(
         setup=LOCAL_S3,

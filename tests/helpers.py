@@ -8,6 +8,7 @@ import importlib.machinery
 import json
 import math
 import os
+import shlex
 import sys
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -294,3 +295,15 @@ def prefer_installed_kernels() -> None:
     """Install :class:`_InstalledKernels` once, ahead of the usual finders."""
     if not any(isinstance(f, _InstalledKernels) for f in sys.meta_path):
         sys.meta_path.insert(0, _InstalledKernels())
+
+
+def doc_command(doc: str, heading: str, first_output: str) -> tuple[list[str], str]:
+    """The first plain block after ``heading`` in ``doc`` (a path under the repository) that
+    shows ``$ gds-persist ...`` and what it printed: the command's argv (continuation lines
+    joined) and the printed text, which starts with ``first_output``."""
+    section = (_REPO / doc).read_text().split(heading, 1)[1]
+    block = section.split("```\n", 2)[1].split("```", 1)[0]
+    command, _, printed = block.partition("\n" + first_output)
+
+    return (shlex.split(command.removeprefix("$ gds-persist ").replace("\\\n", " ")),
+            first_output + printed)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import json
 import math
 import re
-import shlex
-from pathlib import Path
 
 import pytest
+from helpers import doc_command
 
 from gds_persist import cli
 from gds_persist.advice.interval import (
@@ -347,15 +346,14 @@ def test_cli_levels_needs_what_it_counts_and_costs(capsys):
     assert "give --mtbf (one level)" in capsys.readouterr().err
 
 
-def test_the_docs_example_is_what_advise_prints(capsys):
-    """docs/TRAINING.md's two-level example: the command and its output, verbatim."""
-    doc = (Path(__file__).resolve().parent.parent / "docs" / "TRAINING.md").read_text()
-    section = doc.split("## Choosing memory_every and drive_every", 1)[1]
-    block = section.split("```\n", 2)[1].split("```", 1)[0]
-    command, _, printed = block.partition("\n" + "iteration ")
-    argv = shlex.split(command.removeprefix("$ gds-persist ").replace("\\\n", " "))
+@pytest.mark.parametrize("heading", ["## Choosing memory_every and drive_every",
+                                     "## Choosing every level's interval"])
+def test_the_docs_example_is_what_advise_prints(heading, capsys):
+    """docs/TRAINING.md's examples of the two-level advice and of every level's interval: the
+    command and its output, verbatim."""
+    argv, printed = doc_command("docs/TRAINING.md", heading, "iteration ")
     assert cli.main(argv) == 0
-    assert capsys.readouterr().out == "iteration " + printed
+    assert capsys.readouterr().out == printed
 
 
 def test_cli_levels_measures_a_tier_write_rate(tmp_path, capsys):

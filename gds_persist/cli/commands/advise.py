@@ -10,6 +10,13 @@ Two levels, memory tier (+ replicas) and drive, with the drive's wear:
         --process-mtbf 8h --node-mtbf 1d --replica-loss-mtbf 30d \\
         --memory-cost 0.05 --replica-cost 0.2 --drive-gbps 3 --drive-dwpd 1 --drive-capacity 3.84TB
 
+Any number of levels, nearest first, then the durable level (the Checkpointer's root):
+
+    gds-persist advise --iteration-time 1 --params 13e9 --nodes 8 \\
+        --process-mtbf 6h --node-mtbf 1d --reboot-mtbf 3d --replica-loss-mtbf 30d \\
+        --level tmpfs:0.2:20s --level nvme:0.5:1m:drive:1 --durable 0:10m:30m \\
+        --drive-dwpd 1 --drive-capacity 3.84TB
+
 Durations: 90, 90s, 5m, 24h, 7d. Sizes: 182e9, 182GB, 1.5TiB.
 """
 
@@ -19,22 +26,26 @@ import argparse
 import json
 import sys
 import textwrap
+from dataclasses import replace
 
 from ... import settings
 from ...advice.interval import advise, describe
 from ...advice.levels import Failures, Tier, advise_levels, describe_levels, tier_bytes_per_node
+from ...advice.multilevel import FIX, Level, LevelFailures, advise_multilevel, describe_multilevel
 from ...advice.units import parse_duration, parse_size
 from ...advice.wear import Endurance, endurance
 from ...backends import choose_backend
 from ...backends.write_rate import PROBE_BYTES, PROBE_RUNS, write_rate
 
-HELP = "checkpoint intervals (Young/Daly): one level, or memory_every and drive_every with wear"
+HELP = ("checkpoint intervals (Young/Daly): one level, memory_every and drive_every, or every "
+        "level's (--level, --durable), with wear")
 _INTRO = ("From the time one checkpoint stalls training and the mean time between failures, "
           "print the optimal checkpoint interval (Young, Daly), the expected work lost per "
           "failure and the wasted fraction of wall time; with an iteration time, also what "
           "checkpointing every iteration costs. With failure rates per level (--process-mtbf, "
           "--node-mtbf, --replica-loss-mtbf), recommend the Checkpointer's memory_every and "
-          "drive_every instead (Young/Daly per level). With the checkpoint's size and the "
+          "drive_every instead (Young/Daly per level); with --level and --durable, every level's "
+          "interval. With the checkpoint's size and the "
           "drive's rating, either advice reports the drive's writes per day against its "
           "endurance and keeps within it.")
 DESCRIPTION = textwrap.fill(_INTRO, 90, break_on_hyphens=False) + "\n" + __doc__.split("\n", 1)[1]
@@ -65,6 +76,9 @@ def arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print the numbers as JSON")
     _level_arguments(p.add_argument_group(
         "memory tier and drive: memory_every and drive_every (Young/Daly per level)"))
+    _multi_arguments(p.add_argument_group(
+        "any number of levels: node-local levels nearest first, then the durable level "
+        "(the MTBFs above, and --reboot-mtbf)"))
     _wear_arguments(p.add_argument_group(
         "the checkpoint's size and the drive's wear, for either advice (endurance: "
         "--drive-tbw, or --drive-dwpd with --drive-capacity)"))
@@ -90,6 +104,21 @@ def _level_arguments(g: argparse._ArgumentGroup) -> None:
                            f"write rate into DIR ({_MEASURED}) and use it as --{tier}-gbps")
         g.add_argument(f"--restore-{tier}", help=f"time to restore from {tier} after a "
                        "failure (default 0)")
+
+
+def _multi_arguments(g: argparse._ArgumentGroup) -> None:
+    g.add_argument("--level", action="append", metavar="NAME:STALL:RESTORE[:KIND[:COPIES]]",
+                   help="a node-local level, nearest first (repeat it): the seconds one "
+                   "checkpoint stalls training, the restore time, KIND memory (tmpfs, RAM: the "
+                   "default) or drive (the node's NVMe: wear), COPIES on other nodes (default "
+                   "1), e.g. --level tmpfs:0.2:20s --level nvme:0.5:1m:drive:1")
+    g.add_argument("--durable", metavar="STALL:RESTORE:FLUSH[:KIND]",
+                   help="the durable level, last: its stall (about 0: flushed in the "
+                   "background), restore time, the flush time (its shortest interval), KIND "
+                   "store (an object store or shared directory: the default) or drive (a "
+                   "local drive: wear), e.g. --durable 0:10m:30m")
+    g.add_argument("--reboot-mtbf", help="MTBF of every node restarting (memory lost, drives "
+                   "kept): the nearest drive-backed level recovers it")
 
 
 def _wear_arguments(g: argparse._ArgumentGroup) -> None:
@@ -128,6 +157,11 @@ def _from_bench(path: str, mode: str) -> tuple[float, float, float]:
 
 def run(args: argparse.Namespace) -> int:
     try:
+        if args.level or args.durable:
+            return _run_multi(args)
+        if args.reboot_mtbf:
+            raise ValueError(f"--reboot-mtbf belongs to the advice per level: give the levels "
+                             f"(--level ..., --durable ...) too ({FIX})")
         if any(getattr(args, name) for name in LEVEL_MTBFS):
             return _run_levels(args)
         return _run_one(args)
@@ -290,3 +324,74 @@ def _run_levels(args: argparse.Namespace) -> int:
                      f"share); tmpfs room for 2 steps: {2 * tier / 1e9:.3g} GB")
     return _print(args, {**a.to_dict(), "measured_gbps": measured,
                          "memory_tier_bytes_per_node": tier}, rates + lines)
+
+
+def _spec(flag: str, text: str, fields: int) -> list[str]:
+    parts = text.split(":")
+    if not fields <= len(parts) <= fields + (2 if flag == "--level" else 1) or not all(parts):
+        form = ("NAME:STALL:RESTORE[:KIND[:COPIES]], e.g. --level nvme:0.5:1m:drive:1"
+                if flag == "--level" else "STALL:RESTORE:FLUSH[:KIND], e.g. --durable 0:10m:30m")
+        raise ValueError(f"{flag} {text!r}: write {form} ({FIX})")
+    return parts
+
+
+def _seconds(flag: str, text: str, what: str, value: str) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as e:
+        raise ValueError(f"{flag} {text!r}: {what}: {e}") from None
+
+
+def _levels_of(args: argparse.Namespace, node: float | None, drives: int, amplification: float
+               ) -> list[Level]:
+    """The levels as given: each ``--level`` spec, then ``--durable``; a drive-backed level's
+    flash bytes per checkpoint from the node's share (with its copies) when the size is known."""
+    if not args.durable:
+        raise ValueError("give the durable level last: --durable STALL:RESTORE:FLUSH[:KIND] "
+                         f"(the Checkpointer's root; e.g. --durable 0:10m:30m) ({FIX})")
+    levels = []
+    for text in args.level or []:
+        name, stall, restore, *rest = _spec("--level", text, 3)
+        copies = rest[1] if len(rest) > 1 else "1"
+        if not copies.isdigit():
+            raise ValueError(f"--level {text!r}: copies {copies!r} must be a whole number "
+                             f">= 0 ({FIX})")
+        levels.append(Level(name, _seconds("--level", text, "stall", stall),
+                            _seconds("--level", text, "restore", restore),
+                            rest[0] if rest else "memory", int(copies)))
+    stall, restore, flush, *kind = _spec("--durable", args.durable, 3)
+    levels.append(Level("durable", _seconds("--durable", args.durable, "stall", stall),
+                        _seconds("--durable", args.durable, "restore", restore),
+                        kind[0] if kind else "store", durable=True,
+                        flush_s=_seconds("--durable", args.durable, "flush", flush)))
+    if node is None:
+        return levels
+    return [replace(v, bytes_per_drive=(1 + v.copies) * node / drives * amplification)
+            if v.kind == "drive" else v for v in levels]
+
+
+def _run_multi(args: argparse.Namespace) -> int:
+    mixed = [f"--{n.replace('_', '-')}" for n in ("cost", "mtbf", "per_iteration_cost",
+                                                   "from_bench", *LEVEL_ONLY)
+             if getattr(args, n, None) not in (None, False)]
+    if mixed:
+        raise ValueError(f"{_belong(mixed)} to the one- or two-level advice; with --level "
+                         f"give each level's stall and restore in its spec ({FIX})")
+    if args.iteration_time is None:
+        raise ValueError("give --iteration-time: every level's interval counts iterations")
+    node, _, _, budget = _sizes(args)
+    amplification = 1.0 if args.write_amplification is None else args.write_amplification
+    levels = _levels_of(args, node, args.drives_per_node, amplification)
+    mtbf = [parse_duration(getattr(args, n)) if getattr(args, n) else float("inf")
+            for n in ("process_mtbf", "node_mtbf", "reboot_mtbf", "replica_loss_mtbf")]
+    a = advise_multilevel(parse_duration(args.iteration_time), levels, LevelFailures(*mtbf),
+                          budget=budget, wear_share=_share(args))
+    size = _checkpoint_bytes(args)
+    held = {} if size is None else {v.name: tier_bytes_per_node(size, args.nodes, v.copies)
+                                    for v in levels if not v.durable}
+    lines = describe_multilevel(a)
+    if held:
+        lines.append("per node, one step: " + ", ".join(
+            f"{n} {b / 1e9:.3g} GB" for n, b in held.items()) + " ((1 + copies) x checkpoint / "
+            f"{args.nodes} node(s), plus manifests); room for 2 steps at a time")
+    return _print(args, {**a.to_dict(), "bytes_per_node": held}, lines)
