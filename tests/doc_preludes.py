@@ -160,6 +160,7 @@ TWO_NODES_DONE = """
 if "DOC_PEER" not in os.environ:
     assert peer.wait(timeout=240) == 0, "the peer rank failed"
     shutil.rmtree(f"/dev/shm/ckpt/{os.environ['GDS_PERSIST_JOB']}", ignore_errors=True)
+    shutil.rmtree(f"/mnt/nvme/ckpt/{os.environ['GDS_PERSIST_JOB']}", ignore_errors=True)
 dist.destroy_process_group()
 """
 MEMORY_STEP_ONE = """

@@ -97,6 +97,19 @@ def _state_bytes(drive: str, step: int) -> int:
     return sum(e.length for e in manifest.extents)
 
 
+def test_a_reboot_of_every_node_restores_from_the_disk_level(job):
+    """Every tmpfs gone (the nodes rebooted), the disk level kept: every share from it, the
+    step of the disk level's interval (not the newer tmpfs steps)."""
+    first = job(resume=False, stop=7)
+    first.wait()
+    for rank in (0, 2):
+        shutil.rmtree(first.level_root(0, rank))
+    results = job(resume=True, stop=8).wait()
+    _check_restored(results, ["local"] * 4, step=6)
+    assert set(results[0]["restore_bytes"]) == {"local", "local replica"}  # nothing sent
+    _finished(results, 8)
+
+
 def test_a_flipped_byte_in_a_local_copy_is_caught_and_the_next_copy_used(job):
     first = job(resume=False, stop=8)
     first.wait()
