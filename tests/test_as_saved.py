@@ -6,6 +6,7 @@ the next step runs, and compares every checkpoint bit for bit with a copy taken 
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -142,7 +143,8 @@ def test_helper_process_writer_memory_tier_and_incremental_saves(
     if case != "memory-tier":
         run.check(lambda s: gds_persist.load(run.paths[s]))
         return
-    run.check(lambda s: gds_persist.load(run.paths[s]), [3, 6])  # the drive's steps
+    durable = os.path.join(ckpt.root, "step-{:08d}")  # the durable level's steps, flushed
+    run.check(lambda s: gds_persist.load(durable.format(s)), [3, 6])  # from the memory copies
     again = _checkpointer(tmp_path, **kwargs)  # the memory tier keeps the newest step
     run.check(lambda s: again.load(), [STEPS])
     assert again.restored_from == "memory"
