@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
 
 import gds_persist
 from gds_persist.training.tier.memory import job_name
@@ -196,3 +197,31 @@ def test_the_store_failing_mid_flush_leaves_the_previous_durable_step(job, s3, m
     for step in steps:  # every step listed is whole and exact
         assert digest(gds_persist.load(f"{url}/step-{step:08d}")) == REF[step]
     _finished(results, 13)
+
+
+# ---------------------------------------------------------------- one process
+
+
+def test_flush_now_and_no_last_flush_after_an_exception(tmp_path):
+    """``ckpt.flush()`` makes the newest local step durable at once; a ``with`` body that
+    raises closes without the last flush (other ranks may not be closing), the flush in flight
+    only."""
+    def levels() -> dict:
+        return {"levels": [gds_persist.LocalLevel(tmp_path / "shm", every=1),
+                           gds_persist.LocalLevel(tmp_path / "nvme", every=2)],
+                "drive_every": 100, "warmup": False}
+
+    state = {"w": torch.arange(1000, dtype=torch.float32)}
+    with gds_persist.Checkpointer(tmp_path / "durable", **levels()) as ckpt:
+        for step in range(1, 4):
+            ckpt.save(step, {**state, "step": step})
+        ckpt.flush()
+        assert ckpt.steps() == [3] and ckpt.stats.durable.last_step == 3
+        assert ckpt.stats.level_commits == {"local1": 3, "local2": 1}  # two on the disk
+    with pytest.raises(RuntimeError, match="the body failed"):
+        with gds_persist.Checkpointer(tmp_path / "durable", **levels()) as again:
+            again.save(4, {**state, "step": 4}, blocking=True)
+            raise RuntimeError("the body failed")
+    assert again.steps() == [3]  # step 4 stays local: it was not due
+    with gds_persist.Checkpointer(tmp_path / "durable", **levels()) as third:
+        assert third.load()["step"] == 4 and third.restored_from == "local1"

@@ -173,6 +173,7 @@ class Checkpointer(WriterThreads, Restoring):
         self._streams = DeviceStreams()
         self._workers = Workers(self._prepare)
         self._closed = False  # no new saves
+        self._no_last_flush = False  # closing after an exception: the flush in flight only
         self._helper = HelperProcess() if writer == "process" else None
         if self._helper is not None:
             self._helper.start()  # it imports torch while training starts
@@ -423,7 +424,10 @@ class Checkpointer(WriterThreads, Restoring):
             self._tiers.stop_flusher(0.5)
             raise
         self._stop_threads(join_s=self.timeout_s)
-        self._tiers.finish_flush(self.timeout_s if timeout is None else timeout, final=True)
+        if self._no_last_flush:
+            self._tiers.stop_flusher(self.timeout_s if timeout is None else timeout)
+        else:
+            self._tiers.finish_flush(self.timeout_s if timeout is None else timeout, final=True)
         self._tiers.join_heal()
         self._pending.raise_undelivered()
 
@@ -435,6 +439,7 @@ class Checkpointer(WriterThreads, Restoring):
             self.close()
             return
         try:  # the body's exception wins; a background error is logged and attached to it
+            self._no_last_flush = True  # other ranks may not be closing: no collective now
             self.close()
         except Exception as bg:  # noqa: BLE001
             log.error("gds_persist.Checkpointer(%s): %s: %s", self.root, type(bg).__name__, bg)
