@@ -215,6 +215,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for given in (args.dir, args.memory_dir):  # made if missing, as bench_io.py does
         if given:
             os.makedirs(given, exist_ok=True)
+    # absolute: the ranks meet at a file:// URL, where a relative path would be read as a host
+    args.dir, args.memory_dir = (os.path.abspath(d) if d else d
+                                 for d in (args.dir, args.memory_dir))
     dirs = {c: (tempfile.mkdtemp(prefix=f"gds_persist-bench-recovery-{c}-", dir=args.dir),
                 tempfile.mkdtemp(prefix=f"gds_persist-bench-recovery-{c}-", dir=args.memory_dir))
             for c in args.configs}
@@ -233,10 +236,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         for _ in range(args.rounds):
             for config, (base, mem) in dirs.items():
                 restart = functools.partial(_restart, base, mem, width, args.timeout, args.into)
+                floor = functools.partial(memory_floor.measure, size=size, ranks=RANKS,
+                                          into=args.into, rounds=1)
                 rounds[config].append(
                     run_round(base, mem, width, args.cache, args.timeout, args.into, size)
                     if config == "tier" else
-                    recovery_levels.run_round(base, mem, args.cache, restart, _warm_libraries))
+                    recovery_levels.run_round(base, mem, args.cache, restart, _warm_libraries,
+                                              floor))
     finally:
         for base, mem in dirs.values():
             shutil.rmtree(base, ignore_errors=True)

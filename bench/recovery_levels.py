@@ -54,13 +54,15 @@ def train(base: str, mem: str, width: int, timeout: float) -> dict[str, Any]:
 
 
 def run_round(base: str, mem: str, cache: str, restart: Callable[..., dict[str, Any]],
-              warm: Callable[[], None]) -> dict[str, dict[str, Any]]:
+              warm: Callable[[], None], floor: Callable[[str], float]
+              ) -> dict[str, dict[str, Any]]:
     """One restart after node n1's loss (``peers``), one with every node-local directory gone
-    (``durable``, the page cache emptied first); the directories are put back after."""
+    (``durable``, the page cache emptied first), and ``floor(mem)`` beside them (the least a
+    restore from a tmpfs does); the directories are put back after."""
     kw = {"levels": LEVELS, "drive_every": DRIVE_EVERY}
     for d in level_dirs(base, mem, "n1").values():
         shutil.rmtree(d, ignore_errors=True)  # node n1 lost (healed, where it is, by the restore)
-    out = {"peers": restart(**kw)}
+    out = {"peers": restart(**kw), "floor": {"restore_s": floor(mem)}}
     away = [d for node in NODE_NAMES for d in level_dirs(base, mem, node).values()
             if os.path.isdir(d)]
     for d in away:
@@ -98,11 +100,16 @@ def table(out: dict[str, dict[str, Any]], trained: dict[str, Any], size: int,
              row("peers", peers, size, f"{peers['x_durable_restore_s']:.1f}x")
              + f"; n1's copies rewritten by the restore: {peers['healed_n1']:g}"]
     lines.append(row("durable", out["durable"], size, "-"))
+    floor = out["levels_floor"]
+    lines.append(f"{'floor':<8} {'':>16} {floor['restore_s']:>8.3f}s "
+                 f"{size / floor['restore_s'] / 1e9:>10.2f} {floor['x_durable_restore_s']:>8.1f}x"
+                 "  the least a restore from the tmpfs does (bench/memory_floor.py)")
     met = "met" if peers["x_durable_restore_s"] >= LEVEL_TARGET else "NOT met"
     rounds = ", ".join(f"{x:.1f}" for x in peers["x_durable_restore_s_rounds"])
     lines.append(f"target peers >= {LEVEL_TARGET:g}x the cold durable restore: restore "
                  f"{peers['x_durable_restore_s']:.1f}x (rounds {rounds}), start->restored "
-                 f"{peers['x_durable_start_to_restored_s']:.1f}x ({met})")
+                 f"{peers['x_durable_start_to_restored_s']:.1f}x ({met}); at most "
+                 f"{floor['x_durable_restore_s']:.1f}x on this machine (the floor)")
     for node, kinds in trained["bytes_per_node"].items():
         lines.append(f"level bytes on {node}: " + ", ".join(
             f"{kind} {n / 2**20:.1f} MiB = {n / size:.3f}x the state" for kind, n in kinds.items())
@@ -119,4 +126,7 @@ def medians_of(rounds: list[dict[str, dict[str, Any]]],
     out = medians(rounds, LEVEL_SOURCES)
     summarize(out)
     out["peers"]["healed_n1"] = statistics.median(r["peers"].get("healed", 0) for r in rounds)
+    floor = statistics.median(r["floor"]["restore_s"] for r in rounds)
+    out["levels_floor"] = {"restore_s": floor,
+                           "x_durable_restore_s": out["durable"]["restore_s"] / floor}
     return out
