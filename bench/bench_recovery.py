@@ -43,6 +43,7 @@ times faster than the drive a memory restore can be on this machine.
     python bench/bench_recovery.py                  # 256 MiB per rank
     python bench/bench_recovery.py --into           # restored in place into the live state
     python bench/bench_recovery.py --size 2GiB      # needs about 8 x size of free memory
+    python bench/bench_recovery.py --configs levels # node loss: peers vs the durable level
     python bench/bench_recovery.py --tiny           # smoke test
 """
 
@@ -115,17 +116,9 @@ def run_round(base: str, mem: str, width: int, cache: str, timeout: float, into:
     out["floor"] = {"restore_s": memory_floor.measure(mem, size, RANKS, into, rounds=1)}
     shutil.rmtree(nodes[1])  # node n1 lost; the replica restore heals it
     out["replica"] = _restart(base, mem, width, timeout, into)
-    for n in nodes:
-        os.rename(n, n + ".away")
-    try:
-        how, _ = machine.drop_page_cache([os.path.join(base, "drive")], cache)
-        if how == "drop_caches":
-            _warm_libraries()
-        out["drive"] = _restart(base, mem, width, timeout, into)
-        out["drive"]["cache"] = how
-    finally:
-        for n in nodes:
-            os.rename(n + ".away", n)
+    out["drive"] = recovery_levels.cold_restart(
+        base, nodes, cache, functools.partial(_restart, base, mem, width, timeout, into),
+        _warm_libraries)
     return out
 
 

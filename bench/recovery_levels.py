@@ -11,6 +11,7 @@ one copy on the other node, and flushes the durable level (``base/drive``) from 
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import statistics
@@ -63,21 +64,28 @@ def run_round(base: str, mem: str, cache: str, restart: Callable[..., dict[str, 
     for d in level_dirs(base, mem, "n1").values():
         shutil.rmtree(d, ignore_errors=True)  # node n1 lost (healed, where it is, by the restore)
     out = {"peers": restart(**kw), "floor": {"restore_s": floor(mem)}}
-    away = [d for node in NODE_NAMES for d in level_dirs(base, mem, node).values()
-            if os.path.isdir(d)]
+    gone = [d for node in NODE_NAMES for d in level_dirs(base, mem, node).values()]
+    out["durable"] = cold_restart(base, gone, cache, functools.partial(restart, **kw), warm)
+    return out
+
+
+def cold_restart(base: str, gone: list[str], cache: str, restart: Callable[[], dict[str, Any]],
+                 warm: Callable[[], None]) -> dict[str, Any]:
+    """``restart()`` with the directories ``gone`` moved away and the page cache of the drive
+    (``base/drive``) emptied (``warm``: read the libraries back after a global drop); the
+    directories are put back after, in place of what the restart made there."""
+    away = [d for d in gone if os.path.isdir(d)]
     for d in away:
         os.rename(d, d + ".away")
     try:
         how, _ = machine.drop_page_cache([os.path.join(base, "drive")], cache)
         if how == "drop_caches":
             warm()
-        out["durable"] = restart(**kw)
-        out["durable"]["cache"] = how
+        return {**restart(), "cache": how}
     finally:
         for d in away:
-            shutil.rmtree(d, ignore_errors=True)  # what the durable restart made there
+            shutil.rmtree(d, ignore_errors=True)
             os.rename(d + ".away", d)
-    return out
 
 
 def summarize(out: dict[str, dict[str, Any]]) -> None:
