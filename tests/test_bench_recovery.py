@@ -25,5 +25,16 @@ def test_bench_recovery_tiny(tmp_path, capsys):
     assert "\nfloor " in text and results["floor"]["restore_s"] > 0  # measured beside them
     assert "at most" in text
     assert "tier per node after training" in text and len(report["tier_bytes_per_node"]) == 2
+    # the levels configuration: node n1 lost, then every node-local directory (a fresh job)
+    nearest, _, lost, _ = results["peers"]["sources"]  # n0's level ("local" on this tmp_path)
+    assert nearest not in ("replica", "drive") and lost == "replica"
+    assert results["durable"]["sources"] == ["drive"] * 4
+    assert results["durable"]["cache"] == "fadvise" and results["peers"]["x_durable_restore_s"] > 0
+    assert "target peers >= 1.5x the cold durable restore" in text and "\nfloor " in text
+    assert results["levels_floor"]["restore_s"] > 0
+    held = report["levels_trained"]["bytes_per_node"]
+    assert sorted(held) == ["n0", "n1"] and all(n["tmpfs"] > 0 and n["disk"] > 0
+                                                for n in held.values())
+    assert "level bytes on n1: tmpfs" in text and report["levels_trained"]["flush"]["flushed"]
     assert json.loads(out.read_text())["results"].keys() == results.keys()
     assert os.listdir(drive) == [] and os.listdir(mem) == []  # everything it wrote is removed

@@ -43,6 +43,18 @@ def test_bench_train_tiny(tmp_path, capsys):
     assert os.listdir(tmp_path) == ["bench.json"]  # its checkpoints are removed
 
 
+def test_bench_train_levels_flush_during_the_timed_iterations(tmp_path, capsys):
+    bench = _bench_module()
+    report = bench.main(["--tiny", "--dir", str(tmp_path), "--modes", "gds_snapshot,gds_levels",
+                         "--drive-every", "1", "--local-every", "1"])
+    text = capsys.readouterr().out
+    levels = report["results"]["gds_levels"]
+    assert levels["level_commits"] == {"memory": 2, "local": 2}  # both timed iterations
+    assert levels["flushed_with_close"] >= 1 and levels["flush_failures"] == 0
+    assert "flushes to the durable root" in text and "gds_levels - gds_snapshot: " in text
+    assert os.listdir(tmp_path) == []
+
+
 @pytest.mark.parametrize("variant", ["batchnorm", "frozen"])
 def test_bench_train_variants_pair_the_capture_with_it_switched_off(tmp_path, capsys, variant):
     bench = _bench_module()
