@@ -340,6 +340,21 @@ class FlushStats:
     failed_step: int | None = None
 
 
+BACKGROUND_NICE = 10  # how much lower the flush's threads run than training's
+
+
+def _yield_cores() -> None:
+    """Lower this thread's CPU priority (Linux: nice is per thread, and the I/O threads it
+    starts inherit it), so that a flush takes the cores training leaves idle rather than
+    stretching its iterations; where that is not allowed, it runs as it is."""
+    try:
+        tid = threading.get_native_id()
+        os.setpriority(os.PRIO_PROCESS, tid,
+                       min(19, os.getpriority(os.PRIO_PROCESS, tid) + BACKGROUND_NICE))
+    except (OSError, AttributeError):
+        pass
+
+
 class Flusher:
     """Flushes steps one at a time on a thread of its own, with a process group of its own
     (``background_group``: the training thread's collectives never pair with its own), each
@@ -418,6 +433,7 @@ class Flusher:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
+        _yield_cores()
         while (job := self._jobs.get()) is not None:
             try:
                 self._flush(*job)
