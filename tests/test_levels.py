@@ -225,3 +225,28 @@ def test_flush_now_and_no_last_flush_after_an_exception(tmp_path):
     assert again.steps() == [3]  # step 4 stays local: it was not due
     with gds_persist.Checkpointer(tmp_path / "durable", **levels()) as third:
         assert third.load()["step"] == 4 and third.restored_from == "local1"
+
+
+def test_a_step_no_level_has_room_for_waits_for_the_flush_and_stays_latest(tmp_path, monkeypatch):
+    """Step 5 finds no room in any level and goes to the durable level from the state: the
+    flush in flight ends first and the queued older step is dropped, so no flush publishes an
+    older step after it (whose retention would remove step 5)."""
+    from gds_persist.training import tiers
+
+    real = tiers.lacks_room
+    full = {"step": None}
+    monkeypatch.setattr(tiers, "lacks_room", lambda *a: (
+        "no room (this test)" if full["step"] else real(*a)))
+    state = {"w": torch.arange(200_000, dtype=torch.float32)}
+    with gds_persist.Checkpointer(tmp_path / "durable", warmup=False, drive_every=2, levels=[
+            gds_persist.LocalLevel(tmp_path / "shm")]) as ckpt:
+        for step in range(1, 5):
+            ckpt.save(step, {**state, "step": step})
+        ckpt.wait()
+        full["step"] = 5
+        h = ckpt.save(5, {**state, "step": 5}, blocking=True)
+        full["step"] = None
+        assert h.path == str(tmp_path / "durable" / "step-00000005")
+        assert ckpt.latest_step() == 5 and ckpt.stats.memory_fallbacks == 1
+    assert ckpt.latest_step() == 5 and 5 in ckpt.steps()
+    assert gds_persist.load(h.path)["step"] == 5

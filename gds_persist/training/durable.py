@@ -110,6 +110,16 @@ class DurableFlushes:
         self.queued, self.current, self._failed_anywhere = None, step, False
         self.flusher.start(step, self._share_dirs(step))
 
+    def yield_to_a_save(self, step: int, timeout: float) -> None:
+        """Before ``step`` is written to the durable level from the state (no level had room):
+        the flush in flight ends first, and a queued older step is dropped, so that no flush
+        publishes a step older than the one saved (its retention would remove the newer)."""
+        self.flusher.join(timeout)
+        if self.queued is not None and self.queued <= step:
+            with self._lock:
+                self._stats.flush_skipped += 1
+            self.queued = None
+
     # ------------------------------------------------------------ flush now, stop
 
     def finish(self, timeout: float, final: bool) -> None:

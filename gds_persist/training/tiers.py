@@ -238,6 +238,8 @@ class Tiers:
         if local and not written:  # every level lacked room: the drive, from the state
             from_state = True
         if from_state:
+            if self.durable is not None:  # one writer of the durable level at a time
+                self.durable.yield_to_a_save(step, self._timeout_s)
             job.tiers = (*job.tiers, "drive") if not due else job.tiers
             job.handle.path = _steps.step_path(self.root, step)
             return self._write_drive(job)
