@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -171,29 +172,31 @@ def s3() -> Iterator[object]:
 
 
 def test_the_store_failing_mid_flush_leaves_the_previous_durable_step(job, s3, monkeypatch):
-    """The endpoint dies during step 8's flush: that flush fails (bounded retries) while the
-    ranks train on, nothing of step 8 is committed, and once the store is back the next flush
-    commits; every durable step is whole and exact."""
+    """The endpoint dies during the first flush of step 8 or later: that flush fails (bounded
+    retries) while the ranks train on, nothing of it is committed, and once the store is back
+    the next flush commits; every durable step is whole and exact."""
     monkeypatch.setenv("GDS_PERSIST_OBJECT_ATTEMPTS", "2")
     url = f"s3://levels/run-{time.time_ns()}"
     go = os.path.join(job.args[0], "go")
     running = job(resume=False, stop=13, drive=url, flush=True, hold=[10, go],
-                  kill_in_flush=[s3.relay.pid, 8])  # the endpoint dies during step 8's flush
+                  kill_in_flush=[s3.relay.pid, 8])
     deadline = time.monotonic() + 120
-    while " failed 1\n" not in running.log(0) and time.monotonic() < deadline:
-        time.sleep(0.05)  # training holds before step 10 until the flush has given up
-    assert s3.relay.poll() is not None, "the relay was not killed during step 8's flush"
-    assert "flushed 4 failed 1\n" in running.log(0), running.log(0)[-3000:]
+    while "holding: " not in running.log(0) and time.monotonic() < deadline:
+        time.sleep(0.05)  # before step 10 every rank flushes step 9 itself, then holds
+    held = re.search(r"holding: flushed (\w+) failed (\d+)\n", running.log(0))
+    assert held, running.log(0)[-3000:]
+    assert s3.relay.poll() is not None, "the relay was not killed during a flush"
+    assert held.group(1) == "4" and int(held.group(2)) >= 1, held.group(0)  # nothing after 4
     s3.relay = None
     s3.start_relay()  # the store is back: the next flush commits
     open(go, "w").close()
     results = running.wait()
     flush = results[0]["flush"]
     print(f"rank 0's flushes: {flush}")
-    assert flush["failures"] == 1 and flush["failed_step"] == 8, flush
+    assert flush["failures"] >= 1 and flush["failed_step"] in (8, 9), flush
     assert all(r["flush"]["last_step"] == 13 for r in results), running.log(0)[-4000:]
     steps = gds_persist.Checkpointer(url, warmup=False).steps()
-    assert steps[-1] == 13 and len(steps) == 2 and 8 not in steps, steps  # keep_last=2
+    assert steps[-1] == 13 and len(steps) == 2, steps  # keep_last=2
     for step in steps:  # every step listed is whole and exact
         assert digest(gds_persist.load(f"{url}/step-{step:08d}")) == REF[step]
     _finished(results, 13)

@@ -123,15 +123,15 @@ def _kill_in_replication(rank: int, step: int) -> None:
 
 
 def _kill_in_flush(pid: int, step: int) -> None:
-    """SIGKILL process ``pid`` (the object store's endpoint) once the flush of ``step`` has
-    written its first bytes."""
+    """SIGKILL process ``pid`` (the object store's endpoint) once a flush of ``step`` or later
+    has written its first bytes."""
     from gds_persist.training.tier import flush
 
     original = flush.flush_step
 
     def killing(comm: Any, share_dirs: list[str], path: str, s: int, *args: Any) -> Any:
         def progress(_: int) -> None:
-            if s == step:
+            if s >= step:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -142,8 +142,12 @@ def _kill_in_flush(pid: int, step: int) -> None:
 
 
 def _hold(ckpt: Any, until: str, timeout: float = 120) -> None:
-    """Training pauses until the file ``until`` exists (the test's go), saying what the durable
-    level's flushes did meanwhile."""
+    """Training pauses until the file ``until`` exists (the test's go), having flushed the
+    newest local step (``ckpt.flush()``: a failure is counted, not raised), saying what the
+    durable level's flushes did."""
+    ckpt.flush()
+    durable = ckpt.stats.durable
+    os.write(1, f"holding: flushed {durable.last_step} failed {durable.failures}\n".encode())
     said, deadline = "", time.monotonic() + timeout
     while not os.path.exists(until) and time.monotonic() < deadline:
         durable = ckpt.stats.durable
