@@ -159,11 +159,6 @@ class Tiers:
                         config.process_group)
 
     @property
-    def memory(self) -> MemoryStore | None:
-        """The nearest node-local level's directory (None without levels)."""
-        return self.levels[0].store if self.levels else None
-
-    @property
     def memory_every(self) -> int:
         return self.levels[0].spec.every if self.levels else 1
 
