@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,6 +46,7 @@ from ..format.hashing import content_hash
 from ..stages import stage
 from .crc import device_crc32c_many
 from .cuda_copy import copier_for
+from .file_queues import run_by_file
 from .hashing import hash_pieces
 from .pipeline import FilePipeline, interleave
 from .staging import AlignedBuffer
@@ -161,31 +161,32 @@ class UnitWriter(FilePipeline):
     # ------------------------------------------------------------------ the jobs
 
     def _run(self, files: list[_File]) -> None:
-        """Every file's units, round-robin over the files, each file's in its given order; small
-        units are batched (:meth:`_batches`)."""
+        """Every file's units, each file's in its given order, every I/O thread keeping to a file
+        of its own (:mod:`.file_queues`); small units are batched (:meth:`_batches`)."""
         device_write = self._device_write_ok(files)
-        per_file = [[[k] for k in f.units] if device_write else self._batches(f) for f in files]
-        jobs = interleave([(f, ks) for ks in batches]
-                          for f, batches in zip(files, per_file, strict=True))
+        per_file = [[(f, ks) for ks in ([[k] for k in f.units] if device_write
+                                        else self._batches(f))] for f in files]
         if device_write:
-            self._device_crcs = dict(zip(
-                [ks[0] for _, ks in jobs],
-                device_crc32c_many([self._piece(ks[0]) for _, ks in jobs]) if jobs else [],
-                strict=True))
-        ahead = self._start_hashing_ahead([k for _, ks in jobs for k in ks])
+            firsts = [ks[0] for queue in per_file for _, ks in queue]
+            self._device_crcs = dict(zip(firsts, device_crc32c_many(
+                [self._piece(k) for k in firsts]) if firsts else [], strict=True))
+        ahead = self._start_hashing_ahead(
+            [k for _, ks in interleave(per_file) for k in ks])
         try:
-            self.run_requests(jobs, lambda job: self._submit(*job, device_write),
-                              f"writing {files[0].path if files else ''}")
+            run_by_file(self.pool, self.pool._max_workers, per_file,
+                        lambda job: self._run_job(*job, device_write), self.timeout_s,
+                        f"writing {files[0].path if files else ''}")
         finally:
             ahead.stop()
 
-    def _submit(self, f: _File, ks: list[int], device_write: bool) -> Future[None]:
+    def _run_job(self, f: _File, ks: list[int], device_write: bool) -> None:
         """The job that writes units ``ks``: straight from the device, one unit, or a batch."""
         if device_write:
-            return self.pool.submit(self._from_device, f, ks[0])
-        if len(ks) == 1 and self._units[ks[0]].length >= BATCH_BELOW:
-            return self.pool.submit(self._job, f, ks[0])
-        return self.pool.submit(self._batch, f, ks)
+            self._from_device(f, ks[0])
+        elif len(ks) == 1 and self._units[ks[0]].length >= BATCH_BELOW:
+            self._job(f, ks[0])
+        else:
+            self._batch(f, ks)
 
     def _start_hashing_ahead(self, queue: list[int]) -> _HashAhead:
         """Hash the host units at the back of the job queue while the I/O threads work on its

@@ -38,6 +38,7 @@ from ..settings import Settings
 from ..stages import stage
 from .crc import device_crc32c_many, device_crc32c_or_none
 from .cuda_copy import StreamCopier, copier_for
+from .file_queues import run_by_file
 from .pipeline import (
     FilePipeline,
     PieceCrc,
@@ -130,9 +131,27 @@ class FileWriter(FilePipeline):
         if copier is not None:
             for f in files:
                 _checksum_on_device(f, sources)
-        requests = interleave([(f, seg) for seg in self._segments(f, hosts)] for f in files)
-        self.run_requests(requests, lambda r: self._submit(r[0], r[1], sources, hosts, copier),
-                          f"writing {files[0].path}")
+        per_file = [[(f, seg) for seg in self._segments(f, hosts)] for f in files]
+        what = f"writing {files[0].path}"
+        if copier is None:  # host bytes: every thread keeps to a file of its own
+            run_by_file(self.pool, self.pool._max_workers, per_file,
+                        lambda r: self._write_host(r[0], r[1], hosts, sources),
+                        self.timeout_s, what)
+            return
+        # CUDA bytes: the submitting thread queues each buffer's copies as far ahead as the
+        # ring holds, so requests are submitted in order (interleaved over the files)
+        self.run_requests(interleave(per_file),
+                          lambda r: self._submit(r[0], r[1], sources, hosts, copier), what)
+
+    def _write_host(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None],
+                    sources: Sequence[torch.Tensor]) -> None:
+        """One request of host bytes, on the calling I/O thread."""
+        if seg.direct:
+            self._write_direct(f, seg, hosts, sources)
+            return
+        with stage("wait for a staging buffer"):
+            buf = self.ring.acquire()  # type: ignore[union-attr]
+        self._write_buffer(buf, f, seg, hosts, [])
 
     def _segments(self, f: _OpenFile, hosts: Sequence[np.ndarray | None]) -> list[Segment]:
         align = self.backend.host_alignment
