@@ -10,7 +10,10 @@ I/O threads, one file each (opened and reserved exactly as the engine opens its 
 fsynced: no checksum, no staging copy. Its read is the same files read back with O_DIRECT into
 that memory. :class:`AlignedLimit` is the measurement (``bench_io.py`` runs it beside fio in
 every repetition, the "x limit" column); run as a script it pairs it with ``gds_persist.save``
-in ABBA order and prints both. See docs/BENCHMARK.md "The aligned-writer limit".
+in ABBA order and prints both, and beside them the **checksummed writer**: the same writes, each
+request's CRC32C taken first on its thread (what a save that verifies its bytes cannot skip),
+the bound where the CPU, not the drive, is the limit (tmpfs on few cores). See docs/BENCHMARK.md
+"The aligned-writer limit".
 
 Importing this module does nothing; :func:`main` runs the script.
 """
@@ -31,6 +34,7 @@ if __package__ in (None, ""):  # run as a script: make the repository root impor
 import torch  # noqa: E402
 
 from gds_persist.backends.posix import open_fd, pread_all, pwrite_all  # noqa: E402
+from gds_persist.format import crc32c  # noqa: E402
 
 PAGE = 4096
 
@@ -48,8 +52,9 @@ class AlignedLimit:
     ``write()`` writes part k to its own file with O_DIRECT from one thread and fsyncs it."""
 
     def __init__(self, directory: str, tensors: list[torch.Tensor], jobs: int,
-                 block_bytes: int = 16 << 20, o_direct: bool = True):
+                 block_bytes: int = 16 << 20, o_direct: bool = True, checksum: bool = False):
         self.directory = directory
+        self.checksum = checksum  # CRC32C of every request before its write
         self.jobs = max(1, jobs)
         self.block = block_bytes
         self.flags = os.O_DIRECT if o_direct and hasattr(os, "O_DIRECT") else 0
@@ -100,6 +105,8 @@ class AlignedLimit:
                 for a in range(lo, hi, self.block):
                     part = view[a : min(a + self.block, hi)]
                     if write:
+                        if self.checksum:
+                            crc32c(part)
                         pwrite_all(fd, part, a - lo)
                     else:
                         pread_all(fd, part, a - lo)
@@ -152,7 +159,7 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
     sd = make_state_dict(args.size, seed=0)
     tensors = [t for _, t in iter_tensors(sd)]
     jobs = gds_persist.settings.current().io_threads
-    times: dict[str, list[float]] = {"limit": [], "save": []}
+    times: dict[str, list[float]] = {"limit": [], "checksummed": [], "save": []}
     with work_directory(args.dir, "limit-") as workdir:
         limit = AlignedLimit(workdir, tensors, jobs, gds_persist.settings.current().block_bytes,
                              o_direct=supports_o_direct(workdir)[0])
@@ -165,25 +172,35 @@ def main(argv: list[str] | None = None) -> dict[str, list[float]]:
 
         def once(which: str) -> None:
             os.sync()
-            s = limit.write().seconds if which == "limit" else save()
+            limit.checksum = which == "checksummed"
+            s = save() if which == "save" else limit.write().seconds
             times[which].append(s)
             limit.cleanup()
             _remove(target)
-            print(f"  {which:<6} {limit.nbytes / s / 1e9:6.2f} GB/s", flush=True)
+            print(f"  {which:<11} {limit.nbytes / s / 1e9:6.2f} GB/s", flush=True)
 
-        once("limit")  # warm-up (not kept)
-        once("save")
-        times = {"limit": [], "save": []}
+        order = ("limit", "checksummed", "save")
+        for which in order:  # warm-up (not kept)
+            once(which)
+        times = {which: [] for which in order}
         for r in range(args.runs):
-            for which in (("limit", "save") if r % 2 == 0 else ("save", "limit")):
+            for which in (order if r % 2 == 0 else order[::-1]):
                 once(which)
         limit.close()
-    ratios = [lim / s for lim, s in zip(times["limit"], times["save"], strict=True)]
-    print(f"{limit.tool}: median {limit.nbytes / statistics.median(times['limit']) / 1e9:.2f} "
-          f"GB/s; save median {limit.nbytes / statistics.median(times['save']) / 1e9:.2f} GB/s; "
-          f"save / limit per pair {', '.join(f'{r:.2f}' for r in ratios)} "
-          f"(median {statistics.median(ratios):.2f})")
+    _report(limit, times)
     return times
+
+
+def _report(limit: AlignedLimit, times: dict[str, list[float]]) -> None:
+    def rate(which: str) -> str:
+        return f"{limit.nbytes / statistics.median(times[which]) / 1e9:.2f} GB/s"
+
+    print(f"{limit.tool}: median {rate('limit')}; checksummed writer {rate('checksummed')}; "
+          f"save median {rate('save')}")
+    for bound in ("limit", "checksummed"):
+        ratios = [b / s for b, s in zip(times[bound], times["save"], strict=True)]
+        print(f"save / {bound} per pair {', '.join(f'{r:.2f}' for r in ratios)} "
+              f"(median {statistics.median(ratios):.2f})")
 
 
 def _remove(path: str) -> None:

@@ -194,10 +194,12 @@ def test_bench_limit_pairs_the_aligned_writer_with_save(tmp_path, capsys):
     from bench import bench_limit
 
     times = bench_limit.main(["--size", "2MiB", "--runs", "2", "--dir", str(tmp_path)])
-    assert len(times["limit"]) == len(times["save"]) == 2 and min(times["limit"]) > 0
+    assert len(times["limit"]) == len(times["checksummed"]) == len(times["save"]) == 2
+    assert min(times["limit"]) > 0 and min(times["checksummed"]) > 0
     printed = capsys.readouterr().out
     assert "aligned writer (O_DIRECT pwrite" in printed or "buffered+fsync" in printed
-    assert "save / limit per pair" in printed
+    assert "save / limit per pair" in printed and "save / checksummed per pair" in printed
+    assert "checksummed writer" in printed
     assert not [p for p in tmp_path.rglob("*") if p.is_file()]  # its files and checkpoints gone
 
 
