@@ -57,10 +57,9 @@ def test_each_thread_keeps_to_a_file_of_its_own() -> None:
     with ThreadPoolExecutor(4) as pool:
         run_by_file(pool, 4, queues, w.run, 10, "test")
     assert sorted(w.ran) == sorted(r for q in queues for r in q)  # every request once
-    assert max(w.most.values()) == 1  # never two threads on one file
+    # two threads on one file only once a file is done (its thread then helps another)
+    assert all(t >= min(w.ended.values()) for t in w.shared_at), (w.shared_at, w.ended)
     assert w.files_at_once >= 2  # and the files were written at once
-    for f in range(4):  # each file's requests in their order
-        assert [j for g, j in w.ran if g == f] == list(range(12))
 
 
 def test_threads_share_a_file_only_when_no_other_is_free() -> None:
@@ -133,3 +132,12 @@ def test_a_save_gives_each_io_thread_its_own_data_file(tmp_path: Path,
     assert all(t >= first_done for t in w.shared_at), (w.shared_at, w.ended)
     monkeypatch.undo()
     assert_tree_equal(gds_persist.load(tmp_path / "ck"), sd)
+
+
+def test_a_run_that_ends_while_the_caller_starts_waiting_is_not_taken_for_a_hang() -> None:
+    """Many short runs: a worker finishing between the caller's check and its wait must not
+    leave the caller waiting for a change that already happened (it would raise as hung). The
+    window is narrow: a stress test, not sure to meet it on every run."""
+    with ThreadPoolExecutor(2) as pool:
+        for _ in range(300):
+            run_by_file(pool, 2, [[1], [2]], lambda r: None, 5, "a short run")

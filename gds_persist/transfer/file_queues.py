@@ -67,12 +67,18 @@ class FileQueues(Generic[T]):
         with self._changed:
             self.stopped = True
 
-    def wait(self, timeout_s: float) -> bool:
-        """Wait until a request ends or a worker exits; False if ``timeout_s`` passed first."""
+    def progress(self) -> tuple[int, int]:
+        """Requests ended and workers running: what changes as the run goes on."""
         with self._changed:
-            before = (self.finished, self.running)
-            return self._changed.wait_for(
-                lambda: (self.finished, self.running) != before, timeout_s)
+            return self.finished, self.running
+
+    def wait(self, seen: tuple[int, int], timeout_s: float) -> tuple[int, int] | None:
+        """The progress once it differs from ``seen`` (taken before, so a change in between
+        is not missed); None if ``timeout_s`` passed without one."""
+        with self._changed:
+            changed = self._changed.wait_for(
+                lambda: (self.finished, self.running) != seen, timeout_s)
+            return (self.finished, self.running) if changed else None
 
 
 def run_by_file(pool: ThreadPoolExecutor, threads: int, queues: Sequence[Sequence[T]],
@@ -89,11 +95,14 @@ def run_by_file(pool: ThreadPoolExecutor, threads: int, queues: Sequence[Sequenc
     try:
         for _ in range(workers):
             futures.append(pool.submit(_worker, work, run))
-        while work.running and work.error is None:
-            if not work.wait(timeout_s):
+        seen = work.progress()
+        while seen[1] and work.error is None:
+            now = work.wait(seen, timeout_s)
+            if now is None:
                 raise CheckpointError(
                     f"{what} did not finish within {timeout_s:.0f} s (hung storage?); "
                     "raise io_timeout_s if the drive is just slow")
+            seen = now
     except BaseException:
         _stop_and_drain(work, futures, timeout_s)
         raise
@@ -124,5 +133,6 @@ def _stop_and_drain(work: FileQueues[T], futures: list[Future[None]], timeout_s:
     for f in futures:
         if f.cancel():  # queued behind other work, never started
             work.exited()
-    while work.running and work.wait(timeout_s):
-        pass
+    seen: tuple[int, int] | None = work.progress()
+    while seen is not None and seen[1]:
+        seen = work.wait(seen, timeout_s)
