@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -299,3 +300,33 @@ def test_auto_load_reads_the_way_that_measured_faster_and_says_so(tmp_path: Path
         assert "median of the last 2 measured load(s)" in again.reason
     _, explicit = gds_persist.load_with_info(tmp_path / "ck", backend="direct")
     assert (explicit.backend, explicit.reason) == ("direct", "requested explicitly")
+
+
+@pytest.mark.parametrize("spare_core", [True, False])
+def test_direct_requests_checksum_beside_the_write_where_a_core_is_free(
+        shm_dir: Path, monkeypatch: pytest.MonkeyPatch, spare_core: bool) -> None:
+    """With a free core per I/O thread (1 I/O thread here) a direct request's CRC32C runs on a
+    checksum thread while the write runs; with the cores taken (as many I/O threads as cores)
+    on the I/O thread first. Either way the checkpoint verifies and loads back exactly."""
+    from gds_persist.transfer import writer
+    from gds_persist.transfer.staging import usable_cores
+
+    ran_on: list[str] = []
+    real = writer._checksum
+
+    def recorded(data):  # type: ignore[no-untyped-def]
+        ran_on.append(threading.current_thread().name)
+        return real(data)
+
+    monkeypatch.setattr(writer, "_checksum", recorded)
+    io_threads = 1 if spare_core else usable_cores()
+    if spare_core and usable_cores() < 2:
+        pytest.skip("one usable core: no core is free for a checksum thread")
+    sd = _big_state()
+    with gds_persist.settings.set(io_threads=io_threads):
+        gds_persist.save(sd, shm_dir / "ck", backend="direct")
+    assert ran_on  # the large tensors went as direct requests
+    on_checksum_threads = {name.startswith("gds_persist-crc") for name in ran_on}
+    assert on_checksum_threads == {spare_core}, ran_on
+    assert gds_persist.verify(shm_dir / "ck").ok
+    assert_tree_equal(gds_persist.load(shm_dir / "ck"), sd)

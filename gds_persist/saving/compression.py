@@ -24,7 +24,6 @@
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,6 +38,7 @@ from ..errors import BackendError
 from ..format import ALIGNMENT, align_up, codec, crc32c
 from ..settings import COMPRESSIONS, Settings
 from ..stages import stage
+from ..transfer.staging import usable_cores
 from ..transfer.unit_writer import Unit, codec_threads
 
 SAMPLE_BYTES = 8 << 20  # timed per save: ~3-4 ms on two cores
@@ -73,7 +73,7 @@ def choose(mode: str, backend: Backend, directory: str, units: Sequence[Unit],
     if not sample:
         return False, (f"compression='auto': not compressing, no unit of at least "
                        f"{codec.COMPRESS_MIN} bytes")
-    threads = max(1, min(cfg.io_threads, _usable_cores()))
+    threads = max(1, min(cfg.io_threads, usable_cores()))
     with stage("drive write rate"):
         drive = write_rate(backend, directory, cfg.io_threads, cfg.block_bytes)
     best = _best_rate.get(threads)
@@ -104,13 +104,6 @@ def predicted_gain(rate: float, ratio: float, drive: float) -> float:
 
 
 _best_rate: dict[int, float] = {}  # codec threads -> fastest sampled pipeline rate (bytes/s)
-
-
-def _usable_cores() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # pragma: no cover - not Linux
-        return os.cpu_count() or 1
 
 
 def _timed_sample(sample: Sequence[tuple[np.ndarray, int]], threads: int) -> tuple[float, float]:

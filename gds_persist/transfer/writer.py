@@ -24,8 +24,9 @@ goes straight from device memory to the file; no host staging.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Sequence
-from concurrent.futures import Future
+from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
@@ -48,7 +49,7 @@ from .pipeline import (
     join_piece_crcs,
 )
 from .segments import Segment, cut, extent_spans, whole_blocks
-from .staging import AlignedBuffer, io_session
+from .staging import AlignedBuffer, io_session, usable_cores
 
 DIRECT_MIN = 1 << 20  # a host extent this large is written from its own memory when aligned
 
@@ -134,9 +135,11 @@ class FileWriter(FilePipeline):
         per_file = [[(f, seg) for seg in self._segments(f, hosts)] for f in files]
         what = f"writing {files[0].path}"
         if copier is None:  # host bytes: every thread keeps to a file of its own
-            run_by_file(self.pool, self.pool._max_workers, per_file,
-                        lambda r: self._write_host(r[0], r[1], hosts, sources),
-                        self.timeout_s, what)
+            threads = self.pool._max_workers
+            with _checksum_threads(threads) as checksums:
+                run_by_file(self.pool, threads, per_file,
+                            lambda r: self._write_host(r[0], r[1], hosts, sources, checksums),
+                            self.timeout_s, what)
             return
         # CUDA bytes: the submitting thread queues each buffer's copies as far ahead as the
         # ring holds, so requests are submitted in order (interleaved over the files)
@@ -144,10 +147,11 @@ class FileWriter(FilePipeline):
                           lambda r: self._submit(r[0], r[1], sources, hosts, copier), what)
 
     def _write_host(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None],
-                    sources: Sequence[torch.Tensor]) -> None:
-        """One request of host bytes, on the calling I/O thread."""
+                    sources: Sequence[torch.Tensor], checksums: ThreadPoolExecutor | None) -> None:
+        """One request of host bytes, on the calling I/O thread (a direct request's checksum on
+        a thread of ``checksums`` meanwhile)."""
         if seg.direct:
-            self._write_direct(f, seg, hosts, sources)
+            self._write_direct(f, seg, hosts, sources, checksums)
             return
         with stage("wait for a staging buffer"):
             buf = self.ring.acquire()  # type: ignore[union-attr]
@@ -197,7 +201,8 @@ class FileWriter(FilePipeline):
         return self.submit_staged(self._write_buffer, f, seg, hosts, prepare=queue_d2h)
 
     def _write_direct(self, f: _OpenFile, seg: Segment, hosts: Sequence[np.ndarray | None],
-                      sources: Sequence[torch.Tensor]) -> None:
+                      sources: Sequence[torch.Tensor],
+                      checksums: ThreadPoolExecutor | None = None) -> None:
         (k, lo, hi), = seg.pieces
         e = f.plan.extents[k]
         src = hosts[e.storage]
@@ -209,11 +214,14 @@ class FileWriter(FilePipeline):
                 self.progress(hi - lo)
             return
         data = src[at : at + hi - lo]
-        with stage("checksum", hi - lo):
-            crc = crc32c(data)
+        # the checksum beside the write where a core is free for it: a tmpfs write, CPU-bound,
+        # then takes max(copy, CRC) instead of their sum (1 I/O thread on 2 cores, paired with
+        # the aligned writer: 0.95 of it against 0.79 with the CRC first)
+        crc = (checksums.submit(_checksum, data) if checksums is not None
+               else _done(_checksum(data)))
         with stage("write (from the tensor)", hi - lo):
             self.backend.pwrite(f.handle, data.data, lo)
-        f.pieces.append((k, lo, hi - lo, crc))  # list.append is atomic under the GIL
+        f.pieces.append((k, lo, hi - lo, crc.result()))  # list.append: atomic under the GIL
         if self.progress is not None:
             self.progress(hi - lo)
 
@@ -251,6 +259,30 @@ class FileWriter(FilePipeline):
         """fsync every file, concurrently: the data is durable before the manifest is written."""
         with stage("fsync"):
             self.sync_all([f.handle for f in files], f"fsync of {files[0].path}")
+
+
+@contextmanager
+def _checksum_threads(io_threads: int) -> Iterator[ThreadPoolExecutor | None]:
+    """Threads that checksum direct requests beside their writes, where the cores leave one
+    free per I/O thread; else None (each I/O thread checksums first, then writes: with the
+    cores busy, the extra threads only competed, 0.67 of the limit against 0.71 on 4 I/O
+    threads over 2 cores, tmpfs)."""
+    if usable_cores() < 2 * io_threads:
+        yield None
+        return
+    with ThreadPoolExecutor(io_threads, thread_name_prefix="gds_persist-crc") as pool:
+        yield pool
+
+
+def _checksum(data: np.ndarray) -> int:
+    with stage("checksum", data.nbytes):
+        return crc32c(data)
+
+
+def _done(value: int) -> Future[int]:
+    done: Future[int] = Future()
+    done.set_result(value)
+    return done
 
 
 def _checksum_on_device(f: _OpenFile, sources: Sequence[torch.Tensor]) -> None:
