@@ -26,16 +26,9 @@ import gds_persist
 from bench.state import iter_tensors, make_state_dict
 from gds_persist.backends import adaptive
 
-
-def evict(path: str) -> None:
-    files = [path] if os.path.isfile(path) else [
-        os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                "..", "2026-12-04-cpu-issue44-loads"))
+from paired_loads import evict  # noqa: E402  (the same eviction as the paired loads)
 
 
 def main(directory: str, rounds: int) -> None:
@@ -48,11 +41,10 @@ def main(directory: str, rounds: int) -> None:
     live = {k: v.clone() for k, v in sd.items()}
 
     def timed(path: str, load: Callable[[], object]) -> float:
-        evict(path)
+        evict([path])
         t0 = time.perf_counter()
-        got = load()
+        load()  # what it loaded is dropped at once, freed by the collection below
         seconds = time.perf_counter() - t0
-        del got
         gc.collect()
         return seconds
 
