@@ -4,14 +4,16 @@ Every data file of a save is cut into requests (:mod:`.segments`) and all of the
 files, run on the I/O threads at once, each doing its whole share of the work:
 
 * a **direct** request checksums a run of a host tensor's own bytes and writes it from there
-  (no copy): where the tensor's address meets the backend's ``host_alignment``;
+  (no copy): where the tensor's address meets the backend's ``host_alignment``; the checksum
+  runs beside the write, on a checksum thread, where the cores leave one free per I/O thread;
 * a **staged** request takes a staging buffer from the ring (bounded memory: the submitting thread
   waits for a free one), copies its extents' bytes in and zeroes the gaps, checksumming each piece
   right after copying it (while it is still in cache), then writes the buffer.
 
 So copies, checksums and writes of different requests overlap on every core, instead of one
-thread filling buffers while only the writes run in parallel. CUDA sources are checksummed on the
-device up front (one batch, ``kernels/crc32c.cu``; a host CRC of the staged copy where the kernel
+thread filling buffers while only the writes run in parallel; requests of host bytes run with
+each I/O thread keeping to a data file of its own (:mod:`.file_queues`). CUDA sources are
+checksummed on the device up front (one batch, ``kernels/crc32c.cu``; a host CRC of the staged copy where the kernel
 cannot run), and their device-to-host copies are queued on a side stream by the submitting thread,
 as many buffers ahead as the ring holds, each request waiting only for its own buffer's copies.
 The CRC32C of an extent cut into several requests is joined from its pieces
@@ -216,7 +218,8 @@ class FileWriter(FilePipeline):
         data = src[at : at + hi - lo]
         # the checksum beside the write where a core is free for it: a tmpfs write, CPU-bound,
         # then takes max(copy, CRC) instead of their sum (1 I/O thread on 2 cores, paired with
-        # the aligned writer: 0.95 of it against 0.79 with the CRC first)
+        # the aligned writer: 0.93 of it against 0.83 with the CRC first, bench/results/
+        # 2026-12-04-cpu-issue44-c/overlap-tmpfs-1thread.txt)
         crc = (checksums.submit(_checksum, data) if checksums is not None
                else _done(_checksum(data)))
         with stage("write (from the tensor)", hi - lo):
