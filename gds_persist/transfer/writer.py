@@ -13,9 +13,10 @@ files, run on the I/O threads at once, each doing its whole share of the work:
 So copies, checksums and writes of different requests overlap on every core, instead of one
 thread filling buffers while only the writes run in parallel; requests of host bytes run with
 each I/O thread keeping to a data file of its own (:mod:`.file_queues`). CUDA sources are
-checksummed on the device up front (one batch, ``kernels/crc32c.cu``; a host CRC of the staged copy where the kernel
-cannot run), and their device-to-host copies are queued on a side stream by the submitting thread,
-as many buffers ahead as the ring holds, each request waiting only for its own buffer's copies.
+checksummed on the device up front (one batch, ``kernels/crc32c.cu``; a host CRC of the staged
+copy where the kernel cannot run), and their device-to-host copies are queued on a side stream
+by the submitting thread, as many buffers ahead as the ring holds, each request waiting only for
+its own buffer's copies.
 The CRC32C of an extent cut into several requests is joined from its pieces
 (:func:`~gds_persist.format.checksum.crc32c_combine`).
 
