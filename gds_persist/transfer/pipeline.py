@@ -120,6 +120,11 @@ class FilePipeline:
     timeout_s: float  # the bound on every wait for I/O
     progress: Callable[[int], None] | None = None  # bytes of each block done (from any thread)
 
+    @property
+    def threads(self) -> int:
+        """The I/O threads of :attr:`pool`."""
+        return self.pool._max_workers
+
     def sync_all(self, handles: list[Any], what: str) -> None:
         """fsync every file, concurrently: the data is durable before the manifest is written."""
         syncs = deque(self.pool.submit(self.backend.sync, h) for h in handles)

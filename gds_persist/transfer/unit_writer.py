@@ -173,7 +173,7 @@ class UnitWriter(FilePipeline):
         ahead = self._start_hashing_ahead(
             [k for _, ks in interleave(per_file) for k in ks])
         try:
-            run_by_file(self.pool, self.pool._max_workers, per_file,
+            run_by_file(self.pool, self.threads, per_file,
                         lambda job: self._run_job(*job, device_write), self.timeout_s,
                         f"writing {files[0].path if files else ''}")
         finally:

@@ -138,9 +138,8 @@ class FileWriter(FilePipeline):
         per_file = [[(f, seg) for seg in self._segments(f, hosts)] for f in files]
         what = f"writing {files[0].path}"
         if copier is None:  # host bytes: every thread keeps to a file of its own
-            threads = self.pool._max_workers
-            with _checksum_threads(threads) as checksums:
-                run_by_file(self.pool, threads, per_file,
+            with _checksum_threads(self.threads) as checksums:
+                run_by_file(self.pool, self.threads, per_file,
                             lambda r: self._write_host(r[0], r[1], hosts, sources, checksums),
                             self.timeout_s, what)
             return
