@@ -3,11 +3,12 @@
 Every file's needed byte ranges are cut into requests (:mod:`.segments`) and all of them run on
 the I/O threads at once, each doing its whole share of the work:
 
-* a **direct** request reads a run of one extent straight into its destination's memory (no
-  copy) and checksums it there: a host destination whose address meets the backend's
-  ``host_alignment`` (torch's 64-byte aligned allocations qualify on tmpfs; where O_DIRECT
-  needs 512 bytes, page-aligned destinations read straight in measured slower on the virtio
-  disk than staging into torch allocations: 1.7 vs 2.6 GB/s for 2 GiB);
+* a **direct** request reads a run of one extent's aligned interior straight into its
+  destination's memory (no copy) and checksums it there, where that memory meets the backend's
+  ``host_alignment``: on tmpfs any torch allocation; where O_DIRECT needs 512 bytes, a
+  destination at the phase within a page that the extent has within a block (format version
+  5 saves large host tensors at their own phase, and torch gives large allocations the same
+  one, 64 bytes into a page, so a tensor restored in place or a fresh one usually lines up);
 * a **staged** request reads a window of the file into a staging buffer (bounded memory: the
   submitting thread waits for a free one), then copies each piece out, checksumming it right
   after (while it is in cache); pieces for CUDA destinations go host-to-device on a side stream
@@ -50,7 +51,7 @@ from ..stages import stage
 from .crc import device_crc32c_many, device_crc32c_or_none
 from .cuda_copy import StreamCopier, copier_for
 from .pipeline import FilePipeline, PieceCrc, copy_and_checksum, join_piece_crcs
-from .segments import Segment, cut, extent_spans, split_head, whole_blocks
+from .segments import Segment, cut, extent_spans, interior, split_head
 from .staging import AlignedBuffer
 
 Describe = Callable[[int], str]  # storage index -> the key path(s) of its tensors
@@ -232,7 +233,8 @@ class FileReader(FilePipeline):
             dest = hosts[e.storage] if hosts else None
             if align is None or dest is None or e.length < least or self.on_bytes:
                 return 0
-            return whole_blocks(e.length) if (dest.ctypes.data + e.start) % align == 0 else 0
+            head, n = interior(e)
+            return n if (dest.ctypes.data + e.start + head) % align == 0 else 0
 
         return cut(f.extents, extent_spans(f.extents), self.ring.block_bytes,  # type: ignore
                    direct_bytes)

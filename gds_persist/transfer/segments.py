@@ -3,9 +3,11 @@
 A request (:class:`Segment`) is either
 
 * **direct**: an aligned run of one extent's bytes that moves straight between the file and the
-  tensor's own memory (no staging copy): where the memory meets the backend's alignment, the
-  extent is large enough to be worth a request of its own, and (writes) the run stops at the
-  extent's last whole ``ALIGNMENT`` block, since the bytes after a tensor are not ours to write;
+  tensor's own memory (no staging copy): the extent's *interior*, from its first block boundary
+  to its last (the bytes around a tensor are not ours to write), where the interior's memory
+  meets the backend's alignment and the extent is large enough to be worth a request of its own
+  (an extent at an offset congruent to its address, format version 5, qualifies whatever its
+  address);
 * **staged**: a ``block_bytes`` window of the file that goes through a staging buffer: small
   extents, the tails of large ones, the zero gaps between them.
 
@@ -20,7 +22,7 @@ from dataclasses import dataclass
 from ..format import ALIGNMENT, Extent, align_up
 
 Piece = tuple[int, int, int]  # (extent index, file offset of its first byte, file offset past it)
-DirectBytes = Callable[[Extent], int]  # leading bytes of an extent that may move directly
+DirectBytes = Callable[[Extent], int]  # bytes of an extent's interior that may move directly
 
 
 @dataclass(frozen=True)
@@ -69,8 +71,9 @@ def cut(
 ) -> list[Segment]:
     """Cut the file ranges ``spans`` into requests of at most ``block_bytes``.
 
-    ``direct_bytes(extent)`` says how many leading bytes of an extent may move directly (a
-    multiple of ``ALIGNMENT``; 0 for none); everything else is staged.
+    ``direct_bytes(extent)`` says how many bytes of an extent's interior, from its first block
+    boundary (:func:`interior`), may move directly (a multiple of ``ALIGNMENT``; 0 for none);
+    everything else is staged.
     """
     out: list[Segment] = []
     first = 0
@@ -82,14 +85,15 @@ def cut(
             e = extents[k]
             if e.offset >= span_hi:
                 break
-            n = direct_bytes(e) if direct_bytes is not None and not e.offset % ALIGNMENT else 0
-            if n <= 0 or e.offset < cursor:  # unaligned extents are staged whole
+            n = direct_bytes(e) if direct_bytes is not None else 0
+            start = align_up(e.offset)
+            if n <= 0 or start < cursor:
                 continue
-            out += _staged(extents, cursor, e.offset, block_bytes, first)
-            for lo in range(e.offset, e.offset + n, block_bytes):
-                hi = min(lo + block_bytes, e.offset + n)
+            out += _staged(extents, cursor, start, block_bytes, first)  # with this extent's head
+            for lo in range(start, start + n, block_bytes):
+                hi = min(lo + block_bytes, start + n)
                 out.append(Segment(lo, hi, ((k, lo, hi),), direct=True))
-            cursor = e.offset + n
+            cursor = start + n
         out += _staged(extents, cursor, span_hi, block_bytes, first)
     return out
 
@@ -114,6 +118,13 @@ def split_head(seg: Segment, head_bytes: int) -> tuple[Segment, Segment | None]:
     head = tuple((k, a, min(b, mid)) for k, a, b in seg.pieces if a < mid)
     tail = tuple((k, max(a, mid), b) for k, a, b in seg.pieces if b > mid)
     return (Segment(seg.lo, mid, head, seg.direct), Segment(mid, seg.hi, tail, seg.direct))
+
+
+def interior(e: Extent) -> tuple[int, int]:
+    """``(head, n)``: an extent's interior starts ``head`` bytes into it, at its first block
+    boundary, and fills ``n`` whole ``ALIGNMENT`` blocks up to its last."""
+    head = align_up(e.offset) - e.offset
+    return head, whole_blocks(max(e.length - head, 0))
 
 
 def whole_blocks(nbytes: int) -> int:

@@ -4,7 +4,8 @@ Every data file of a save is cut into requests (:mod:`.segments`) and all of the
 files, run on the I/O threads at once, each doing its whole share of the work:
 
 * a **direct** request checksums a run of a host tensor's own bytes and writes it from there
-  (no copy): where the tensor's address meets the backend's ``host_alignment``; the checksum
+  (no copy): the aligned interior of a large extent whose memory there meets the backend's
+  ``host_alignment`` (the layout puts host tensors at their address phase); the checksum
   runs beside the write, on a checksum thread, where the cores leave one free per I/O thread;
 * a **staged** request takes a staging buffer from the ring (bounded memory: the submitting thread
   waits for a free one), copies its extents' bytes in and zeroes the gaps, checksumming each piece
@@ -51,7 +52,7 @@ from .pipeline import (
     interleave,
     join_piece_crcs,
 )
-from .segments import Segment, cut, extent_spans, whole_blocks
+from .segments import Segment, cut, extent_spans, interior
 from .staging import AlignedBuffer, io_session, usable_cores
 
 DIRECT_MIN = 1 << 20  # a host extent this large is written from its own memory when aligned
@@ -169,14 +170,14 @@ class FileWriter(FilePipeline):
 
         def direct_bytes(e: Extent) -> int:
             src = hosts[e.storage]
+            head, n = interior(e)
             if e.length < DIRECT_MIN:
                 return 0
             if src is None:
-                return whole_blocks(e.length) if e in on_device else 0
+                return n if e in on_device and not head else 0
             if align is None:
                 return 0
-            address = src.ctypes.data + e.start
-            return whole_blocks(e.length) if address % align == 0 else 0
+            return n if (src.ctypes.data + e.start + head) % align == 0 else 0
 
         spans = [(0, f.plan.size)] if f.whole else extent_spans(f.plan.extents)
         return cut(f.plan.extents, spans, self.ring.block_bytes, direct_bytes)  # type: ignore
