@@ -365,3 +365,23 @@ def test_placebo_benchmark_runs_small(tmp_path: Path, capsys: pytest.CaptureFixt
         assert run["placebo_ratio"] == pytest.approx(run["seconds"]["placebo"] / faster)
     assert "placebo / the faster of direct and buffered: median" in printed
     assert list(tmp_path.iterdir()) == []  # the checkpoint is removed
+
+
+def test_a_short_request_is_neither_timed_nor_counted(tmp_path: Path) -> None:
+    """Requests shorter than a measuring one (the edge blocks of large tensors, small tensors)
+    take no place in the rounds: their time is the drive's latency, not a rate."""
+    _on_o_direct_disk(tmp_path)
+    path = tmp_path / "data.bin"
+    data = _write(path, 8 * MiB)
+    be = AdaptiveReadBackend(4096, os.stat(path).st_dev, 32 * MiB, threads=4, block_bytes=MiB)
+    handle = be.open(str(path), write=False)
+    try:
+        with AlignedBuffer(MiB, pin=False) as buf:
+            before = be.probe_requests
+            assert be.pread(handle, buf.view[:8192], 4096) == 8192
+            assert bytes(buf.view[:8192]) == data[4096 : 4096 + 8192]
+            assert be.probe_requests == before and not be._timings
+            assert be.pread(handle, buf.view, MiB) == MiB
+            assert be.probe_requests == before - 1 and len(be._timings) == 1
+    finally:
+        be.close(handle)

@@ -17,6 +17,10 @@ of the destination's fresh pages (a tmpfs load fell back to O_DIRECT on a 1.03 G
 after measuring 1.27 with it, and ended 1.13-1.23x the faster mode's time, bench/results
 2026-12-02). Loads too small to measure read the way the recent loads say.
 :meth:`AdaptiveReadBackend.reason` says what was measured and why.
+
+Requests shorter than a measuring request (small tensors, the edge blocks of large ones) are
+neither timed nor watched: their time is the drive's latency, not a rate; they go the way the
+load goes at that moment.
 """
 
 from __future__ import annotations
@@ -89,6 +93,9 @@ class AdaptiveReadBackend(Backend):
 
     def pread(self, handle: _Pair, buf: Any, offset: int) -> int:
         view = memoryview(buf).cast("B")
+        if view.nbytes < self.probe_bytes:  # a short request: its time is its latency, not a rate
+            return pread_all(handle.buffered if self._mode_now() == "buffered"
+                             else handle.direct, view, offset)
         k, mode = self._enter()
         fd = handle.buffered if mode == "buffered" else handle.direct
         if k >= self.plan.requests and (mode == "direct" or not self.plan.requests
@@ -101,6 +108,13 @@ class AdaptiveReadBackend(Backend):
             self._leave(read_mode.Timing(k // self.plan.per_round, mode, start,
                                          time.perf_counter(), got))
         return got
+
+    def _mode_now(self) -> str:
+        with self._cond:
+            if self._decision is not None:
+                return "buffered" if self._decision[0] else "direct"
+            r = min(self._entered // max(self.plan.per_round, 1), len(self.plan.rounds) - 1)
+            return self.plan.rounds[r] if self.plan.rounds else "direct"
 
     def _enter(self) -> tuple[int, str]:
         """This request's index and its mode; waits where its round starts another mode until

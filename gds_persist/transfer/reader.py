@@ -51,7 +51,15 @@ from ..stages import stage
 from .crc import device_crc32c_many, device_crc32c_or_none
 from .cuda_copy import StreamCopier, copier_for
 from .pipeline import FilePipeline, PieceCrc, copy_and_checksum, join_piece_crcs
-from .segments import Segment, cut, extent_spans, interior, split_head
+from .segments import (
+    SHORT_BYTES,
+    Segment,
+    cut,
+    extent_spans,
+    interior,
+    short_first,
+    split_head,
+)
 from .staging import AlignedBuffer
 
 Describe = Callable[[int], str]  # storage index -> the key path(s) of its tensors
@@ -192,7 +200,7 @@ class FileReader(FilePipeline):
         copier = copier_for(cuda)
         on_device = self.checksums and bool(cuda) and device_crc32c_or_none(
             [cuda[0][:1]]) is not None  # the kernel runs: CUDA pieces are checked there
-        segments = self._probes_first(sorted(
+        segments = self._in_order(sorted(
             [(f, seg) for f in files for seg in self._segments(f, hosts)],
             key=lambda r: r[1].lo))  # every file at once
         encoded = sorted([(f, e) for f in files for e in f.encoded], key=lambda r: r[1].offset)
@@ -208,20 +216,24 @@ class FileReader(FilePipeline):
         for f in files:
             self._check_extents(f, dests, on_device)
 
-    def _probes_first(self, segments: list[tuple[_OpenFile, Segment]]
-                      ) -> list[tuple[_OpenFile, Segment]]:
-        """Where the backend times the load's first requests (``probe_requests``), those go
-        first, each cut to its ``probe_bytes`` head; their tails follow, then the rest."""
+    def _in_order(self, segments: list[tuple[_OpenFile, Segment]]
+                  ) -> list[tuple[_OpenFile, Segment]]:
+        """The order requests are issued in. Where the backend times the load's first requests
+        (``probe_requests``), those go first: long requests, each cut to its ``probe_bytes``
+        head. Then the rest, short requests first (:func:`short_first`)."""
         head_bytes = self.backend.probe_bytes
         count = self.backend.probe_requests if head_bytes else 0
+        long = [r for r in segments if r[1].nbytes >= max(SHORT_BYTES, head_bytes)]
+        probed = (long if len(long) >= count else segments)[:count]
         heads: list[tuple[_OpenFile, Segment]] = []
         tails: list[tuple[_OpenFile, Segment]] = []
-        for f, seg in segments[:count]:
+        for f, seg in probed:
             head, tail = split_head(seg, head_bytes)
             heads.append((f, head))
             if tail is not None:
                 tails.append((f, tail))
-        return heads + tails + segments[count:]
+        rest = tails + [r for r in segments if not any(r is p for p in probed)]
+        return heads + short_first(rest, lambda r: r[1])
 
     def _segments(self, f: _OpenFile, hosts: Sequence[np.ndarray | None]) -> list[Segment]:
         align = self.backend.host_alignment

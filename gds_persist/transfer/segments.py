@@ -18,9 +18,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from ..format import ALIGNMENT, Extent, align_up
 
+SHORT_BYTES = 1 << 20  # a request under this is issued before the long ones (short_first)
 Piece = tuple[int, int, int]  # (extent index, file offset of its first byte, file offset past it)
 DirectBytes = Callable[[Extent], int]  # bytes of an extent's interior that may move directly
 
@@ -107,6 +109,18 @@ def _staged(extents: Sequence[Extent], lo: int, hi: int, block_bytes: int,
             first += 1
         out.append(Segment(a, b, tuple(pieces_in(extents, a, b, first))))
     return out
+
+
+R = TypeVar("R")
+
+
+def short_first(requests: Sequence[R], segment: Callable[[R], Segment]) -> list[R]:
+    """``requests`` with the short ones (small tensors, the edge blocks of large ones) first,
+    each kind in its order. A short request issued behind long ones waits out their queue on
+    the device while it holds an I/O thread: in a 1 GiB load in place from the virtio disk,
+    12 MiB of short reads took 0.9 of 3 thread-s issued in file order, 0.07 issued first."""
+    short = [r for r in requests if segment(r).nbytes < SHORT_BYTES]
+    return short + [r for r in requests if segment(r).nbytes >= SHORT_BYTES]
 
 
 def split_head(seg: Segment, head_bytes: int) -> tuple[Segment, Segment | None]:
