@@ -337,7 +337,7 @@ def test_a_symlinked_base_leaving_the_root_is_refused(tmp_path):
 def test_older_readers_are_told_to_upgrade(tmp_path):
     gds_persist.save(_state(), tmp_path / "c",
                      options=gds_persist.SaveOptions(compression="lossless"))
-    rewrite_manifest(tmp_path / "c", lambda doc: doc.update(version=6), whole=True)
+    rewrite_manifest(tmp_path / "c", lambda doc: doc.update(version=5), whole=True)
     with pytest.raises(gds_persist.ManifestError, match="upgrade gds_persist"):
         gds_persist.read_manifest(tmp_path / "c")
 

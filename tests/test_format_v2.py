@@ -95,7 +95,7 @@ def test_data_dirs_in_one_process(tmp_path: Path) -> None:
     (lambda d: d["body"]["sections"].append(dict(d["body"]["sections"][0])), "same rank"),
     (lambda d: d["body"]["tree"]["v"][1].update(i=1), "is not valid"),
     (lambda d: d.update(version=1), "exactly the fields"),
-    (lambda d: d.update(version=6), "version 6 is not supported"),
+    (lambda d: d.update(version=5), "version 5 is not supported"),
 ])
 def test_hostile_version_2_manifests_are_rejected(tmp_path: Path, edit: Any, message: str) -> None:
     gds_persist.save(_state(), tmp_path / "c", rank_local="optim",

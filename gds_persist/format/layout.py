@@ -1,12 +1,9 @@
 """Stage 2 of a save: the layout of data files, i.e. where every byte goes. Pure data, no I/O.
 
-A :class:`SavePlan` lists data files and, for each, the extents it holds. The single-writer plan
-lays storages out in order, each in the next aligned block, at the offset within it that its
-memory has within a page (its *phase*, format version 5): so the aligned interior of every large
-host tensor moves between its own memory and the file by O_DIRECT, and only the blocks that
-hold its head and tail are staged. The data-parallel scheduler
-(``gds_persist.parallel.schedule``) produces the same structure for many writers, every extent
-at an aligned offset (every rank computes the plan from sizes alone).
+A :class:`SavePlan` lists data files and, for each, the extents it holds at aligned offsets.
+The single-writer plan lays storages out in order, each at the next aligned offset. The
+data-parallel scheduler (``gds_persist.parallel.schedule``) produces the same structure for many
+writers.
 """
 
 from __future__ import annotations
@@ -39,20 +36,16 @@ class SavePlan:
         return sum(f.size for f in self.files)
 
 
-def layout_file(name: str, file_index: int, pieces: Sequence[tuple[int, int, int]],
-                phases: Sequence[int] = ()) -> FilePlan:
-    """Place ``(storage, start, length)`` pieces one after another, each in the next aligned
-    block: at its start, or where ``phases[storage]`` (the storage's address modulo
-    ``ALIGNMENT``; none: all 0) puts the piece's first byte."""
+def layout_file(name: str, file_index: int, pieces: Sequence[tuple[int, int, int]]) -> FilePlan:
+    """Place ``(storage, start, length)`` pieces one after another at aligned offsets."""
     extents = []
-    cursor = 0
+    offset = 0
     for storage, start, length in pieces:
         if length == 0:
             continue
-        offset = cursor + (phases[storage] + start) % ALIGNMENT if phases else cursor
         extents.append(Extent(storage, start, length, file_index, offset))
-        cursor = align_up(offset + length, ALIGNMENT)
-    return FilePlan(name, cursor, tuple(extents))
+        offset = align_up(offset + length, ALIGNMENT)
+    return FilePlan(name, offset, tuple(extents))
 
 
 def padded_total(sizes: Sequence[int]) -> int:
@@ -91,19 +84,17 @@ def split_stream(sizes: Sequence[int], targets: Sequence[int],
     return parts
 
 
-def plan_single_writer(storage_sizes: Sequence[int], files: int = 1,
-                       phases: Sequence[int] = ()) -> SavePlan:
+def plan_single_writer(storage_sizes: Sequence[int], files: int = 1) -> SavePlan:
     """Every storage, in order, into ``files`` data files of about equal size, written at once
     (a storage may be cut at an aligned boundary between two files). One file holds every
-    storage whole, exactly as before ``files`` existed. ``phases``: see :func:`layout_file`."""
+    storage whole, exactly as before ``files`` existed."""
     if files <= 1:
         pieces = [(i, 0, n) for i, n in enumerate(storage_sizes)]
-        return SavePlan((layout_file(data_file_name(0), 0, pieces, phases),))
+        return SavePlan((layout_file(data_file_name(0), 0, pieces),))
     total = padded_total(storage_sizes)
     targets = [total // files + (1 if k < total % files else 0) for k in range(files)]
     parts = split_stream(storage_sizes, targets)
-    return SavePlan(tuple(layout_file(data_file_name(k), k, part, phases)
-                          for k, part in enumerate(parts)))
+    return SavePlan(tuple(layout_file(data_file_name(k), k, part) for k, part in enumerate(parts)))
 
 
 def file_streams(total_bytes: int, io_threads: int, block_bytes: int, setting: int = 0) -> int:

@@ -1,11 +1,11 @@
 """The manifest: what a checkpoint directory holds, written and read (parsed and fully validated).
 
 A checkpoint is a directory holding ``manifest.json`` and one or more data files. Every extent (a
-byte range of one storage) starts at an ``ALIGNMENT``-aligned offset of a data file (but see
-version 5); the gaps are zeros and every data file's size is a multiple of ``ALIGNMENT``. The
-manifest is JSON (never a pickle) and carries a CRC32C of its own body. ``docs/FORMAT.md``
-describes the format for other tools; :func:`parse_manifest` validates everything before any of
-it is trusted. The records it lists are in :mod:`.records`, the tree encoding in :mod:`.tree`.
+byte range of one storage) starts at a ``ALIGNMENT``-aligned offset of a data file; the gaps are
+zeros and every data file's size is a multiple of ``ALIGNMENT``. The manifest is JSON (never a
+pickle) and carries a CRC32C of its own body. ``docs/FORMAT.md`` describes the format for other
+tools; :func:`parse_manifest` validates everything before any of it is trusted. The records it
+lists are in :mod:`.records`, the tree encoding of the state dict's structure in :mod:`.tree`.
 
 Version 2 (written only when a checkpoint uses it; version 1 otherwise, so older readers keep
 reading plain checkpoints) adds, for data-parallel saves (``docs/DISTRIBUTED.md``):
@@ -30,9 +30,6 @@ Version 4 (written only when a checkpoint uses one of them) is version 3 plus:
   files and ``k`` for a file of ``bases[k-1]`` (an incremental save);
 * per extent ``codec`` / ``stored`` / ``stored_crc32c`` (an extent stored encoded by the lossless
   codec of :mod:`.codec`) and ``blake3`` (the content hash of :mod:`.hashing`).
-
-Version 5 (written only when an extent uses it) is version 4 with raw extents at any offset: a
-large host tensor at its memory's phase within a page (:mod:`.layout`).
 """
 
 from __future__ import annotations
@@ -62,8 +59,8 @@ from .records import (
 )
 
 FORMAT_NAME = "gds_persist"
-FORMAT_VERSION = PHASED_VERSION = 5  # the newest version written (raw extents at any offset)
-READABLE_VERSIONS = (1, 2, 3, 4, 5)  # each checkpoint is written as the oldest that holds it
+FORMAT_VERSION = 4  # the newest version written; each checkpoint gets the oldest that holds it
+READABLE_VERSIONS = (1, 2, 3, 4)
 REFERENCES_VERSION = 4  # bases, encoded extents, content hashes
 MANIFEST_NAME = "manifest.json"
 CHECKSUM_ALGORITHM = "crc32c"
@@ -95,10 +92,9 @@ class Manifest:
 
     @property
     def version(self) -> int:
-        """The oldest format version that holds this manifest (5: an extent off a block; 4: bases,
-        encoded or hashed extents; 3: extra leaf nodes; 2: version-2 fields)."""
-        if any(e.offset % ALIGNMENT for e in self.extents):
-            return PHASED_VERSION
+        """The format version this manifest needs: 4 only if it refers to base checkpoints or
+        has an encoded or content-hashed extent, else 3 only if a tree holds an extra leaf node,
+        else 2 only if it uses a version-2 field, else 1."""
         if (self.bases or any(f.base for f in self.files)
                 or any(e.codec != CODEC_NONE or e.blake3 for e in self.extents)):
             return REFERENCES_VERSION
@@ -408,8 +404,7 @@ class _ManifestValidator:
             raise self.fail(f"extents[{i}] has a negative, non-integer or overflowing field: {e}")
         if e["storage"] >= len(storages) or e["file"] >= len(files):
             raise self.fail(f"extents[{i}] refers to a storage or file that does not exist: {e}")
-        raw = e.get("codec", CODEC_NONE) == CODEC_NONE
-        if e["offset"] % ALIGNMENT and (self.version < PHASED_VERSION or not raw):
+        if e["offset"] % ALIGNMENT:
             raise self.fail(f"extents[{i}] offset {e['offset']} is not {ALIGNMENT}-aligned")
         extra = self.extent_v4(i, e) if self.version >= REFERENCES_VERSION else {}
         stored = extra.get("stored") or e["length"]

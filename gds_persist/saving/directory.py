@@ -29,19 +29,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-import torch
-
 from ..errors import DistributedError
-from ..format import (
-    ALIGNMENT,
-    DataDir,
-    DataFile,
-    Extent,
-    codec,
-    local_prefix,
-    storage_keys,
-    stripe_dir_name,
-)
+from ..format import DataDir, DataFile, Extent, codec, local_prefix, storage_keys, stripe_dir_name
 from ..format.layout import file_streams, plan_single_writer
 from ..format.records import Wire
 from ..parallel.replicas import check_replicas, description_of
@@ -54,7 +43,7 @@ from ..state.flatten import Flattened, flatten
 from ..state.rank_local import Split, split_rank_local
 from ..transfer.commit import writer_record
 from ..transfer.unit_writer import Unit
-from ..transfer.writer import DIRECT_MIN, write_plan
+from ..transfer.writer import write_plan
 from .as_saved import refuse_torn
 from .incremental import BaseIndex, describe_references, open_base
 from .manifest_builder import Part, Referral, build_manifest
@@ -154,9 +143,7 @@ class DirectoryLayout(Layout[Facts, Report]):
         else:
             cfg = self.request.cfg
             streams = file_streams(sum(sizes), cfg.io_threads, cfg.block_bytes, cfg.file_streams)
-            phases = address_phases(self.replicated.storage_objects)
-            self.layout = _one_writer(plan_single_writer(sizes, streams, phases).files,
-                                      len(sizes))
+            self.layout = _one_writer(plan_single_writer(sizes, streams).files, len(sizes))
         self.share = _Share(self.layout, run.comm.rank, self.replicated, self.local)
         run.needs = f"this checkpoint needs {self.layout.total_bytes} bytes of data; "
 
@@ -251,14 +238,6 @@ def _split(state: Any, request: SaveRequest) -> tuple[Flattened, Flattened]:
     if paths or request.data_parallel:
         return split_rank_local(state, paths)
     return flatten(state, request.allow_pickle), flatten([])
-
-
-def address_phases(storages: Sequence[torch.UntypedStorage]) -> list[int]:
-    """Each storage's address modulo ``ALIGNMENT`` where it is host memory large enough to be
-    written from in place (0 elsewhere): the layout puts its bytes at that offset within a
-    block, so its aligned interior moves by O_DIRECT without a staging copy."""
-    return [s.data_ptr() % ALIGNMENT if s.device.type == "cpu" and s.nbytes() >= DIRECT_MIN
-            else 0 for s in storages]
 
 
 def _one_writer(files: Sequence[Any], storages: int) -> DistributedPlan:

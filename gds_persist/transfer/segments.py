@@ -6,8 +6,7 @@ A request (:class:`Segment`) is either
   tensor's own memory (no staging copy): the extent's *interior*, from its first block boundary
   to its last (the bytes around a tensor are not ours to write), where the interior's memory
   meets the backend's alignment and the extent is large enough to be worth a request of its own
-  (an extent at an offset congruent to its address, format version 5, qualifies whatever its
-  address);
+  (an extent off a block boundary, a torch.save file's record, included);
 * **staged**: a ``block_bytes`` window of the file that goes through a staging buffer: small
   extents, the tails of large ones, the zero gaps between them.
 

@@ -5,8 +5,8 @@ files, run on the I/O threads at once, each doing its whole share of the work:
 
 * a **direct** request checksums a run of a host tensor's own bytes and writes it from there
   (no copy): the aligned interior of a large extent whose memory there meets the backend's
-  ``host_alignment`` (the layout puts host tensors at their address phase); the checksum
-  runs beside the write, on a checksum thread, where the cores leave one free per I/O thread;
+  ``host_alignment``; the checksum runs beside the write, on a checksum thread, where the
+  cores leave one free per I/O thread;
 * a **staged** request takes a staging buffer from the ring (bounded memory: the submitting thread
   waits for a free one), copies its extents' bytes in and zeroes the gaps, checksumming each piece
   right after copying it (while it is still in cache), then writes the buffer.
