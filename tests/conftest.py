@@ -19,6 +19,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -27,6 +28,7 @@ import pytest
 
 from gds_persist import settings
 from gds_persist.backends import read_history, read_mode, supports_o_direct
+from gds_persist.backends.posix import filesystem_type, o_direct_host_alignment
 from gds_persist.transfer.staging import release_cached
 from tests import seeds, strict_gpu
 from tests.helpers import BackendCase, kvikio_missing, prefer_installed_kernels
@@ -98,3 +100,24 @@ def small_tmpfs(tmp_path: Path) -> Iterator[Path]:
         yield mnt
     finally:
         subprocess.run(["umount", str(mnt)], check=True)
+
+
+@pytest.fixture
+def shm_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory on /dev/shm (tmpfs, which takes O_DIRECT from any address on these kernels)."""
+    if not os.path.isdir("/dev/shm"):
+        pytest.skip("no /dev/shm on this machine")
+    path = Path("/dev/shm") / f"gdsp-test-{os.getpid()}-{tmp_path.name}"
+    path.mkdir()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            if filesystem_type(fd) != "tmpfs":
+                pytest.skip(f"/dev/shm is {filesystem_type(fd)!r}, not tmpfs")
+        finally:
+            os.close(fd)
+        if o_direct_host_alignment(str(path)) > 64:
+            pytest.skip("O_DIRECT on /dev/shm needs aligned memory on this kernel")
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)

@@ -4,9 +4,6 @@ address; only the blocks holding its head and tail go through a staging buffer."
 
 from __future__ import annotations
 
-import os
-import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +14,6 @@ from hypothesis import strategies as st
 
 import gds_persist
 from gds_persist import ChecksumError
-from gds_persist.backends.posix import filesystem_type, o_direct_host_alignment
 from gds_persist.format import ALIGNMENT, Extent, align_up
 from gds_persist.stages import profiling
 from gds_persist.transfer.segments import cut, extent_spans, interior
@@ -60,27 +56,6 @@ def test_cut_moves_only_whole_interior_blocks_directly(lengths: list[int], gaps:
     assert seen == {i: e.length for i, e in enumerate(extents)}
     assert sum(interior(e)[1] for e in extents) <= sum(e.length for e in extents)
     assert all(interior(e)[0] == align_up(e.offset) - e.offset for e in extents)
-
-
-@pytest.fixture
-def shm_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory on /dev/shm, where O_DIRECT takes torch's 64-byte aligned memory."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm on this machine")
-    path = Path("/dev/shm") / f"gdsp-interior-{os.getpid()}-{tmp_path.name}"
-    path.mkdir()
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if filesystem_type(fd) != "tmpfs":
-                pytest.skip(f"/dev/shm is {filesystem_type(fd)!r}, not tmpfs")
-        finally:
-            os.close(fd)
-        if o_direct_host_alignment(str(path)) > 64:
-            pytest.skip("O_DIRECT on /dev/shm needs aligned memory on this kernel")
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _state() -> dict[str, Any]:

@@ -4,11 +4,9 @@ tensor's own memory, checksums joined from pieces, page-aligned load destination
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -107,27 +105,6 @@ def test_split_head_keeps_every_piece_once(lengths, blocks, head, direct):
         for k, lo, hi in moved:
             joined[k] = joined.get(k, 0) + hi - lo
         assert joined == {k: hi - lo for k, lo, hi in seg.pieces}
-
-
-@pytest.fixture
-def shm_dir(tmp_path: Path) -> Iterator[Path]:
-    """A directory on /dev/shm (tmpfs, which takes O_DIRECT from any address on these kernels)."""
-    if not os.path.isdir("/dev/shm"):
-        pytest.skip("no /dev/shm on this machine")
-    path = Path("/dev/shm") / f"gdsp-test-{os.getpid()}-{tmp_path.name}"
-    path.mkdir()
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            if filesystem_type(fd) != "tmpfs":
-                pytest.skip(f"/dev/shm is {filesystem_type(fd)!r}, not tmpfs")
-        finally:
-            os.close(fd)
-        if o_direct_host_alignment(str(path)) > 64:
-            pytest.skip("O_DIRECT on /dev/shm needs aligned memory on this kernel")
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _big_state() -> dict[str, torch.Tensor]:
