@@ -307,3 +307,12 @@ def doc_command(doc: str, heading: str, first_output: str) -> tuple[list[str], s
 
     return (shlex.split(command.removeprefix("$ gds-persist ").replace("\\\n", " ")),
             first_output + printed)
+
+
+def count_pieces(seg: Any, extents: Any, seen: dict[int, int]) -> None:
+    """Check that every piece of the request ``seg`` lies inside it and inside its extent, and
+    add its bytes to ``seen`` (extent index -> bytes)."""
+    for k, lo, hi in seg.pieces:
+        e = extents[k]
+        assert seg.lo <= lo < hi <= seg.hi and e.offset <= lo and hi <= e.offset + e.length
+        seen[k] += hi - lo

@@ -18,7 +18,7 @@ from gds_persist.format import ALIGNMENT, Extent, align_up
 from gds_persist.stages import profiling
 from gds_persist.transfer.segments import cut, extent_spans, interior
 from gds_persist.transfer.writer import DIRECT_MIN
-from tests.helpers import assert_tree_equal, flip_byte, random_tensor
+from tests.helpers import assert_tree_equal, count_pieces, flip_byte, random_tensor
 
 
 @settings(max_examples=300, deadline=None)
@@ -44,10 +44,7 @@ def test_cut_moves_only_whole_interior_blocks_directly(lengths: list[int], gaps:
     for seg in cut(extents, spans, blocks * ALIGNMENT, direct_bytes):
         assert seg.lo % ALIGNMENT == 0 and seg.hi % ALIGNMENT == 0
         assert any(lo <= seg.lo and seg.hi <= hi for lo, hi in spans)
-        for k, lo, hi in seg.pieces:
-            e = extents[k]
-            assert seg.lo <= lo < hi <= seg.hi and e.offset <= lo and hi <= e.offset + e.length
-            seen[k] += hi - lo
+        count_pieces(seg, extents, seen)
         if seg.direct:
             ((k, lo, hi),) = seg.pieces
             head, n = interior(extents[k])

@@ -21,7 +21,7 @@ from gds_persist.format import ALIGNMENT, Extent, align_up
 from gds_persist.stages import profiling
 from gds_persist.transfer.reader import DIRECT_MIN
 from gds_persist.transfer.segments import cut, extent_spans, split_head
-from tests.helpers import assert_tree_equal, random_tensor
+from tests.helpers import assert_tree_equal, count_pieces, random_tensor
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -52,10 +52,7 @@ def test_write_cut_covers_the_file_once_in_aligned_requests(lengths, blocks, dir
     for seg in segments:
         assert seg.lo == cursor and seg.lo % ALIGNMENT == 0 and 0 < seg.nbytes <= block
         cursor = seg.hi
-        for k, lo, hi in seg.pieces:
-            e = extents[k]
-            assert seg.lo <= lo < hi <= seg.hi and e.offset <= lo and hi <= e.offset + e.length
-            seen[k] += hi - lo
+        count_pieces(seg, extents, seen)
         if seg.direct:
             ((k, lo, hi),) = seg.pieces
             assert (lo, hi) == (seg.lo, seg.hi) and hi <= extents[k].offset + direct_bytes(
