@@ -4,8 +4,9 @@
 
 A GPT-like state (bench/state.py) is saved once in the directory format (``dir``) and once as a
 torch.save container (``pt``: ``save(format="torch")``, which torch.load reads too). Every
-round then runs each arm once, in an order rotated every round, each file's page cache dropped
-before every arm (``posix_fadvise(DONTNEED)`` per file; tmpfs pages cannot be dropped):
+round then runs each arm once, in a shuffled order (seeded by the round), each after its file's
+page cache is dropped (``posix_fadvise(DONTNEED)`` per file; tmpfs pages cannot be dropped) and
+``--settle`` seconds have passed (default 3):
 
 * on ``dir``: ``bound``, ``load``, ``into``, and each again (``bound'``, ``load'``, ``into'``);
 * on ``pt``: ``bound``, ``load``, ``into``, ``torch.load``, ``mmap+copy``, ``torch.load'``.
@@ -16,9 +17,15 @@ live tensors; ``bound`` is the **aligned reader**: the file's bytes read with O_
 ``block_bytes`` requests by ``io_threads`` threads into reused page-aligned memory, no copy and
 no checksum, the most any load of that file can read in that round.
 
-Both files are read six times a round: on this VM a file's cold reads come from the host's cache
-and speed up with use (the same evicted file read by torch.load in 1.83, 0.95 and 0.81 s one
-after another), so a comparison that reads one file more often than the other measures that.
+Why the order is shuffled, the pause, and six reads of each file a round: on the development VM
+(Firecracker) the guest reports free memory to the host (virtio-balloon free page reporting,
+about 2 s after it is freed), which takes it back, so a load into fresh memory pays the host's
+page faults: one 1 GiB torch.load took 0.55-0.95 s right after another load freed its memory,
+and 1.89-2.29 s after a 3 s pause. Arms in a rotated order always follow the same arm: the
+placebo ``torch.load'``, always after ``mmap+copy`` (which frees 1 GiB of page cache), read
+2.4x faster than ``torch.load`` (median of 10 rounds). Shuffled and paused, every arm starts
+alike. And cold reads may come from the host's cache, which favours a file read more often:
+each file is read as often as the other, and the ``bound`` placebo shows what is left.
 
 Printed per round and summarized (median, range, rounds where ours was faster), as torch's time
 / ours (> 1: ours faster): ``load`` and ``into`` of each file against ``torch.load`` and
@@ -36,6 +43,7 @@ import gc
 import json
 import mmap
 import os
+import random
 import statistics
 import sys
 import threading
@@ -57,6 +65,7 @@ from gds_persist.backends import supports_o_direct  # noqa: E402
 from gds_persist.backends.posix import pread_all  # noqa: E402
 
 PAGE = 4096
+SETTLE_S = 3.0  # > the 2 s after which Linux reports free guest pages to the host
 DIR_ARMS = ("bound", "load", "into", "bound'", "load'", "into'")
 PT_ARMS = ("bound", "load", "into", "torch.load", "mmap+copy", "torch.load'")
 # (name, ours, theirs): each round's theirs / ours
@@ -89,18 +98,35 @@ class AlignedReader:
         self._lock = threading.Lock()
 
     def read(self, files: list[str]) -> int:
-        """Read every byte of ``files``; returns the bytes read."""
-        requests = [(f, at) for f in files for at in range(0, os.path.getsize(f), self.block)]
+        """Read every byte of ``files``; returns the bytes read. Each thread reads a contiguous
+        stream (a file, or a part of one where there are fewer files than threads), in order,
+        as the engine's I/O threads each keep to a data file."""
+        streams = self.streams(files)
         with ThreadPoolExecutor(self.threads) as pool:
-            return sum(pool.map(lambda r: self._one(*r), requests))
+            return sum(pool.map(lambda st: self._stream(*st), streams))
 
-    def _one(self, path: str, offset: int) -> int:
+    def streams(self, files: list[str]) -> list[tuple[str, int, int]]:
+        """``(path, lo, hi)`` byte ranges: every file cut into ``threads // len(files)`` parts
+        (at least one) of whole requests."""
+        parts = max(1, self.threads // max(1, len(files)))
+        out = []
+        for f in files:
+            size = os.path.getsize(f)
+            per = max(1, -(-size // parts // self.block)) * self.block
+            out += [(f, lo, min(lo + per, size)) for lo in range(0, size, per)]
+        return out
+
+    def _stream(self, path: str, lo: int, hi: int) -> int:
         with self._lock:
             buf = self._free.pop()
         fd = os.open(path, os.O_RDONLY | self.flags)
+        total = 0
         try:
             with memoryview(buf) as view:
-                return pread_all(fd, view, offset)
+                for at in range(lo, hi, self.block):
+                    total += pread_all(fd, view[: -(-min(self.block, hi - at) // PAGE) * PAGE],
+                                       at)
+            return min(total, hi - lo)
         finally:
             os.close(fd)
             with self._lock:
@@ -174,15 +200,20 @@ def check_restores(paths: dict[str, str], live: dict[str, torch.Tensor],
 
 
 def run_rounds(arms: dict[str, Callable[[], Any]], paths: dict[str, str], rounds: int,
-               cache_mode: str) -> tuple[dict[str, list[float]], str]:
+               cache_mode: str, settle_s: float) -> tuple[dict[str, list[float]], str]:
+    """Every arm once a round, in a shuffled order (seeded by the round: no arm always follows
+    the same one), each after its file's cache is dropped and ``settle_s`` has passed."""
     names = list(arms)
     times: dict[str, list[float]] = {n: [] for n in names}
     cache = ""
     for r in range(-1, rounds):  # round -1 warms every path up and is not kept
-        order = names[r % len(names):] + names[: r % len(names)] if r >= 0 else names
+        order = list(names)
+        if r >= 0:
+            random.Random(r).shuffle(order)
         for n in order:
-            gc.collect()  # first: a mapping left by the arm before keeps its pages cached
+            gc.collect()  # the arm before's memory freed before the drop and the pause
             cache = machine.drop_page_cache([paths[n.split()[0]]], cache_mode)[1]
+            time.sleep(settle_s)
             t0 = time.perf_counter()
             arms[n]()
             seconds = time.perf_counter() - t0
@@ -221,6 +252,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--dir", default=None, help="directory to test (default bench/out)")
     p.add_argument("--cache-drop", default="per-file", choices=machine.CACHE_MODES,
                    help="how the cache is dropped before each arm (default per-file)")
+    p.add_argument("--settle", type=float, default=SETTLE_S,
+                   help=f"seconds to wait before each arm (default {SETTLE_S}; see the module "
+                        "docstring)")
     p.add_argument("--backend", default=None,
                    help="gds_persist's read backend (default: the library's, auto)")
     p.add_argument("--json", default=None, help="write every time and summary here")
@@ -242,7 +276,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         check_restores(paths, live, state, args.backend)
         try:
             times, cache = run_rounds(arms_for(paths, live, reader, args.backend), paths,
-                                      args.rounds, args.cache_drop)
+                                      args.rounds, args.cache_drop, args.settle)
         finally:
             reader.close()
         print(f"{nbytes / 2**30:.2f} GiB, {args.rounds} rounds, backend "
@@ -250,6 +284,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         record = {"schema": "gds_persist-bench-loads/1", "machine": machine.describe(workdir),
                   "config": {"bytes": nbytes, "rounds": args.rounds, "cache": cache,
                              "backend": args.backend or settings.backend,
+                             "settle_s": args.settle,
                              "io_threads": settings.io_threads,
                              "block_bytes": settings.block_bytes},
                   "times": times, **report(times, nbytes)}
