@@ -1,12 +1,14 @@
 """Loads paired with torch's, round by round, beside placebos and the read bound (issue 44).
 
-    python bench/bench_loads.py [--size 1GiB] [--rounds 8] [--dir DIR] [--json OUT]
+    python bench/bench_loads.py [--size 1GiB] [--processes 3] [--rounds 4] [--dir DIR]
+                                [--backend B] [--json OUT]
 
 A GPT-like state (bench/state.py) is saved once in the directory format (``dir``) and once as a
-torch.save container (``pt``: ``save(format="torch")``, which torch.load reads too). Every
-round then runs each arm once, in a shuffled order (seeded by the round), each after its file's
-page cache is dropped (``posix_fadvise(DONTNEED)`` per file; tmpfs pages cannot be dropped) and
-``--settle`` seconds have passed (default 3):
+torch.save container (``pt``: ``save(format="torch")``, which torch.load reads too), and one
+restore of each is checked tensor by tensor. Then ``--processes`` fresh processes, one after
+another, run ``--rounds`` rounds each (after one untimed round); every round runs each arm once,
+in a shuffled order, each after its file's page cache is dropped (``posix_fadvise(DONTNEED)``
+per file; tmpfs pages cannot be dropped) and ``--settle`` seconds have passed (default 3):
 
 * on ``dir``: ``bound``, ``load``, ``into``, and each again (``bound'``, ``load'``, ``into'``);
 * on ``pt``: ``bound``, ``load``, ``into``, ``torch.load``, ``mmap+copy``, ``torch.load'``.
@@ -24,8 +26,13 @@ page faults: one 1 GiB torch.load took 0.55-0.95 s right after another load free
 and 1.89-2.29 s after a 3 s pause. Arms in a rotated order always follow the same arm: the
 placebo ``torch.load'``, always after ``mmap+copy`` (which frees 1 GiB of page cache), read
 2.4x faster than ``torch.load`` (median of 10 rounds). Shuffled and paused, every arm starts
-alike. And cold reads may come from the host's cache, which favours a file read more often:
-each file is read as often as the other, and the ``bound`` placebo shows what is left.
+alike. Cold reads may come from the host's cache, which favours a file read more often: each
+file is read as often as the other, and the ``bound`` placebo shows what is left. And O_DIRECT's
+rate there depends on which memory a buffer landed in, for the buffer's life: six sets of four
+16 MiB buffers allocated alike in one process read a 1 GiB file at 1.45 to 2.42 GB/s, each set
+within 0.1 of its own median over four rounds. A process's staging ring, its aligned reader and
+its tensors are one such draw, so one process's rounds can all lean one way; hence several
+processes, and each process's medians printed.
 
 Printed per round and summarized (median, range, rounds where ours was faster), as torch's time
 / ours (> 1: ours faster): ``load`` and ``into`` of each file against ``torch.load`` and
@@ -42,6 +49,7 @@ from __future__ import annotations
 import gc
 import json
 import mmap
+import multiprocessing
 import os
 import random
 import statistics
@@ -49,7 +57,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from typing import Any
 
 if __package__ in (None, ""):  # run as a script: make the repository root importable
@@ -200,16 +208,18 @@ def check_restores(paths: dict[str, str], live: dict[str, torch.Tensor],
 
 
 def run_rounds(arms: dict[str, Callable[[], Any]], paths: dict[str, str], rounds: int,
-               cache_mode: str, settle_s: float) -> tuple[dict[str, list[float]], str]:
-    """Every arm once a round, in a shuffled order (seeded by the round: no arm always follows
-    the same one), each after its file's cache is dropped and ``settle_s`` has passed."""
+               cache_mode: str, settle_s: float, process: int = 0
+               ) -> tuple[dict[str, list[float]], str]:
+    """Every arm once a round, in a shuffled order (seeded by the process and the round: no arm
+    always follows the same one), each after its file's cache is dropped and ``settle_s`` has
+    passed."""
     names = list(arms)
     times: dict[str, list[float]] = {n: [] for n in names}
     cache = ""
     for r in range(-1, rounds):  # round -1 warms every path up and is not kept
         order = list(names)
         if r >= 0:
-            random.Random(r).shuffle(order)
+            random.Random(process * 1000 + r).shuffle(order)
         for n in order:
             gc.collect()  # the arm before's memory freed before the drop and the pause
             cache = machine.drop_page_cache([paths[n.split()[0]]], cache_mode)[1]
@@ -220,8 +230,8 @@ def run_rounds(arms: dict[str, Callable[[], Any]], paths: dict[str, str], rounds
             if r >= 0:
                 times[n].append(seconds)
         if r >= 0:
-            print(f"round {r}: " + "  ".join(f"{n} {times[n][-1]:.3f}" for n in names),
-                  flush=True)
+            print(f"process {process} round {r}: " + "  ".join(
+                f"{n} {times[n][-1]:.3f}" for n in names), flush=True)
     return times, cache
 
 
@@ -246,9 +256,45 @@ def report(times: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
     return out
 
 
+def measure(paths: dict[str, str], rounds: int, cache_mode: str, settle_s: float,
+            backend: str | None, process: int) -> tuple[dict[str, list[float]], str]:
+    """The rounds of one process (run in a fresh one: its buffers and tensors are a draw of its
+    own, see the module docstring): live tensors shaped as the saved ones, touched."""
+    live = {k: torch.zeros_like(t)
+            for k, t in torch.load(paths["pt"], weights_only=True, mmap=True).items()}
+    settings = gds_persist.settings.current()
+    reader = AlignedReader(settings.io_threads, settings.block_bytes,
+                           supports_o_direct(os.path.dirname(paths["pt"]))[0])
+    try:
+        return run_rounds(arms_for(paths, live, reader, backend), paths, rounds, cache_mode,
+                          settle_s, process)
+    finally:
+        reader.close()
+
+
+def in_processes(paths: dict[str, str], args: Any) -> tuple[dict[str, list[float]], str]:
+    """:func:`measure` in ``args.processes`` fresh processes, one after another; every arm's
+    times in process order."""
+    times: dict[str, list[float]] = {}
+    cache = ""
+    spawn = multiprocessing.get_context("spawn")
+    for k in range(args.processes):
+        with ProcessPoolExecutor(1, mp_context=spawn) as pool:
+            got, cache = pool.submit(measure, paths, args.rounds, args.cache_drop, args.settle,
+                                     args.backend, k).result()
+        for n, secs in got.items():
+            times.setdefault(n, []).extend(secs)
+        print(f"process {k}: " + ", ".join(
+            f"{name} {statistics.median(ratios(got, ours, theirs)):.2f}"
+            for name, ours, theirs in COMPARISONS), flush=True)
+    return times, cache
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = new_parser("bench_loads.py", __doc__, "state dict size")
-    p.add_argument("--rounds", type=int, default=8, help="measured rounds (default 8)")
+    p.add_argument("--rounds", type=int, default=4, help="measured rounds a process (default 4)")
+    p.add_argument("--processes", type=int, default=3,
+                   help="fresh processes, one after another (default 3)")
     p.add_argument("--dir", default=None, help="directory to test (default bench/out)")
     p.add_argument("--cache-drop", default="per-file", choices=machine.CACHE_MODES,
                    help="how the cache is dropped before each arm (default per-file)")
@@ -270,19 +316,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         paths = {"dir": os.path.join(workdir, "ck"), "pt": os.path.join(workdir, "gds.pt")}
         gds_persist.save(state, paths["dir"])
         gds_persist.save(state, paths["pt"], format="torch")
-        live = {k: torch.zeros_like(t) for k, t in state.items()}  # touched, as a model's are
-        reader = AlignedReader(settings.io_threads, settings.block_bytes,
-                               supports_o_direct(workdir)[0])
-        check_restores(paths, live, state, args.backend)
-        try:
-            times, cache = run_rounds(arms_for(paths, live, reader, args.backend), paths,
-                                      args.rounds, args.cache_drop, args.settle)
-        finally:
-            reader.close()
-        print(f"{nbytes / 2**30:.2f} GiB, {args.rounds} rounds, backend "
-              f"{args.backend or settings.backend}, cache: {cache}")
+        check_restores(paths, {k: torch.zeros_like(t) for k, t in state.items()}, state,
+                       args.backend)
+        del state
+        times, cache = in_processes(paths, args)
+        print(f"{nbytes / 2**30:.2f} GiB, {args.processes} processes x {args.rounds} rounds, "
+              f"backend {args.backend or settings.backend}, cache: {cache}")
         record = {"schema": "gds_persist-bench-loads/1", "machine": machine.describe(workdir),
-                  "config": {"bytes": nbytes, "rounds": args.rounds, "cache": cache,
+                  "config": {"bytes": nbytes, "rounds": args.rounds,
+                             "processes": args.processes, "cache": cache,
                              "backend": args.backend or settings.backend,
                              "settle_s": args.settle,
                              "io_threads": settings.io_threads,

@@ -1,6 +1,6 @@
 """bench/bench_loads.py at a tiny size, so the paired-loads benchmark cannot rot: every arm runs
-every round, each file is read as often as the other, the restores it times are right, and its
-aligned reader reads every byte."""
+every round of every process, each file is read as often as the other, the restores it times
+are right, and its aligned reader reads every byte."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ from gds_persist.backends import supports_o_direct
 def test_every_arm_runs_every_round_and_both_files_are_read_alike(tmp_path, capsys):
     out = tmp_path / "loads.json"
     # no pause before each arm: it is for the host's memory at 1 GiB, not for 4 MiB smoke runs
-    record = bench_loads.main(["--size", "4MiB", "--rounds", "2", "--dir", str(tmp_path / "d"),
-                               "--json", str(out), "--settle", "0"])
+    record = bench_loads.main(["--size", "4MiB", "--processes", "2", "--rounds", "1",
+                               "--dir", str(tmp_path / "d"), "--json", str(out),
+                               "--settle", "0"])
     assert json.loads(out.read_text()) == json.loads(json.dumps(record, default=str))
     times = record["times"]
     assert len(times) == len(bench_loads.DIR_ARMS) + len(bench_loads.PT_ARMS)
@@ -37,6 +38,8 @@ def test_every_arm_runs_every_round_and_both_files_are_read_alike(tmp_path, caps
     assert record["config"]["settle_s"] == 0
     printed = capsys.readouterr().out
     assert "load(dir) x torch.load" in printed and "bound(dir) x bound(pt)" in printed
+    assert "process 0: load(dir) x torch.load" in printed and "process 1:" in printed
+    assert record["config"]["processes"] == 2
     assert not [p for p in (tmp_path / "d").rglob("*") if p.is_file()]  # its files are gone
 
 
