@@ -158,7 +158,8 @@ def load_with_info(
     with stage("open (manifest, data files)"):
         ck, lp = _open_agreed(path, comm, what, plan_for)
     with ck:
-        single_file.check_pickle(ck, weights_only)
+        if not single_file.unpickles_before_reading(ck, map_location, weights_only, distributed):
+            single_file.check_pickle(ck, weights_only)
         state, info = _load_held(ck, lp, comm, cfg, what, map_location, verify, progress,
                                  distributed, into, strict, weights_only)
     info.seconds = time.perf_counter() - t0
@@ -304,6 +305,8 @@ class _Held:
     found: Any = None  # the destinations in into= (None: a plain load)
     dest: Destinations | None = None
     read_bytes: int = 0
+    reading: bool = False  # bytes may have reached the destinations
+    state: Any = None  # a torch.save file's state, where its pickle ran before the read
 
 
 @dataclass
@@ -356,6 +359,8 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
     """The rest of :func:`load`, on a checkpoint held open with this rank's files."""
     m = ck.manifest
     torch_file = single_file.is_torch_file(ck)
+    pickle_first = single_file.unpickles_before_reading(ck, map_location, weights_only,
+                                                        distributed)
     unverified = not ck.verifiable
     verify = verify and not unverified
     describe_storage = storage_descriptions(m)
@@ -374,6 +379,11 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
             held.dest = plan_destinations(
                 m, lp.wanted, lp.needed, found, allocate,
                 single_file.exact_destination if torch_file else None)
+        if pickle_first:  # also its check: a refused pickle stops the load before any read
+            with stage("rebuild tensors"):
+                held.state = single_file.rebuild(ck, lp.tree, held.dest, found, map_location,
+                                                 weights_only)
+        held.reading = True
         reading = PieceReader(ck, held.dest, cfg, verify, describe_storage, chosen)
         sub = lp.by_rank[comm.rank] if lp.share else []
         own = _own_reads(m, lp.needed, lp.replicated) if lp.share else lp.mine
@@ -396,13 +406,15 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
             exchange(comm, cfg.load_strategy, pieces, dest.buffers, cfg.staging_bytes)
         dest.finish()
     except Exception as e:
-        told = _partial(e, held.found) if held.found and held.dest is not None else e
+        told = _partial(e, held.found) if held.found and held.reading else e
         if told is e:
             raise  # a plain load, nothing of into= touched yet, or the note was added to e
         raise told from e
     found = held.found
     with stage("rebuild tensors"):
-        if torch_file:
+        if pickle_first:
+            state = held.state
+        elif torch_file:
             state = single_file.rebuild(ck, lp.tree, dest, found, map_location, weights_only)
         else:
             state = decode(lp.tree, dest.returned(m, lp.wanted, fresh_storages(

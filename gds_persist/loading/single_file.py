@@ -42,6 +42,18 @@ def is_torch_file(ck: OpenCheckpoint) -> bool:
     return isinstance(ck, OpenFile) and ck.pickle is not None
 
 
+def unpickles_before_reading(ck: OpenCheckpoint, map_location: MapLocation,
+                             weights_only: bool, distributed: bool) -> bool:
+    """Whether the load runs the pickle once, over its destination storages before any byte is
+    read (:func:`rebuild` is then also the check of :func:`check_pickle`): where those
+    storages are final (no ``map_location`` callable moves them after the read, no other rank
+    fills them) and the weights-only unpickler cannot run code that reads their bytes. Else
+    the pickle runs twice: checked first, rebuilt after the read. Once saves the unpickler's
+    pass, 0.03-0.05 s for the 560 tensors of a 1 GiB GPT-like state."""
+    return (is_torch_file(ck) and weights_only and not distributed
+            and not (callable(map_location) and not isinstance(map_location, dict)))
+
+
 def check_pickle(ck: OpenCheckpoint, weights_only: bool) -> None:
     """Before any byte is read: the pickle of a torch.save file is one this load may run."""
     if not is_torch_file(ck) or not weights_only:
