@@ -17,22 +17,23 @@ per file; tmpfs pages cannot be dropped) and ``--settle`` seconds have passed (d
 (``load(path, into=live)``); ``mmap+copy`` is ``torch.load(mmap=True)`` and a copy into the same
 live tensors; ``bound`` is the **aligned reader**: the file's bytes read with O_DIRECT in
 ``block_bytes`` requests by ``io_threads`` threads into reused page-aligned memory, no copy and
-no checksum, the most any load of that file can read in that round.
+no checksum: the read with nothing else in it (a reference, not a ceiling: below).
 
 Why the order is shuffled, the pause, and six reads of each file a round: on the development VM
 (Firecracker) the guest reports free memory to the host (virtio-balloon free page reporting,
 about 2 s after it is freed), which takes it back, so a load into fresh memory pays the host's
-page faults: one 1 GiB torch.load took 0.55-0.95 s right after another load freed its memory,
-and 1.89-2.29 s after a 3 s pause. Arms in a rotated order always follow the same arm: the
-placebo ``torch.load'``, always after ``mmap+copy`` (which frees 1 GiB of page cache), read
-2.4x faster than ``torch.load`` (median of 10 rounds). Shuffled and paused, every arm starts
-alike. Cold reads may come from the host's cache, which favours a file read more often: each
-file is read as often as the other, and the ``bound`` placebo shows what is left. And O_DIRECT's
-rate there depends on which memory a buffer landed in, for the buffer's life: six sets of four
-16 MiB buffers allocated alike in one process read a 1 GiB file at 1.45 to 2.42 GB/s, each set
-within 0.1 of its own median over four rounds. A process's staging ring, its aligned reader and
-its tensors are one such draw, so one process's rounds can all lean one way; hence several
-processes, and each process's medians printed.
+page faults: one 1 GiB torch.load, four in a row, took 0.95, 0.55, 1.54 and 0.78 s, and with
+a 3 s pause before each 1.89, 2.21, 1.96 and 0.82 s. Arms in a rotated order always follow the
+same arm: the placebo ``torch.load'``, always after ``mmap+copy`` (which frees 1 GiB of page
+cache), read 2.4x faster than ``torch.load`` (median of 10 rounds). Shuffled and paused,
+every arm starts alike. Cold reads may come from the host's cache, which favours a file read
+more often: each file is read as often as the other, and the ``bound`` placebo shows what is
+left. And O_DIRECT's rate there depends on which memory a buffer landed in, for the buffer's
+life: six sets of four 16 MiB buffers allocated alike in one process read a 1 GiB file at 1.45
+to 2.42 GB/s, each set within 0.1 of its own median over four rounds. A process's staging
+ring, its aligned reader and its tensors are one such draw, so one process's rounds can all
+lean one way (a load can beat the aligned reader of its own process); hence several processes,
+each one's medians printed.
 
 Printed per round and summarized (median, range, rounds where ours was faster), as torch's time
 / ours (> 1: ours faster): ``load`` and ``into`` of each file against ``torch.load`` and
@@ -40,8 +41,8 @@ Printed per round and summarized (median, range, rounds where ours was faster), 
 ``torch.load'`` against ``torch.load`` (one file), ``load'``/``into'`` against ``load``/``into``
 (dir), and ``bound`` of ``dir`` against ``bound`` of ``pt`` (one reader, two files: what the
 file alone does to a comparison across formats). Where a comparison's worst round lies within
-its placebo's spread, the machine, not the load, decides that round. Each arm's time over its
-file's ``bound`` in the same round says how near the drive it read.
+its placebo's spread, the machine, not the load, decides that round. Each arm is also given
+as its file's ``bound``'s time over its own in the same round.
 """
 
 from __future__ import annotations

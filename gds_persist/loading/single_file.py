@@ -8,10 +8,12 @@ describes it as a manifest): what differs is only what to read and how the state
   parameter, an optimizer moment); else through a fresh buffer, copied into the destinations.
   So every tensor the pickle rebuilds, also one the key paths cannot reach, views memory that
   holds the checkpoint's bytes.
-* The state of a torch.save file is its pickle run over the filled storages
+* The state of a torch.save file is its pickle run over the destination storages
   (:func:`gds_persist.format.torch_pickle.unpickle`): torch's weights-only unpickler unless the
-  caller trusts the file (``weights_only=False``), checked on the pickle alone before any byte
-  is read; the destinations of ``into=`` are then put at their key paths. A safetensors file
+  caller trusts the file (``weights_only=False``). It is refused before any byte is read: the
+  one run happens before the read where the storages are final
+  (:func:`unpickles_before_reading`), else a check over meta storages comes first and the run
+  after the read. The destinations of ``into=`` are then put at their key paths. A safetensors file
   decodes like a directory's tree (a flat ``{name: tensor}`` mapping).
 * Verification: a file gds_persist wrote carries the CRC32C of every storage, checked as for a
   directory; a stock torch.save or safetensors file carries none (torch.load checks nothing
