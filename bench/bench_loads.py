@@ -257,6 +257,21 @@ def report(times: dict[str, list[float]], nbytes: int) -> dict[str, Any]:
     return out
 
 
+def flat_state(size: int) -> dict[str, torch.Tensor]:
+    """bench/state.py's GPT-like state of ``size`` bytes as flat keys, the tied LM head left out
+    (live tensors are separate storages, one per key)."""
+    return {k: t.contiguous().clone() for k, t in iter_tensors(make_state_dict(size, seed=0))
+            if k != "model.lm_head.weight"}
+
+
+def save_both(state: dict[str, torch.Tensor], workdir: str) -> dict[str, str]:
+    """``state`` saved as a directory (``dir``) and a torch.save container (``pt``)."""
+    paths = {"dir": os.path.join(workdir, "ck"), "pt": os.path.join(workdir, "gds.pt")}
+    gds_persist.save(state, paths["dir"])
+    gds_persist.save(state, paths["pt"], format="torch")
+    return paths
+
+
 def measure(paths: dict[str, str], rounds: int, cache_mode: str, settle_s: float,
             backend: str | None, process: int) -> tuple[dict[str, list[float]], str]:
     """The rounds of one process (run in a fresh one: its buffers and tensors are a draw of its
@@ -306,17 +321,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                    help="gds_persist's read backend (default: the library's, auto)")
     p.add_argument("--json", default=None, help="write every time and summary here")
     args = p.parse_args(argv)
-    sd = make_state_dict(args.size, seed=0)
-    # the tied LM head left out: live tensors are separate storages, one per key
-    state = {k: t.contiguous().clone() for k, t in iter_tensors(sd)
-             if k != "model.lm_head.weight"}
-    del sd
+    state = flat_state(args.size)
     nbytes = sum(t.nbytes for t in state.values())
     settings = gds_persist.settings.current()
     with work_directory(args.dir, "loads-") as workdir:
-        paths = {"dir": os.path.join(workdir, "ck"), "pt": os.path.join(workdir, "gds.pt")}
-        gds_persist.save(state, paths["dir"])
-        gds_persist.save(state, paths["pt"], format="torch")
+        paths = save_both(state, workdir)
         check_restores(paths, {k: torch.zeros_like(t) for k, t in state.items()}, state,
                        args.backend)
         del state

@@ -21,7 +21,6 @@ import torch
 
 import gds_persist
 from bench import bench_loads
-from bench.state import iter_tensors, make_state_dict
 from gds_persist.transfer import opened
 
 _threaded = opened._pread_many
@@ -35,9 +34,7 @@ def main() -> None:
     work, rounds = sys.argv[1], int(sys.argv[2])
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
-    sd = make_state_dict(1 << 30, seed=0)
-    state = {k: t.contiguous().clone() for k, t in iter_tensors(sd) if k != "model.lm_head.weight"}
-    del sd
+    state = bench_loads.flat_state(1 << 30)
     paths = {"pt": os.path.join(work, "gds.pt"), "stock": os.path.join(work, "stock.pt")}
     gds_persist.save(state, paths["pt"], format="torch")
     torch.save(state, paths["stock"])

@@ -22,23 +22,14 @@ import torch
 
 import gds_persist
 from bench import bench_loads
-from bench.state import iter_tensors, make_state_dict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import prepared  # noqa: E402
 
 
 def main() -> None:
     work, rounds = sys.argv[1], int(sys.argv[2])
-    os.makedirs(work, exist_ok=True)
-    sd = make_state_dict(1 << 30, seed=0)
-    state = {k: t.contiguous().clone() for k, t in iter_tensors(sd) if k != "model.lm_head.weight"}
-    del sd
-    paths = {"dir": os.path.join(work, "ck"), "pt": os.path.join(work, "gds.pt")}
-    import shutil
-    shutil.rmtree(paths["dir"], ignore_errors=True)
-    if os.path.exists(paths["pt"]):
-        os.unlink(paths["pt"])
-    gds_persist.save(state, paths["dir"])
-    gds_persist.save(state, paths["pt"], format="torch")
-    live = {k: torch.zeros_like(t) for k, t in state.items()}
+    state, paths, live = prepared(work)
     s = gds_persist.settings.current()
     reader = bench_loads.AlignedReader(s.io_threads, s.block_bytes, True)
     ck = paths["dir"]

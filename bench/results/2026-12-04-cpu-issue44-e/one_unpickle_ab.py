@@ -8,7 +8,6 @@ format and ``torch.load(mmap=True)`` + copy (bench/bench_loads.py's rounds).
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
 from collections.abc import Callable
@@ -18,7 +17,10 @@ import torch
 
 import gds_persist
 from bench import bench_loads
-from bench.state import iter_tensors, make_state_dict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import prepared  # noqa: E402
+
 from gds_persist.loading import single_file
 
 _once = single_file.unpickles_before_reading
@@ -26,15 +28,7 @@ _once = single_file.unpickles_before_reading
 
 def main() -> None:
     work, rounds, settle = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    sd = make_state_dict(1 << 30, seed=0)
-    state = {k: t.contiguous().clone() for k, t in iter_tensors(sd) if k != "model.lm_head.weight"}
-    del sd
-    paths = {"dir": os.path.join(work, "ck"), "pt": os.path.join(work, "gds.pt")}
-    gds_persist.save(state, paths["dir"])
-    gds_persist.save(state, paths["pt"], format="torch")
-    live = {k: torch.zeros_like(t) for k, t in state.items()}
+    state, paths, live = prepared(work)
 
     def pt(once: bool, into: bool) -> Callable[[], Any]:
         def go() -> None:

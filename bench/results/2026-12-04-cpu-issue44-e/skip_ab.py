@@ -8,31 +8,23 @@ extent (0), beside the directory format; shuffled rounds (bench/bench_loads.py's
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 import gds_persist
 from bench import bench_loads
-from bench.state import iter_tensors, make_state_dict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import prepared  # noqa: E402
+
 from gds_persist.transfer import reader
 
 
 def main() -> None:
     work, rounds = sys.argv[1], int(sys.argv[2])
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    sd = make_state_dict(1 << 30, seed=0)
-    state = {k: t.contiguous().clone() for k, t in iter_tensors(sd) if k != "model.lm_head.weight"}
-    del sd
-    paths = {"dir": os.path.join(work, "ck"), "pt": os.path.join(work, "gds.pt")}
-    gds_persist.save(state, paths["dir"])
-    gds_persist.save(state, paths["pt"], format="torch")
-    live = {k: torch.zeros_like(t) for k, t in state.items()}
+    state, paths, live = prepared(work)
 
     skip = reader.SKIP_BYTES
 

@@ -9,17 +9,17 @@ directory format; shuffled rounds (bench/bench_loads.py's), no pause.
 from __future__ import annotations
 
 import os
-import shutil
 import statistics
 import sys
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
 import gds_persist
 from bench import bench_loads
-from bench.state import iter_tensors, make_state_dict
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _common import prepared  # noqa: E402
+
 from gds_persist.transfer import pipeline, reader, segments
 
 _by_offset = reader.short_first
@@ -36,15 +36,7 @@ def _in_parts(requests: Any, segment: Callable[[Any], Any]) -> list[Any]:
 
 def main() -> None:
     work, rounds = sys.argv[1], int(sys.argv[2])
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(work)
-    sd = make_state_dict(1 << 30, seed=0)
-    state = {k: t.contiguous().clone() for k, t in iter_tensors(sd) if k != "model.lm_head.weight"}
-    del sd
-    paths = {"dir": os.path.join(work, "ck"), "pt": os.path.join(work, "gds.pt")}
-    gds_persist.save(state, paths["dir"])
-    gds_persist.save(state, paths["pt"], format="torch")
-    live = {k: torch.zeros_like(t) for k, t in state.items()}
+    state, paths, live = prepared(work)
 
     def arm(path: str, parts: bool) -> Callable[[], Any]:
         def go() -> None:
