@@ -135,7 +135,7 @@ class AlignedReader:
                 for at in range(lo, hi, self.block):
                     total += pread_all(fd, view[: -(-min(self.block, hi - at) // PAGE) * PAGE],
                                        at)
-            return min(total, hi - lo)
+            return total
         finally:
             os.close(fd)
             with self._lock:

@@ -76,3 +76,16 @@ def test_the_aligned_reader_reads_every_byte_of_files_of_any_size(tmp_path):
                                               (files[-1], 2 << 20, sizes[-1])]
     finally:
         reader.close()
+
+
+def test_the_backend_option_reads_with_that_backend(tmp_path, capsys):
+    """docs/BENCHMARK.md runs it with ``--backend buffered``: ours then load with it."""
+    record = bench_loads.main(["--size", "4MiB", "--processes", "1", "--rounds", "1",
+                               "--dir", str(tmp_path), "--settle", "0", "--backend", "buffered"])
+    assert record["config"]["backend"] == "buffered"
+    assert "backend buffered" in capsys.readouterr().out
+    assert all(len(t) == 1 for t in record["times"].values())
+    # the option reaches gds_persist.load
+    with pytest.raises(gds_persist.BackendError, match="unknown backend .nonsense."):
+        bench_loads.main(["--size", "4MiB", "--processes", "1", "--rounds", "1", "--dir",
+                          str(tmp_path), "--settle", "0", "--backend", "nonsense"])

@@ -76,7 +76,7 @@ class AdaptiveReadBackend(Backend):
 
     @property
     def name(self) -> str:  # type: ignore[override]
-        return "buffered" if self._decision is not None and self._decision[0] else "direct"
+        return self._decided() or "direct"
 
     def open(self, path: str, *, write: bool, size: int = 0, create: bool = True) -> _Pair:
         if write:
@@ -109,10 +109,17 @@ class AdaptiveReadBackend(Backend):
                                          time.perf_counter(), got))
         return got
 
+    def _decided(self) -> str | None:
+        """The mode the rule chose for the rest of the load; None before it has."""
+        if self._decision is None:
+            return None
+        return "buffered" if self._decision[0] else "direct"
+
     def _mode_now(self) -> str:
         with self._cond:
-            if self._decision is not None:
-                return "buffered" if self._decision[0] else "direct"
+            decided = self._decided()
+            if decided is not None:
+                return decided
             r = min(self._entered // max(self.plan.per_round, 1), len(self.plan.rounds) - 1)
             return self.plan.rounds[r] if self.plan.rounds else "direct"
 
@@ -123,9 +130,8 @@ class AdaptiveReadBackend(Backend):
             k = self._entered
             self._entered += 1
             if k >= self.plan.requests:
-                if self._decision is not None:
-                    return k, "buffered" if self._decision[0] else "direct"
-                return k, self.plan.rounds[-1]  # until the last round is in
+                decided = self._decided()  # until the last round is in: its mode
+                return k, decided if decided is not None else self.plan.rounds[-1]
             r = k // self.plan.per_round
             mode = self.plan.rounds[r]
             if r and self.plan.rounds[r - 1] != mode:

@@ -158,8 +158,6 @@ def load_with_info(
     with stage("open (manifest, data files)"):
         ck, lp = _open_agreed(path, comm, what, plan_for)
     with ck:
-        if not single_file.unpickles_before_reading(ck, map_location, weights_only, distributed):
-            single_file.check_pickle(ck, weights_only)
         state, info = _load_held(ck, lp, comm, cfg, what, map_location, verify, progress,
                                  distributed, into, strict, weights_only)
     info.seconds = time.perf_counter() - t0
@@ -361,6 +359,8 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
     torch_file = single_file.is_torch_file(ck)
     pickle_first = single_file.unpickles_before_reading(ck, map_location, weights_only,
                                                         distributed)
+    if not pickle_first:  # else its one run, before the read, is the check
+        single_file.check_pickle(ck, weights_only)
     unverified = not ck.verifiable
     verify = verify and not unverified
     describe_storage = storage_descriptions(m)

@@ -169,10 +169,10 @@ class FileWriter(FilePipeline):
                      else set())
 
         def direct_bytes(e: Extent) -> int:
-            src = hosts[e.storage]
-            head, n = interior(e)
             if e.length < DIRECT_MIN:
                 return 0
+            src = hosts[e.storage]
+            head, n = interior(e)
             if src is None:
                 return n if e in on_device and not head else 0
             if align is None:
