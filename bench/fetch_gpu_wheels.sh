@@ -2,8 +2,8 @@
 # Download (on a machine with network) the wheels that bench/gpu_check.sh installs on a GPU
 # machine that has none: kvikio-cu13 and what it needs beyond a CUDA torch/cupy image (libkvikio,
 # rapids-logger, cuda-pathfinder, and libcufile in case the image lacks it), the packages
-# gds_persist needs that a CUDA torch image lacks (crc32c, blake3, blosc2 and its ndindex; for
-# several Python versions) and hypothesis for the test suite. About 20 MB.
+# gds_persist needs that a CUDA torch image lacks (awscrt, crc32c, blake3, blosc2 and its ndindex; for
+# several Python versions) and hypothesis for the test suite. About 35 MB.
 #
 #   bash bench/fetch_gpu_wheels.sh DIR [PYTHON_VERSION ...]    (default: 3.10 3.11 3.12 3.13)
 #   then on the GPU machine: bash bench/gpu_check.sh --wheels DIR
@@ -30,6 +30,6 @@ get 3.11 "kvikio-cu13==$KV" "libkvikio-cu13==$KV" "rapids-logger==0.3.*" cuda-pa
     "nvidia-cufile>=1.15"
 get 3.11 sortedcontainers
 for v in "${VERSIONS[@]}"; do
-    get "$v" crc32c blake3 blosc2 ndindex hypothesis  # per-version wheels
+    get "$v" awscrt crc32c blake3 blosc2 ndindex hypothesis  # per-version wheels
 done
 ls -l "$DIR"

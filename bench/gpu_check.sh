@@ -13,9 +13,9 @@
 #                  summary.md and gpu_check.tar.gz (every other file, summary.md included), so
 #                  at most 8 files come back from a device machine; --no-pack leaves them loose
 #                  in DIR/gpu_check/
-#   --wheels DIR   wheels to install from when kvikio (or crc32c, blake3, blosc2, hypothesis) is
-#                  missing: kvikio-cu13, libkvikio-cu13, rapids-logger, cuda-pathfinder,
-#                  nvidia-cufile, crc32c, blake3, blosc2, ndindex, hypothesis, sortedcontainers
+#   --wheels DIR   wheels to install from when kvikio (or awscrt, crc32c, blake3, blosc2,
+#                  hypothesis) is missing: kvikio-cu13, libkvikio-cu13, rapids-logger,
+#                  cuda-pathfinder, nvidia-cufile, awscrt, crc32c, blake3, blosc2, ndindex, hypothesis, sortedcontainers
 #                  (bench/fetch_gpu_wheels.sh downloads them on a machine with network).
 #                  Installed with --no-index: nothing is fetched.
 #   --sizes/--runs state dict sizes for the drive comparison and runs per size (pairwise)
@@ -32,7 +32,7 @@
 #                  nothing GPU-related is verified then, and the summary says so
 #
 # Steps: 1. facts (GPU, driver, PCIe, NUMA, kvikio/GDS mode and why) -> facts.{txt,json}
-#        2. kvikio (and crc32c, blake3, blosc2) from --wheels if not importable
+#        2. kvikio (and awscrt, crc32c, blake3, blosc2) from --wheels if not importable
 #        3. pytest -m gpu --strict-gpu=on tests/: a skipped GPU test counts as a failure
 #           (this includes tests/test_docs_examples.py: the README and docs blocks marked
 #           <!-- doc-test: gpu -->, run as written) -> pytest-gpu.{txt,xml}
@@ -163,7 +163,7 @@ install_from_wheels() {  # $@: distribution names
 # gds_persist's own dependencies (pyproject.toml) that a CUDA torch image lacks: module wheel...
 # (blosc2 also needs ndindex; its other needs come with the image; tests/test_gpu_check.py keeps
 # this list and bench/fetch_gpu_wheels.sh in step with pyproject.toml)
-CORE_DEPS=("crc32c crc32c" "blake3 blake3" "blosc2 blosc2 ndindex")
+CORE_DEPS=("awscrt awscrt" "crc32c crc32c" "blake3 blake3" "blosc2 blosc2 ndindex")
 MISSING_CORE=""
 for dep in "${CORE_DEPS[@]}"; do
     read -r module wheels <<< "$dep"
