@@ -168,6 +168,9 @@ def versions() -> dict[str, str | None]:
 
         out["gds_persist_path"] = os.path.dirname(gds_persist.__file__)
         out["gds_persist_git"] = git_revision(out["gds_persist_path"])
+        from gds_persist.format.checksum import IMPLEMENTATION
+
+        out["host_crc32c"] = IMPLEMENTATION
     except Exception:  # noqa: BLE001
         pass
     return out

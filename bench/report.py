@@ -113,7 +113,7 @@ def header_lines(record: dict[str, Any], title: str = "gds_persist I/O benchmark
         f"  versions   torch {v.get('torch')}, gds_persist {v.get('gds_persist')}"
         + (f" (git {v['gds_persist_git']})" if v.get("gds_persist_git") else "") + ", "
         f"safetensors {v.get('safetensors')}, python {v.get('python')}, "
-        f"kernel {v.get('kernel')}",
+        f"kernel {v.get('kernel')}, host CRC32C {v.get('host_crc32c')}",
         f"  state      {_bytes(st['payload_bytes'])} ({st['payload_bytes']} bytes) on "
         f"{record['config']['device']}: {st['description']}",
         f"  runs       {record['config']['runs']} per method, {runs_note}",

@@ -14,6 +14,7 @@ import pytest
 
 from bench import bench_io, drive, methods
 from gds_persist.backends import supports_o_direct
+from gds_persist.format import checksum
 
 
 def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
@@ -55,6 +56,8 @@ def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
     assert set(data["cache"]["resident_before_load"]) <= available  # mincore, per method
     for line in ("CPU", "directory", "GPU", "versions", "state", "cold load", "drive"):
         assert f"  {line} " in printed
+    assert data["machine"]["versions"]["host_crc32c"] == checksum.IMPLEMENTATION
+    assert f"host CRC32C {checksum.IMPLEMENTATION}" in printed  # which CRC the figures paid for
 
     # one fixed-width row per method and operation, plus the drive limit, with raw timings
     rows = {(r["op"], r["key"]): r for r in data["rows"]}
