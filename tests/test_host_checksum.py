@@ -57,6 +57,17 @@ def test_random_splits_continue_across_calls():
         assert crc32c(view[cut:], crc32c(view[:cut])) == sse42.crc32c(data)
 
 
+def test_combine_in_c_agrees_with_the_algebra():
+    rng = random.Random(9)
+    lengths = [0, 1, 7, 4096, 16 << 20, (1 << 32) + 3, 1 << 40, (1 << 61) - 1]
+    lengths += [rng.randrange(1, 1 << 45) for _ in range(200)]
+    for n in lengths:
+        a, b = rng.getrandbits(32), rng.getrandbits(32)
+        assert checksum.crc32c_combine(a, b, n) == checksum.crc32c_shift(a, n) ^ b, n
+    with pytest.raises(ValueError, match="negative"):
+        checksum.crc32c_combine(1, 2, -1)
+
+
 def test_lengths_past_two_to_the_32():
     # calloc'd zeros map the zero page: 4 GiB read, none allocated
     zeros = np.zeros((1 << 32) + 4099, dtype=np.uint8)
@@ -73,6 +84,7 @@ def test_refuses_what_is_not_bytes():
 def test_without_awscrt_the_sse42_package_checksums():
     code = ("import sys; sys.modules['awscrt'] = None\n"
             "from gds_persist.format import checksum as c\n"
-            "print(c.IMPLEMENTATION, hex(c.crc32c(b'123456789')))")
+            "print(c.IMPLEMENTATION, hex(c.crc32c(b'123456789')),"
+            " c.crc32c_combine(c.crc32c(b'1234'), c.crc32c(b'56789'), 5) == 0xE3069283)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    assert out.stdout.split() == ["crc32c", "0xe3069283"]
+    assert out.stdout.split() == ["crc32c", "0xe3069283", "True"]

@@ -21,15 +21,21 @@ import crc32c as _sse42
 Buffer = Any  # anything with the buffer protocol: bytes, memoryview, mmap, numpy array
 
 
-def _host_crc32c() -> tuple[str, Callable[[Buffer, int], int]]:
+Combine = Callable[[int, int, int], int]
+
+
+def _host_crc32c() -> tuple[str, Callable[[Buffer, int], int], Combine | None]:
+    """Which package checksums, its CRC function, and its combine in C (None: the algebra
+    below, in Python)."""
     try:
+        from awscrt.checksums import combine_crc32c
         from awscrt.checksums import crc32c as folded
     except ImportError:  # a machine without awscrt's wheel: the SSE4.2 package
-        return "crc32c", _sse42.crc32c
-    return "awscrt", folded
+        return "crc32c", _sse42.crc32c, None
+    return "awscrt", folded, combine_crc32c
 
 
-IMPLEMENTATION, _crc32c_impl = _host_crc32c()  # IMPLEMENTATION: which package checksums
+IMPLEMENTATION, _crc32c_impl, _combine_impl = _host_crc32c()
 
 
 def crc32c(data: Buffer, value: int = 0) -> int:
@@ -102,7 +108,12 @@ def crc32c_shift(crc: int, nbytes: int) -> int:
 def crc32c_combine(crc_a: int, crc_b: int, length_b: int) -> int:
     """CRC32C of ``A + B`` from ``crc32c(A)``, ``crc32c(B)`` and ``len(B)`` (like zlib's
     ``crc32_combine``); no data is read, and ``length_b`` may be many GiB. Used to join the CRCs
-    of pieces checksummed apart (GPU threads, ranks reading parts of one extent)."""
+    of pieces checksummed apart (GPU threads, ranks reading parts of one extent). In C where
+    awscrt is installed: a save joins hundreds of pieces after its writes, 0.4 ms against 13."""
+    if length_b < 0:
+        raise ValueError(f"a byte count cannot be negative (got {length_b})")
+    if _combine_impl is not None and length_b:  # (awscrt ignores crc_b where B is empty)
+        return _combine_impl(crc_a & 0xFFFFFFFF, crc_b & 0xFFFFFFFF, length_b)
     return crc32c_shift(crc_a, length_b) ^ (crc_b & 0xFFFFFFFF)
 
 
