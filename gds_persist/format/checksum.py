@@ -4,8 +4,9 @@ that joins CRCs of pieces computed apart.
 The host CRC comes from ``awscrt`` (aws-checksums, botocore's CRC32C: carry-less multiplication
 folding, with VPCLMULQDQ/AVX-512 where the CPU has it), else from the ``crc32c`` package (SSE4.2
 / ARMv8 CRC instructions). On this project's 2-core AMD EPYC VM one core checksums 1 GiB of
-DRAM at 30 GB/s with the first and 17.5 GB/s with the second; on a CPU-bound save to tmpfs that
-difference is about a tenth of the save (docs/BENCHMARK.md, "The checksum's share of a save").
+DRAM at 32 GB/s with the first and 17 GB/s with the second; a CPU-bound save to tmpfs went
+from 0.71 to 0.75-0.77 of the aligned writer with it (docs/BENCHMARK.md, "The checksum's share
+of a save").
 Both release the GIL for large buffers, so checksumming overlaps I/O threads.
 ``crc32c(b, crc32c(a)) == crc32c(a + b)``. CRCs of device memory: :mod:`gds_persist.transfer.crc`.
 """
