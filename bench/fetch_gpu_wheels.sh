@@ -2,8 +2,8 @@
 # Download (on a machine with network) the wheels that bench/gpu_check.sh installs on a GPU
 # machine that has none: kvikio-cu13 and what it needs beyond a CUDA torch/cupy image (libkvikio,
 # rapids-logger, cuda-pathfinder, and libcufile in case the image lacks it), the packages
-# gds_persist needs that a CUDA torch image lacks (awscrt, crc32c, blake3, blosc2 and its ndindex; for
-# several Python versions) and hypothesis for the test suite. About 35 MB.
+# gds_persist needs that a CUDA torch image lacks (awscrt, crc32c, blake3, blosc2 and its
+# ndindex; for several Python versions) and hypothesis for the test suite. About 35 MB.
 #
 #   bash bench/fetch_gpu_wheels.sh DIR [PYTHON_VERSION ...]    (default: 3.10 3.11 3.12 3.13)
 #   then on the GPU machine: bash bench/gpu_check.sh --wheels DIR

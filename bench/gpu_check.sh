@@ -15,7 +15,8 @@
 #                  in DIR/gpu_check/
 #   --wheels DIR   wheels to install from when kvikio (or awscrt, crc32c, blake3, blosc2,
 #                  hypothesis) is missing: kvikio-cu13, libkvikio-cu13, rapids-logger,
-#                  cuda-pathfinder, nvidia-cufile, awscrt, crc32c, blake3, blosc2, ndindex, hypothesis, sortedcontainers
+#                  cuda-pathfinder, nvidia-cufile, awscrt, crc32c, blake3, blosc2, ndindex,
+#                  hypothesis, sortedcontainers
 #                  (bench/fetch_gpu_wheels.sh downloads them on a machine with network).
 #                  Installed with --no-index: nothing is fetched.
 #   --sizes/--runs state dict sizes for the drive comparison and runs per size (pairwise)
