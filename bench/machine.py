@@ -237,7 +237,8 @@ def drop_page_cache(paths: list[str], mode: str = "auto") -> tuple[str, str]:
 
 
 def resident_bytes(paths: list[str]) -> int | None:
-    """Bytes of the files under ``paths`` now in the page cache (mincore), None if unknown."""
+    """Bytes of the files under ``paths`` now in the page cache (``cachestat``, else
+    ``mincore``), None if unknown."""
     from gds_persist.backends.residency import resident_bytes as held
 
     got = held(_files(paths))

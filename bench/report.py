@@ -101,7 +101,7 @@ def header_lines(record: dict[str, Any], title: str = "gds_persist I/O benchmark
     resident = cache.get("resident_before_load") or {}
     worst = max(resident.values(), default=None)
     cached = ("" if worst is None else
-              f"; checkpoint bytes cached before a load: at most {_bytes(worst)} (mincore)")
+              f"; checkpoint bytes cached before a load: at most {_bytes(worst)}")
     lines = [
         title,
         f"  CPU        {m['cpu']}; {m['cores']['usable']} usable of {m['cores']['logical']} "

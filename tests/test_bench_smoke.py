@@ -53,7 +53,7 @@ def test_benchmark_runs_tiny_and_reports_every_method(tmp_path, capsys):
         assert key in data["machine"]
     assert data["drive"]["tool"].startswith("fio" if shutil.which("fio") else "python")
     assert data["cache"]["how"] in ("drop_caches", "fadvise", "none")
-    assert set(data["cache"]["resident_before_load"]) <= available  # mincore, per method
+    assert set(data["cache"]["resident_before_load"]) <= available  # cached bytes, per method
     for line in ("CPU", "directory", "GPU", "versions", "state", "cold load", "drive"):
         assert f"  {line} " in printed
     assert data["machine"]["versions"]["host_crc32c"] == checksum.IMPLEMENTATION

@@ -113,7 +113,7 @@ def _cached(sources: list[str]) -> str | None:
     held = resident_bytes(sources)
     if held is None or not held[1] or held[0] < CACHED_SHARE * held[1]:
         return None
-    return (f"but the page cache holds {held[0] / held[1]:.0%} of the load's files (mincore): "
+    return (f"but the page cache holds {held[0] / held[1]:.0%} of the load's files: "
             "read through it (O_DIRECT would read them from the drive again)")
 
 
