@@ -80,8 +80,9 @@ _cachestat_missing = False  # set once the kernel says it has no cachestat
 
 
 def _cachestat_bytes(libc: Any, fd: int) -> int | None:
-    """Bytes of ``fd`` in the page cache by ``cachestat``; None where it cannot say (a kernel
-    before 6.5, a seccomp filter, a filesystem it does not serve)."""
+    """Bytes of ``fd`` in the page cache by ``cachestat`` (pages still being read in count,
+    where ``mincore`` counts only those read); None where it cannot say (a kernel before 6.5,
+    a seccomp filter, a filesystem it does not serve)."""
     global _cachestat_missing
     if _cachestat_missing or not sys.platform.startswith("linux"):
         return None
