@@ -26,7 +26,7 @@ from _gang import Gang
 from safetensors.torch import load_file, save_file
 
 import gds_persist
-from gds_persist.format import torch_archive
+from gds_persist.format import torch_archive, torch_pickle
 from tests.helpers import assert_tree_equal, flip_byte
 
 REPO = Path(__file__).resolve().parent.parent
@@ -102,6 +102,85 @@ def test_storages_sit_at_4096_aligned_offsets_in_a_valid_zip(tmp_path: Path) -> 
     checksums = json.loads(zipfile.ZipFile(tmp_path / "x.pt").read(
         "x/.gds_persist/checksums.json"))
     assert checksums["algorithm"] == "crc32c" and "data/0" in checksums["records"]
+
+
+def test_the_open_places_storages_where_their_local_headers_say(tmp_path: Path) -> None:
+    """Opening a file gds_persist wrote reads one storage's local header and places the others
+    by the writer's rule; the offsets are those of every local header, read one by one."""
+    from gds_persist.transfer.opened import open_file
+
+    gds_persist.save(_state(), tmp_path / "x.pt", format="torch")
+    with open(tmp_path / "x.pt", "rb") as f:
+        data = f.read()
+    index = torch_archive.read_index(lambda at, n: data[at:at + n], len(data))
+    with open_file(str(tmp_path / "x.pt")) as ck:
+        assert ck._headers is not None  # the rest are checked on a thread
+        ck.check_layout()
+        placed = {e.storage: e.offset for e in ck.manifest.extents}
+    pkl = index.records["data.pkl"]
+    keys = [s.key for s in torch_pickle.skeleton(data[pkl.data : pkl.data + pkl.size]).storages]
+    assert len(placed) > 2
+    assert placed == {k: index.records[f"data/{keys[k]}"].data for k in placed}
+
+
+def test_opening_without_reading_starts_no_thread_and_keeps_no_descriptor(
+        tmp_path: Path) -> None:
+    """The local headers are read only once data is read: reading the manifest of a file
+    over and over leaves no thread and no descriptor behind."""
+    import threading
+
+    gds_persist.save(_state(), tmp_path / "x.pt", format="torch")
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        gds_persist.read_manifest(tmp_path / "x.pt")
+    assert len(os.listdir("/proc/self/fd")) == before
+    assert not [t for t in threading.enumerate() if t.name == "gds_persist-zip-headers"]
+
+
+def _local_header_at(data: bytearray, index: torch_archive.ArchiveIndex, name: str) -> int:
+    """The offset of record ``name``'s local header (its data offset less header, name, extra)."""
+    at = data.rfind(b"PK\x03\x04", 0, index.records[name].data)
+    assert at >= 0
+    return at
+
+
+def test_a_storage_header_that_moves_its_data_is_refused_after_the_read(
+        tmp_path: Path) -> None:
+    """A local header (not the first storage's) that puts its data elsewhere than the writer's
+    rule: the bytes read are intact (CRC32C passes), but torch.load would read other bytes
+    there, so load, restore in place and verify refuse the file, naming the record."""
+    sd = {"a": torch.randn(3000), "b": torch.randn(5000), "c": torch.randn(7000)}
+    path = tmp_path / "x.pt"
+    gds_persist.save(sd, path, format="torch")
+    data = bytearray(path.read_bytes())
+    index = torch_archive.read_index(lambda at, n: bytes(data[at:at + n]), len(data))
+    header = _local_header_at(data, index, "data/2")
+    extra_len = int.from_bytes(data[header + 28 : header + 30], "little")
+    data[header + 28 : header + 30] = (extra_len - 4).to_bytes(2, "little")
+    path.write_bytes(bytes(data))
+    for attempt in (lambda: gds_persist.load(path),
+                    lambda: gds_persist.load(path, into={k: torch.zeros_like(t)
+                                                         for k, t in sd.items()}),
+                    lambda: gds_persist.verify(path)):
+        with pytest.raises(gds_persist.ManifestError, match=r"x/data/2: its local header puts "
+                           r"its data at offset \d+, not at \d+"):
+            attempt()
+
+
+def test_an_archive_rewritten_by_zipfile_still_loads_verified(tmp_path: Path) -> None:
+    """Python's zipfile rewrites every local header (no padding): the first storage's header
+    disagrees with the writer's rule, so every local header is read, and the file loads with
+    every storage checked against its CRC32C."""
+    sd = {"a": torch.randn(3000), "b": torch.randn(5000), "c": torch.arange(100)}
+    gds_persist.save(sd, tmp_path / "x.pt", format="torch")
+    data = (tmp_path / "x.pt").read_bytes()
+    index = torch_archive.read_index(lambda at, n: data[at:at + n], len(data))
+    with zipfile.ZipFile(tmp_path / "y.pt", "w", zipfile.ZIP_STORED) as dst:
+        for name, rec in index.records.items():  # the bytes as stored (storages record no CRC)
+            dst.writestr(f"x/{name}", data[rec.data : rec.data + rec.size])
+    state, info = gds_persist.load_with_info(tmp_path / "y.pt")
+    assert_tree_equal(state, sd)
+    assert gds_persist.verify(tmp_path / "y.pt").ok
 
 
 def test_every_backend_writes_the_same_bytes(tmp_path: Path) -> None:

@@ -285,6 +285,34 @@ class ArchiveIndex:
 def read_index(read_at: ReadAt, file_size: int) -> ArchiveIndex:
     """Parse the end records, the central directory and each local header (the data offset
     is the local header's: torch's padding lives only there)."""
+    central = read_central(read_at, file_size)
+    index = ArchiveIndex(central.folder)
+    for entry in central.entries:
+        index.records[entry.rel] = located(read_at, central, entry)
+    return index
+
+
+@dataclass(frozen=True)
+class CentralEntry:
+    """One record as the zip central directory describes it."""
+
+    rel: str  # its name inside the archive folder
+    header: int  # file offset of its local header
+    size: int
+    csize: int
+    method: int
+    crc32: int
+
+
+@dataclass(frozen=True)
+class CentralDirectory:
+    folder: str
+    entries: list[CentralEntry]
+    cd_offset: int  # where the central directory starts: every record's data lies before it
+
+
+def read_central(read_at: ReadAt, file_size: int) -> CentralDirectory:
+    """Parse the end records and the central directory (no local header is read)."""
     tail_len = min(file_size, _EOCD.size + _U16 + _ZIP64_LOCATOR.size)
     tail = read_at(file_size - tail_len, tail_len)
     pos = tail.rfind(struct.pack("<I", _SIG_EOCD))
@@ -318,20 +346,46 @@ def read_index(read_at: ReadAt, file_size: int) -> ArchiveIndex:
     if not entries or "/" not in entries[0][0]:
         raise ArchiveError("not a torch.save archive: its first record is not in a folder")
     folder = entries[0][0].split("/", 1)[0]
-    index = ArchiveIndex(folder)
-    for name, header, size, csize, method, crc in entries:
+    for name, *_ in entries:
         if not name.startswith(folder + "/"):
             raise ArchiveError(f"record {name!r} is outside the archive folder {folder!r}")
-        local = read_at(header, _LOCAL.size)
-        if len(local) < _LOCAL.size or _LOCAL.unpack(local)[0] != _SIG_LOCAL:
-            raise ArchiveError(f"a bad zip local header for {name!r} at offset {header}")
-        name_len, extra_len = _LOCAL.unpack(local)[-2:]
-        data = header + _LOCAL.size + name_len + extra_len
-        if data + csize > cd_offset:
-            raise ArchiveError(f"record {name!r} overlaps the zip central directory")
-        rel = name[len(folder) + 1:]
-        index.records[rel] = RecordInfo(rel, data, size, method, crc)
-    return index
+    return CentralDirectory(folder, [CentralEntry(name[len(folder) + 1:], *rest)
+                                     for name, *rest in entries], cd_offset)
+
+
+def located(read_at: ReadAt, central: CentralDirectory, entry: CentralEntry) -> RecordInfo:
+    """``entry`` with its data offset, from its local header."""
+    local = read_at(entry.header, _LOCAL.size)
+    name = f"{central.folder}/{entry.rel}"
+    if len(local) < _LOCAL.size or _LOCAL.unpack(local)[0] != _SIG_LOCAL:
+        raise ArchiveError(f"a bad zip local header for {name!r} at offset {entry.header}")
+    name_len, extra_len = _LOCAL.unpack(local)[-2:]
+    return _record(central, entry, entry.header + _LOCAL.size + name_len + extra_len)
+
+
+def predicted(central: CentralDirectory, entry: CentralEntry, alignment: int) -> RecordInfo:
+    """``entry`` with the data offset our writer gives it (:func:`place`), its local header not
+    read: :func:`check_predicted` reads them later, all at once."""
+    return _record(central, entry, place(entry.rel, entry.header, entry.size, alignment,
+                                         central.folder).data)
+
+
+def check_predicted(read_at: ReadAt, central: CentralDirectory,
+                    records: Sequence[tuple[CentralEntry, RecordInfo]]) -> None:
+    """ArchiveError unless every record's local header puts its data where it was predicted."""
+    for entry, rec in records:
+        actual = located(read_at, central, entry).data
+        if actual != rec.data:
+            raise ArchiveError(f"record {central.folder}/{entry.rel}: its local header puts its "
+                               f"data at offset {actual}, not at {rec.data} as gds_persist "
+                               "writes it (the archive was rewritten by another tool?)")
+
+
+def _record(central: CentralDirectory, entry: CentralEntry, data: int) -> RecordInfo:
+    if data + entry.csize > central.cd_offset:
+        raise ArchiveError(f"record {central.folder + '/' + entry.rel!r} overlaps the zip "
+                           "central directory")
+    return RecordInfo(entry.rel, data, entry.size, entry.method, entry.crc32)
 
 
 def _zip64_values(extra: bytes, size: int, csize: int, header: int) -> tuple[int, int, int]:
@@ -346,6 +400,17 @@ def _zip64_values(extra: bytes, size: int, csize: int, header: int) -> tuple[int
             break
         pos += 4 + length
     return size, csize, header
+
+
+def alignment_of(content: bytes) -> int | None:
+    """The storage alignment our checksums record states (None if absent or not a power of 2
+    of at least 64: then nothing is predicted from it)."""
+    try:
+        value = json.loads(content).get("alignment")
+    except (ValueError, AttributeError):
+        return None
+    ok = isinstance(value, int) and value >= 64 and value & (value - 1) == 0
+    return value if ok else None
 
 
 def parse_checksums(content: bytes) -> dict[str, int]:

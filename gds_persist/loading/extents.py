@@ -48,6 +48,7 @@ def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | N
     for index in sorted(by_file):
         by_dir.setdefault(os.path.dirname(ck.file_path(index)), []).append(index)
     chosen = []
+    ck.start_layout_check()
     with io_session(
         cfg.ring_buffers, cfg.block_bytes, cfg.io_timeout_s, cfg.io_threads
     ) as (ring, pool):
@@ -62,6 +63,7 @@ def read_extents(ck: OpenCheckpoint, extents: Sequence[Extent], dests: Dests | N
             reader.read_files([(ck.file_path(i), by_file[i], ck.source(i)) for i in indices],
                               dests)
             chosen.append((backend.name, read_reason(backend, reason)))  # what it measured
+    ck.check_layout()  # a torch.save file's local headers, read meanwhile
     return chosen
 
 
