@@ -393,12 +393,10 @@ def _storage_records(read_at: Callable[[int, int], bytes],
                      alignment: int | None) -> list[tuple[Any, Any]]:
     """Add the storages (data/N) to ``index``; return those whose local header is not read yet.
 
-    A storage's data offset is its local header's, one scattered read each: 20-30 ms of a cold
-    open of a 1 GiB file on the development VM's disk (560 storages). In an archive gds_persist
-    wrote (``alignment``: from its checksums record) the offsets follow from the central
-    directory by the writer's rule (:func:`torch_archive.place`), so only the first storage's
-    header is read now, to confirm the rule holds for this file (else every one is read, as for
-    any archive); the rest are checked on a thread while the load reads the data."""
+    Each local header is one scattered read (560 of them: 27 ms of a cold 1 GiB open here). In
+    an archive we wrote (``alignment`` from its checksums record) the writer's rule
+    (:func:`torch_archive.place`) gives the offsets: the first storage's header confirms it for
+    this file (else all are read); the rest are checked on a thread while the data is read."""
     storages = [e for e in central.entries if e.rel.startswith("data/")]
     if alignment is not None and storages:
         first = torch_archive.located(read_at, central, storages[0])
@@ -413,12 +411,9 @@ def _storage_records(read_at: Callable[[int, int], bytes],
 
 
 class _HeaderCheck:
-    """The local headers of an archive's storages whose data offsets were predicted
-    (:func:`_storage_records`), read on a thread of its own (its own descriptor) once
-    :meth:`start` is called: when the data read starts, not at the open, where the thread's
-    turns at the GIL slowed the unpickling and the planning that follow the open (the stage
-    profile: 33 ms against 25 for the unpickle of a 1 GiB GPT-like state);
-    :meth:`result` waits for it."""
+    """The local headers of the storages placed by prediction (:func:`_storage_records`), read
+    on a thread from :meth:`start` (the data read's start: from the open, its turns at the GIL
+    slowed the unpickling after it, 33 ms against 25); :meth:`result` waits for it."""
 
     def __init__(self, central: torch_archive.CentralDirectory,
                  pending: list[tuple[Any, Any]]):
