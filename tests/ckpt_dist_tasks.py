@@ -70,3 +70,29 @@ def edited_after_save(ctx: Any, root: str) -> dict[str, Any]:
     out["latest"] = ckpt.latest_step()
     ckpt.close()
     return out
+
+
+def diverged_replicas(ctx: Any, root: str, memory: str) -> dict[str, Any]:
+    """A memory-tier step whose replicated state differs on rank 1 (its weight one ulp off):
+    each rank writes a share of it from its own replica, so the step would mix two states.
+    Every rank must see it refused as replicas that differ, not as a tensor edited after
+    save(), and nothing committed."""
+    from gds_persist import Checkpointer, CheckpointError, MemoryTier
+
+    group = ctx.group(ctx.world)
+    torch.manual_seed(0)
+    w = torch.nn.Parameter(torch.randn(256, 256))  # 256 KiB: both ranks write a share of it
+    opt = torch.optim.SGD([w], lr=0.1)
+    if ctx.rank == 1:
+        with torch.no_grad():
+            w.view(torch.int32)[0, 0] += 1
+    ckpt = Checkpointer(root, process_group=group, memory=MemoryTier(memory), drive_every=10)
+    ckpt.guard(opt)
+    out: dict[str, Any] = {"error": ""}
+    try:
+        ckpt.save(1, {"w": w}).wait()
+    except CheckpointError as e:
+        out["error"] = f"{type(e).__name__}: {e}"
+    out["steps"] = ckpt.steps()
+    ckpt.close()
+    return out

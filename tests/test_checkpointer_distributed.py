@@ -37,3 +37,13 @@ def test_a_rank_local_tensor_changed_before_its_write_fails_the_save_on_every_ra
         assert "raised TornCheckpointError" in r["error"], r
         assert "rank 1's rank-local storage 0 changed after save()" in r["error"], r
         assert r["latest"] == 1, r
+
+
+def test_replicas_that_differ_are_refused_as_such_by_the_memory_tier(gang, tmp_path):
+    results = gang.run(tasks.diverged_replicas, str(tmp_path / "ckpt"), str(tmp_path / "mem"))
+    for r in results:
+        assert r["error"].startswith("DistributedError"), r
+        assert "raised ReplicationError" in r["error"], r
+        assert "the replicated state differs between ranks: ['w'] (written by rank" in r["error"]
+        assert "changed after save()" not in r["error"], r
+        assert r["steps"] == [], r

@@ -271,6 +271,14 @@ def node_of(rank: int) -> str:
     return f"n{rank // PER_NODE}"
 
 
+def _head_and_tail(log: str, head: int = 800, tail: int = 3200) -> str:
+    """A rank's log cut to its first lines (what it trained: the digests) and its end (the
+    error)."""
+    if len(log) <= head + tail:
+        return log
+    return f"{log[:head]}\n[... {len(log) - head - tail} characters ...]\n{log[-tail:]}"
+
+
 class Job:
     """The 4 ranks of one incarnation of the job (2 nodes x 2 ranks, a memory_root per node
     under ``base``), started as separate processes like an elastic launcher starts them: fresh
@@ -342,7 +350,7 @@ class Job:
         bad = [r for r, p in enumerate(self.procs) if p.returncode != 0]
         if bad:
             raise AssertionError("\n".join(f"--- rank {r} exited {self.procs[r].returncode}:\n"
-                                           f"{self.log(r)[-4000:]}" for r in bad))
+                                           f"{_head_and_tail(self.log(r))}" for r in bad))
         out = []
         for path in self.outs:
             with open(path) as f:

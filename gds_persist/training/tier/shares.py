@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import Any
 
 from ... import settings
-from ...errors import CheckpointError
-from ...format import DataFile, Extent, Manifest
+from ...errors import CheckpointError, ReplicationError, TornCheckpointError
+from ...format import DataFile, Extent, Manifest, storage_keys
 from ...format.records import Wire
 from ...parallel.distributed import Comm
 from ...parallel.schedule import DistributedPlan, RankInfo, plan_save
 from ...results import SaveInfo
-from ...saving.as_saved import refuse_torn
+from ...saving.as_saved import SHOWN, refuse_torn
 from ...saving.manifest_builder import Part, build_manifest
 from ...saving.save import save as core_save
 from ...saving.sequence import Layout, Run, run_save
@@ -138,7 +138,11 @@ class ShareLayout(Layout[Any, ShareReport]):
             Part(self.flat.tree, list(self.flat.tensors), list(self.flat.storages)),
             [DataFile(f.plan.name, f.plan.size) for f in self.layout.files],
             [e for r in reports for e in r.extents], writer)
-        refuse_torn(self.flat, manifest.extents, run.path)  # every rank: all the extents
+        try:
+            refuse_torn(self.flat, manifest.extents, run.path)  # every rank: all the extents
+        except TornCheckpointError as e:
+            _refuse_other_replicas(e, self.flat, reports, run.comm.rank, run.path)
+            raise
         return manifest
 
     def info(self, run: Run) -> SaveInfo:
@@ -148,6 +152,29 @@ class ShareLayout(Layout[Any, ShareReport]):
                         payload_bytes=sum(e.length for f in self.mine for e in f.extents),
                         seconds=time.perf_counter() - run.t0, tensors=len(self.flat.tensors),
                         storages=len(self.flat.storages), files=[f.name for f in self.mine])
+
+
+def _refuse_other_replicas(torn: TornCheckpointError, flat: Flattened,
+                           reports: list[ShareReport], rank: int, path: str) -> None:
+    """Where a storage that differs from this rank's bytes at ``save()`` was written (in part)
+    by another rank, this rank's own tensor is not in the file: the replicas held different
+    bytes at ``save()`` (each rank's check passes on what it wrote). Raise that instead of
+    :class:`TornCheckpointError`."""
+    keys = storage_keys(flat.tree, flat.tensors)
+    by = {r: {keys.get(e.storage, f"storage {e.storage}") for e in rep.extents}
+          for r, rep in enumerate(reports) if r != rank}
+    others = {name: [r for r, names in by.items() if name in names] for name in torn.tensors}
+    written_elsewhere = {n: rs for n, rs in others.items() if rs}
+    if written_elsewhere:
+        said = "; ".join(f"{n} (written by rank {', '.join(map(str, rs))})"
+                         for n, rs in list(written_elsewhere.items())[:SHOWN])
+        raise ReplicationError(
+            f"{path}: the replicated state differs between ranks: {said} held other bytes on "
+            f"rank {rank} at save(). The memory tier keeps one copy of the replicated state, "
+            "each rank writing a share, so every rank of the Checkpointer's process_group must "
+            "hold bit-identical replicated state (rank-local state goes in rank_local=); nothing "
+            "was committed and earlier checkpoints are intact",
+            failed_ranks={rank: "its replicated state differs"}) from torn
 
 
 def save_share(comm: Comm, path: str, flat: Flattened, plan: DistributedPlan,
