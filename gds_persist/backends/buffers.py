@@ -65,20 +65,3 @@ class AlignedBuffer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-ALIGNED_MIN = 1 << 20  # smaller extents go through the staging ring anyway (reader.DIRECT_MIN)
-
-
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """A fresh uint8 host tensor of ``nbytes`` whose first byte is page-aligned: a load's fresh
-    destination, so that O_DIRECT reads into it straight (torch's own allocations sit 64 bytes
-    into a page, where ext4 wants 512: every byte went through the staging ring and was copied;
-    below ``ALIGNED_MIN`` bytes it is torch's). Its storage is a slice of a torch allocation:
-    plain torch memory that keeps the allocation alive; like ``torch.load(mmap=True)``'s
-    storages it is not resizable."""
-    if nbytes < ALIGNED_MIN:
-        return torch.empty(nbytes, dtype=torch.uint8)
-    base = torch.empty(nbytes + mmap.PAGESIZE, dtype=torch.uint8)
-    skip = -base.data_ptr() % mmap.PAGESIZE
-    return torch.empty(0, dtype=torch.uint8).set_(base.untyped_storage()[skip : skip + nbytes])

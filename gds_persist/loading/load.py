@@ -37,7 +37,6 @@ from typing import Any
 import torch
 
 from .. import settings
-from ..backends.buffers import aligned_empty
 from ..errors import CheckpointReplacedError, ManifestError, NotCommittedError
 from ..format import Extent, Manifest, align_up, sections_tree, storage_descriptions
 from ..format.records import Wire
@@ -371,8 +370,6 @@ def _load_held(ck: OpenCheckpoint, lp: _LoadPlan, comm: Comm, cfg: settings.Sett
     def allocate(s: int) -> torch.Tensor:
         rec = m.storages[s]
         device = target_device(rec.device, map_location, distributed)
-        if device.type == "cpu":
-            return aligned_empty(rec.nbytes)  # O_DIRECT reads straight into it
         return torch.empty(rec.nbytes, dtype=torch.uint8, device=device)
 
     def read() -> list[list[int]]:
