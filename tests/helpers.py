@@ -316,3 +316,18 @@ def count_pieces(seg: Any, extents: Any, seen: dict[int, int]) -> None:
         e = extents[k]
         assert seg.lo <= lo < hi <= seg.hi and e.offset <= lo and hi <= e.offset + e.length
         seen[k] += hi - lo
+
+
+def evict_page_cache(path: str | os.PathLike[str]) -> None:
+    """Drop a file's pages from the page cache (every file of a directory): a load after it
+    reads from the drive (a file the cache holds is read through it, backends/residency.py)."""
+    files = ([os.path.join(path, n) for n in os.listdir(path)] if os.path.isdir(path)
+             else [os.fspath(path)])
+    for name in files:
+        if os.path.isfile(name):
+            fd = os.open(name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)

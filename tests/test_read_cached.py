@@ -17,7 +17,7 @@ from gds_persist.backends import read_mode
 from gds_persist.backends.posix import memory_backed, supports_o_direct
 from gds_persist.backends.residency import resident_bytes
 from gds_persist.errors import ChecksumError
-from tests.helpers import assert_tree_equal, flip_byte, random_tensor
+from tests.helpers import assert_tree_equal, evict_page_cache, flip_byte, random_tensor
 
 MiB = 1 << 20
 
@@ -25,15 +25,6 @@ MiB = 1 << 20
 def _on_disk(path: Path) -> None:
     if not supports_o_direct(str(path))[0] or memory_backed(str(path)):
         pytest.skip(f"{path}: no O_DIRECT disk here (tmpfs files are all in the page cache)")
-
-
-def _evict(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
 
 
 def _read_through(path: Path) -> None:
@@ -50,7 +41,7 @@ def test_resident_bytes_follow_the_page_cache(tmp_path: Path) -> None:
     _on_disk(tmp_path)
     path = tmp_path / "data.bin"
     path.write_bytes(os.urandom(3 * MiB + 100))
-    _evict(path)
+    evict_page_cache(path)
     held = resident_bytes([str(path)])
     assert held is not None and held[1] == 3 * MiB + 100 and held[0] <= MiB, held
     _read_through(path)
@@ -71,7 +62,7 @@ def test_cachestat_and_mincore_count_the_same_pages(tmp_path: Path,
     answers = []
     for state in ("none", "part", "all"):
         for p in (big, small):
-            _evict(p)
+            evict_page_cache(p)
         if state == "part":  # read-ahead off: no pages still in flight when asked
             fd = os.open(big, os.O_RDONLY)
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
@@ -123,7 +114,7 @@ def test_a_cached_checkpoint_reads_through_the_page_cache_and_is_verified(
     ck = tmp_path / "ck"
     gds_persist.save(sd, ck)
     for f in _files(ck):
-        _evict(f)
+        evict_page_cache(f)
     dev = os.stat(ck).st_dev
     state, info = gds_persist.load_with_info(ck, backend="auto")
     assert_tree_equal(state, sd)

@@ -18,7 +18,7 @@ import torch
 import gds_persist
 from gds_persist.backends import read_history, read_mode
 from gds_persist.backends.posix import supports_o_direct
-from tests.helpers import assert_tree_equal, random_tensor
+from tests.helpers import assert_tree_equal, evict_page_cache, random_tensor
 
 REPO = Path(__file__).resolve().parent.parent
 MiB = 1 << 20
@@ -42,6 +42,9 @@ def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
 
 
 def _load(path: Path) -> gds_persist.LoadInfo:
+    """A load that measures its read modes: from the drive, not the page cache (an earlier
+    load's buffered reads may have left the whole file there)."""
+    evict_page_cache(path)
     with gds_persist.settings.set(block_bytes=MiB, staging_bytes=8 * MiB):
         _, info = gds_persist.load_with_info(path)
     return info
@@ -59,6 +62,8 @@ def test_a_new_process_starts_from_the_history_of_earlier_ones(tmp_path: Path) -
     out = _python(
         "import json, gds_persist\n"
         "from gds_persist.backends import read_mode\n"
+        "from tests.helpers import evict_page_cache\n"
+        f"evict_page_cache({str(path)!r})\n"
         f"with gds_persist.settings.set(block_bytes={MiB}, staging_bytes={8 * MiB}):\n"
         f"    s, info = gds_persist.load_with_info({str(path)!r})\n"
         f"print(json.dumps([info.reason, read_mode.recent({dev})]))\n")
