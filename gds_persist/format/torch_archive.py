@@ -370,8 +370,11 @@ def predicted(central: CentralDirectory, entry: CentralEntry, alignment: int) ->
                                          central.folder).data)
 
 
+Predicted = tuple[CentralEntry, RecordInfo]  # a record placed by the writer's rule, unchecked
+
+
 def check_predicted(read_at: ReadAt, central: CentralDirectory,
-                    records: Sequence[tuple[CentralEntry, RecordInfo]]) -> None:
+                    records: Sequence[Predicted]) -> None:
     """ArchiveError unless every record's local header puts its data where it was predicted."""
     for entry, rec in records:
         actual = located(read_at, central, entry).data

@@ -390,7 +390,7 @@ def _torch_file(path: str, read_at: Callable[[int, int], bytes], size: int
 
 def _storage_records(read_at: Callable[[int, int], bytes],
                      central: torch_archive.CentralDirectory, index: torch_archive.ArchiveIndex,
-                     alignment: int | None) -> list[tuple[Any, Any]]:
+                     alignment: int | None) -> list[torch_archive.Predicted]:
     """Add the storages (data/N) to ``index``; return those whose local header is not read yet.
 
     Each local header is one scattered read (560 of them: 27 ms of a cold 1 GiB open here). In
@@ -416,7 +416,7 @@ class _HeaderCheck:
     slowed the unpickling after it, 33 ms against 25); :meth:`result` waits for it."""
 
     def __init__(self, central: torch_archive.CentralDirectory,
-                 pending: list[tuple[Any, Any]]):
+                 pending: list[torch_archive.Predicted]):
         self._error: ArchiveError | OSError | None = None
         self._thread = threading.Thread(target=self._run, args=(central, pending), daemon=True,
                                         name="gds_persist-zip-headers")
@@ -431,7 +431,7 @@ class _HeaderCheck:
                 self._thread.start()
 
     def _run(self, central: torch_archive.CentralDirectory,
-             pending: list[tuple[Any, Any]]) -> None:
+             pending: list[torch_archive.Predicted]) -> None:
         try:
             torch_archive.check_predicted(lambda at, n: os.pread(self._fd, n, at), central,
                                           pending)
